@@ -1,0 +1,149 @@
+"""fastml against plain HF transformers on one GPU, side by side in one process.
+
+The baseline is what a user of plain PyTorch writes: `LlamaForCausalLM` (SDPA, bf16 parameters), optionally
+gradient checkpointing, `torch.optim.AdamW(fused=True)`. Both train the same shape on the same tokens with the same
+tokens per optimizer step; fastml runs one or more plans (pinned knobs). Writes benchmarks/results/vs_hf-*.json.
+
+    python benchmarks/vs_hf.py --shape tinyllama-1.1b --shape llama-3.1-8b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import torch  # noqa: E402
+
+from fastml import hwprofiles  # noqa: E402
+from fastml.executor.data import TokenData  # noqa: E402
+from fastml.executor.train import train  # noqa: E402
+from fastml.planner.defaults import make_plan  # noqa: E402
+from fastml.spec import PRESETS, hf_config  # noqa: E402
+
+SEQ_LEN = 2048
+# shape -> (sequences per optimizer step, HF baseline settings, fastml knob pins to try)
+SHAPES = {
+    "tinyllama-1.1b": (32, [dict(micro_batch_size=8, checkpointing=False)], [
+        ["knobs.micro_batch_size=8"],
+        ["knobs.micro_batch_size=8", "knobs.compile=true"],
+    ]),
+    "llama-3.1-8b": (16, [dict(micro_batch_size=4, checkpointing=True), dict(micro_batch_size=2, checkpointing=True)], [
+        ["knobs.micro_batch_size=1", "knobs.lm_head_chunks=4"],
+        ["knobs.micro_batch_size=1", "knobs.lm_head_chunks=4", "knobs.compile=true"],
+        ["knobs.micro_batch_size=4", "knobs.recompute=block", "knobs.lm_head_chunks=8", "knobs.compile=true"],
+    ]),
+}
+
+
+def run_hf(shape: str, sequences: int, micro_batch_size: int, checkpointing: bool, steps: int) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = PRESETS[shape]
+    config = LlamaConfig(**hf_config(spec, max_seq_len=SEQ_LEN))
+    with torch.device("cuda"):
+        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    batches = TokenData.open("default", SEQ_LEN, spec.vocab_size).batches(micro_batch_size, seed=0)
+    accum = sequences // micro_batch_size
+    times = []
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        start = time.perf_counter()
+        for _ in range(accum):
+            inputs, targets = next(batches)
+            logits_loss = model(input_ids=inputs.cuda(), labels=targets.cuda(), shift_labels=targets.cuda()).loss
+            (logits_loss / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    result = _figures(spec, sequences, times[1:], torch.cuda.max_memory_allocated())
+    result.update(micro_batch_size=micro_batch_size, gradient_checkpointing=checkpointing,
+                  last_loss=logits_loss.item())
+    del model, optimizer
+    _free()
+    return result
+
+
+def run_fastml(shape: str, sequences: int, pins: list[str], steps: int) -> dict:
+    plan = make_plan(model=shape, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps,
+                     overrides=pins)
+    summary = train(plan, show_progress=False)
+    result = _figures(PRESETS[shape], sequences, None, summary["peak_gpu_memory_bytes"], summary["step_time_s"])
+    result.update(knobs=pins, last_loss=summary["last_loss"])
+    _free()
+    return result
+
+
+def _figures(spec, sequences: int, times: list[float] | None, peak_bytes: int, step_time_s: float | None = None):
+    step_time_s = step_time_s if times is None else statistics.median(times)
+    tokens_per_s = sequences * SEQ_LEN / step_time_s
+    peak = hwprofiles.peak_flops("h200", "bf16")
+    return {"step_time_s": step_time_s, "tokens_per_s": tokens_per_s,
+            "mfu": spec.flops_per_token(SEQ_LEN) * tokens_per_s / peak, "peak_memory_bytes": peak_bytes}
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _try(label: str, fn, *args) -> dict:
+    print(f"--- {label}", flush=True)
+    try:
+        result = fn(*args)
+    except torch.cuda.OutOfMemoryError as e:
+        _free()
+        result = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def bench(shape: str, steps: int) -> dict:
+    sequences, hf_settings, fastml_pins = SHAPES[shape]
+    hf = [_try(f"hf {shape} {s}", run_hf, shape, sequences, s["micro_batch_size"], s["checkpointing"], steps)
+          for s in hf_settings]
+    ours = [_try(f"fastml {shape} {pins}", run_fastml, shape, sequences, pins, steps) for pins in fastml_pins]
+    best_hf = max((r for r in hf if "error" not in r), key=lambda r: r["tokens_per_s"])
+    best = max((r for r in ours if "error" not in r), key=lambda r: r["tokens_per_s"])
+    return {"shape": shape, "seq_len": SEQ_LEN, "tokens_per_step": sequences * SEQ_LEN, "hf": hf, "fastml": ours,
+            "speedup_best_vs_best_hf": best["tokens_per_s"] / best_hf["tokens_per_s"],
+            "mfu_peak": "H200 dense bf16 989 TFLOP/s"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run; the first is warm-up")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    # The GPU machine gets a copy of the tree without .git: the caller passes the commit there.
+    commit = os.environ.get("GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                            text=True).stdout.strip()
+    for shape in args.shape:
+        result = {"command": " ".join([Path(sys.executable).name] + sys.argv), "git_commit": commit or None,
+                  "machine": f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}",
+                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **bench(shape, args.steps)}
+        path = Path(args.out) / f"vs_hf-{shape}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"{shape}: fastml best / HF best = {result['speedup_best_vs_best_hf']:.2f}x -> {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Turns the plan's knobs into changes of the plain model, one function per concern, applied in a fixed order:
+recompute, then compile (then, in later versions, fp8, sharding and offload)."""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fastml.config import fail
+from fastml.plan import Knobs
+from fastml.executor.model import Transformer
+
+# Knob values this executor does not run yet; a plan asking for them is refused rather than run differently.
+_NOT_YET = {
+    "offload_optimizer": 0.0, "offload_master": 0.0, "offload_gradients": 0.0, "offload_residuals": 0.0,
+    "offload_weights": 0.0, "shard_optimizer": False, "shard_gradients": False, "shard_weights": False,
+    "cache_weights_on_host": False, "matmul_dtype": "bf16", "optimizer_dtype": "fp32", "master_dtype": "fp32",
+    "comm": "nccl",
+}
+
+
+def check_supported(knobs: Knobs) -> None:
+    for name, supported in _NOT_YET.items():
+        if getattr(knobs, name) != supported:
+            fail(f"knobs.{name}", f"{getattr(knobs, name)!r} is not supported by this executor yet "
+                                  f"(only {supported!r}); re-plan with --set knobs.{name}={supported!r}")
+
+
+def apply_plan(model: Transformer, knobs: Knobs) -> Transformer:
+    check_supported(knobs)
+    apply_recompute(model, knobs.recompute)
+    if knobs.compile:
+        apply_compile(model)
+    return model
+
+
+def recompute_targets(block: nn.Module, part: str) -> list[nn.Module]:
+    """The submodules of one block whose activations `part` recomputes in the backward pass."""
+    attn, ffn = block.attn, block.ffn
+    norms = [block.attn_norm, block.ffn_norm] + [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    return {"block": [block], "norm": norms, "swiglu": [ffn.act], "ffn": [ffn], "qkv": [attn.qkv],
+            "attention": [attn.core]}[part]
+
+
+def apply_recompute(model: Transformer, parts: tuple[str, ...]) -> None:
+    """Stores only the inputs of the chosen parts; their insides are recomputed when gradients are needed.
+    `block` covers everything else, so with it the finer parts are redundant and skipped."""
+    parts = ("block",) if "block" in parts else parts
+    for block in model.blocks:
+        for part in parts:
+            for module in recompute_targets(block, part):
+                _checkpoint_forward(module)
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    # Replacing the bound forward keeps parameter names (and so checkpoints) unchanged, unlike a wrapper module.
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def recomputed(*args):
+        return checkpoint(forward, *args, use_reentrant=False)
+
+    module.forward = recomputed
+
+
+def apply_compile(model: Transformer) -> None:
+    """Compiles each block alone: the blocks share one graph, so compile time does not grow with depth
+    (torchtitan's per-block compile)."""
+    for block in model.blocks:
+        block.compile()

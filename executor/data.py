@@ -1,0 +1,553 @@
+"""Token data: tokenizers, `prepare` (documents -> one flat token file), the default corpus, and training batches.
+
+A prepared dataset is a directory holding two files:
+  tokens.bin   every document's token ids followed by the end-of-document id, all concatenated; raw little-endian
+               uint16 when the vocabulary fits in 16 bits, else uint32
+  header.json  {"format": "fastml-tokens", "version": 1, "dtype": "uint16" | "uint32", "num_tokens", "num_documents",
+               "vocab_size", "eos_id", "tokenizer", "sources"}
+Training memory-maps tokens.bin, so a corpus larger than RAM costs no RAM. A dataset only ever appears under its
+final name complete: `prepare` writes a hidden sibling directory and renames it into place at the end.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import itertools
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastml.config import UserError, fail
+
+FORMAT = "fastml-tokens"
+FORMAT_VERSION = 1
+HEADER_FILE = "header.json"
+TOKENS_FILE = "tokens.bin"
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+PREPARE_HINT = "run `fastml prepare` to make a dataset"
+
+# Documents per tokenizer call: an HF tokenizer encodes a batch on all cores.
+_NUM_DOCS_PER_CHUNK = 256
+_NUM_PARQUET_ROWS_PER_BATCH = 1024
+_EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+
+DEFAULT_CORPUS_MAX_BYTES = 16 * 2**20
+# Bump when the default corpus' selection or tokenization changes, so caches rebuild.
+_DEFAULT_CORPUS_VERSION = 1
+# Tests, GUI code and generated tables (encodings/) are poor or platform-dependent text.
+_STDLIB_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo", "encodings", "__pycache__"}
+)
+
+
+# ---------------------------------------------------------------------------------------------------- tokenizers
+
+
+class ByteTokenizer:
+    """Ids 0..255 are the UTF-8 bytes, 256 ends a document. Needs no file, so the default corpus needs no download."""
+
+    name = "bytes"
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        """The UTF-8 bytes of `text` as a uint16 numpy array (not a list: a document may be megabytes)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode(text) for text in texts]
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """The text of `ids`, end-of-document ids dropped; bytes cut mid-character become U+FFFD."""
+        ids = np.asarray(ids)
+        return ids[ids != self.eos_id].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` read through the `tokenizers` library."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path).expanduser()
+        if not path.is_file():
+            fail(f"tokenizer {path}", "no such file; give the path of a Hugging Face tokenizer.json")
+        from tokenizers import Tokenizer
+
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception for every parse error
+            fail(f"tokenizer {path}", f"not a valid tokenizer.json ({_first_line(e)})")
+        self.name = str(path.resolve())
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        # Ids can have gaps; the largest id decides the token dtype, so count up to it.
+        self.vocab_size = max(self._tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
+        self.eos_id = _find_eos_id(vocab, path)
+
+    def encode(self, text: str) -> np.ndarray:
+        """The ids of `text` as a uint32 numpy array, without BOS/EOS templates: `prepare` adds the eos itself."""
+        return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _find_eos_id(vocab: dict[str, int], path: Path) -> int:
+    for token in _EOS_CANDIDATES:
+        if token in vocab:
+            return vocab[token]
+    fail(f"tokenizer {path}", f"has no end-of-document token; looked for {', '.join(_EOS_CANDIDATES)}")
+
+
+def load_tokenizer(path: str | Path | None) -> ByteTokenizer | HFTokenizer:
+    """The byte tokenizer for None (or its name, "bytes"), else the HF tokenizer.json at `path`."""
+    if path is None or str(path) == ByteTokenizer.name:
+        return ByteTokenizer()
+    return HFTokenizer(path)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+# ---------------------------------------------------------------------------------------------------- prepare
+
+
+def prepare(
+    inputs: list[str],
+    output_dir: str | Path,
+    tokenizer: str | None = None,
+    field: str = "text",
+    progress: bool = True,
+) -> dict:
+    """Tokenizes the files matched by `inputs` into a dataset at `output_dir`; returns its header.
+
+    `inputs` are paths or glob patterns (`**` recurses). By suffix: `.jsonl` holds one JSON object per line with
+    the text under `field`; `.parquet` holds the text in column `field`; any other file is one document.
+    Empty documents are skipped. Each document is followed by the tokenizer's eos id.
+    """
+    output_dir = Path(output_dir).expanduser()
+    _check_output_dir(output_dir)
+    files = expand_inputs(inputs)
+    return _prepare_files(files, output_dir, load_tokenizer(tokenizer), field, progress, replace=True)
+
+
+def expand_inputs(inputs: Iterable[str | Path]) -> list[Path]:
+    """The files matched by `inputs`, as absolute paths, sorted, each once."""
+    if isinstance(inputs, (str, Path)):
+        inputs = [inputs]
+    files: set[str] = set()
+    for pattern in inputs:
+        matches = glob.glob(os.path.expanduser(str(pattern)), recursive=True)
+        matched_files = [os.path.abspath(m) for m in matches if os.path.isfile(m)]
+        if not matched_files:
+            fail("", f"no file matches {str(pattern)!r}")
+        files.update(matched_files)
+    if not files:
+        fail("", "no input files given")
+    return [Path(f) for f in sorted(files)]
+
+
+def _check_output_dir(output_dir: Path) -> None:
+    """Refuses to clobber anything but an empty directory or an earlier dataset."""
+    if not output_dir.exists():
+        return
+    if not output_dir.is_dir():
+        fail(f"output {output_dir}", "exists and is not a directory; choose another output directory")
+    if any(output_dir.iterdir()) and not is_dataset(output_dir):
+        fail(f"output {output_dir}", f"exists and is not a {FORMAT} dataset; refusing to overwrite it")
+
+
+def is_dataset(path: Path) -> bool:
+    """Whether `path` holds a header of this format: true only for a directory `prepare` published."""
+    try:
+        header = json.loads((Path(path) / HEADER_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(header, dict) and header.get("format") == FORMAT
+
+
+def _prepare_files(files: list[Path], output_dir: Path, tokenizer, field: str, progress: bool, replace: bool) -> dict:
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    # A sibling, so the final rename stays on one filesystem and is atomic.
+    tmp_dir = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp_dir.mkdir()
+    try:
+        header = _write_dataset(files, tmp_dir, tokenizer, field, progress)
+        _publish(tmp_dir, output_dir, replace)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # gone already after a successful publish
+    return header
+
+
+def _write_dataset(files: list[Path], out_dir: Path, tokenizer, field: str, progress: bool) -> dict:
+    dtype_name = "uint16" if tokenizer.vocab_size <= 2**16 else "uint32"
+    num_tokens = num_documents = 0
+    with _FileProgress(progress, len(files)) as bar, open(out_dir / TOKENS_FILE, "wb") as f:
+        for path in files:
+            bar.start_file(path)
+            for texts in _chunks(_read_documents(path, field), _NUM_DOCS_PER_CHUNK):
+                tokens = _join_with_eos(tokenizer.encode_batch(texts), tokenizer.eos_id, DTYPES[dtype_name])
+                f.write(tokens.data)
+                num_tokens += len(tokens)
+                num_documents += len(texts)
+                bar.add_tokens(len(tokens))
+            bar.end_file()
+        _sync(f)
+    if num_tokens == 0:
+        fail("", f"the inputs hold no text: 0 tokens from {len(files)} file(s)")
+    header = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "dtype": dtype_name,
+        "num_tokens": num_tokens,
+        "num_documents": num_documents,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "tokenizer": tokenizer.name,
+        "sources": [str(p) for p in files],
+    }
+    with open(out_dir / HEADER_FILE, "w", encoding="utf-8") as f:
+        f.write(json.dumps(header, indent=1) + "\n")
+        _sync(f)
+    return header
+
+
+def _sync(f) -> None:
+    # On disk before the rename publishes it: after a crash a published dataset is a complete one.
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _publish(tmp_dir: Path, output_dir: Path, replace: bool) -> None:
+    """Renames `tmp_dir` to `output_dir`; an existing dataset there is replaced, or kept when not `replace`."""
+    try:
+        os.rename(tmp_dir, output_dir)  # atomic; succeeds when output_dir is absent or an empty directory
+        return
+    except OSError:
+        if not is_dataset(output_dir):
+            fail(f"output {output_dir}", f"appeared during prepare and is not a {FORMAT} dataset")
+    if not replace:
+        return  # another process published the same dataset first: keep theirs
+    old_dir = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.rename(output_dir, old_dir)
+    os.rename(tmp_dir, output_dir)
+    shutil.rmtree(old_dir, ignore_errors=True)
+
+
+def _read_documents(path: Path, field: str) -> Iterator[str]:
+    """The non-empty documents of one file."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".jsonl":
+            yield from _read_jsonl(path, field)
+        elif suffix == ".parquet":
+            yield from _read_parquet(path, field)
+        else:
+            text = path.read_text(encoding="utf-8")
+            if text:
+                yield text
+    except UnicodeDecodeError as e:
+        fail(str(path), f"is not UTF-8 text (byte {e.start} cannot be decoded)")
+
+
+def _read_jsonl(path: Path, field: str) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(where, f"not valid JSON ({e.msg})")
+            if not isinstance(record, dict) or field not in record:
+                fail(where, f"no field {field!r} (choose the text field with --field)")
+            text = record[field]
+            if not isinstance(text, str):
+                fail(where, f"field {field!r} holds {type(text).__name__}, not a string")
+            if text:
+                yield text
+
+
+def _read_parquet(path: Path, field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+        import pyarrow.types
+    except ImportError:
+        fail(str(path), "reading parquet files needs pyarrow: pip install pyarrow")
+    try:
+        parquet_file = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+        fail(str(path), f"not a readable parquet file ({_first_line(e)})")
+    schema = parquet_file.schema_arrow
+    if field not in schema.names:
+        fail(str(path), f"no column {field!r}; the columns are {', '.join(schema.names)}")
+    column_type = schema.field(field).type
+    if not (pyarrow.types.is_string(column_type) or pyarrow.types.is_large_string(column_type)):
+        fail(str(path), f"column {field!r} holds {column_type}, not strings")
+    # Record batches keep memory bounded by the batch, not the file.
+    for batch in parquet_file.iter_batches(batch_size=_NUM_PARQUET_ROWS_PER_BATCH, columns=[field]):
+        yield from (text for text in batch.column(0).to_pylist() if text)
+
+
+def _chunks(items: Iterable[str], chunk_size: int) -> Iterator[list[str]]:
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, chunk_size)):
+        yield chunk
+
+
+def _join_with_eos(documents: list[np.ndarray], eos_id: int, dtype: np.dtype) -> np.ndarray:
+    """The documents' ids, each followed by `eos_id`, as one array of `dtype`."""
+    out = np.empty(sum(len(d) for d in documents) + len(documents), dtype=dtype)
+    position = 0
+    for ids in documents:
+        out[position : position + len(ids)] = ids
+        position += len(ids)
+        out[position] = eos_id
+        position += 1
+    return out
+
+
+class _FileProgress:
+    """A progress bar of files done out of all files and tokens written; draws nothing when disabled."""
+
+    def __init__(self, enabled: bool, num_files: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn("prepare"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("files  {task.fields[num_tokens]:,} tokens"),
+            TimeElapsedColumn(),
+            TextColumn("{task.description}"),
+            console=Console(stderr=True),  # stdout stays for results
+            disable=not enabled,
+        )
+        self._task = self._progress.add_task("", total=num_files, num_tokens=0)
+        self._num_tokens = 0
+
+    def __enter__(self) -> _FileProgress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._progress.stop()
+
+    def start_file(self, path: Path) -> None:
+        self._progress.update(self._task, description=path.name)
+
+    def add_tokens(self, num_tokens: int) -> None:
+        self._num_tokens += num_tokens
+        self._progress.update(self._task, num_tokens=self._num_tokens)
+
+    def end_file(self) -> None:
+        self._progress.advance(self._task)
+
+
+# ---------------------------------------------------------------------------------------------------- default corpus
+
+
+def default_corpus() -> Path:
+    """The dataset used when no data is given: this machine's Python standard library sources, byte-tokenized.
+
+    Built on first use (about a second) and cached under a name that hashes the file list, so it rebuilds when
+    the standard library changes. Processes building it at once are safe: the first rename wins, others keep it.
+    """
+    files = _stdlib_sources(DEFAULT_CORPUS_MAX_BYTES)
+    output_dir = _cache_dir() / f"default-corpus-{_corpus_key(files)}"
+    if not is_dataset(output_dir):
+        paths = [path for path, _ in files]
+        _prepare_files(paths, output_dir, ByteTokenizer(), "text", progress=False, replace=False)
+    return output_dir
+
+
+def _stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _stdlib_sources(max_bytes: int) -> list[tuple[Path, int]]:
+    """The stdlib's `.py` files with their sizes, in a fixed walk order, until `max_bytes` would be passed."""
+    root = _stdlib_root()
+    files: list[tuple[Path, int]] = []
+    num_bytes = 0
+    for dir_path, dir_names, file_names in os.walk(root):
+        dir_names[:] = sorted(d for d in dir_names if d not in _STDLIB_SKIP_DIRS)  # sorted: a deterministic walk
+        for name in sorted(n for n in file_names if n.endswith(".py")):
+            path = Path(dir_path, name)
+            size = path.stat().st_size
+            if num_bytes + size > max_bytes:
+                return files
+            files.append((path, size))
+            num_bytes += size
+    if not files:
+        fail("data", f"no Python standard library sources under {root} for the default corpus; {PREPARE_HINT}")
+    return files
+
+
+def _corpus_key(files: list[tuple[Path, int]]) -> str:
+    root = _stdlib_root()
+    digest = hashlib.sha256(f"{_DEFAULT_CORPUS_VERSION}\n{sys.version}\n".encode())
+    for path, size in files:
+        digest.update(f"{path.relative_to(root)}\t{size}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """$FASTML_CACHE, else $XDG_CACHE_HOME/fastml, else ~/.cache/fastml."""
+    if os.environ.get("FASTML_CACHE"):
+        return Path(os.environ["FASTML_CACHE"]).expanduser()
+    xdg_cache = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg_cache).expanduser() if xdg_cache else Path.home() / ".cache") / "fastml"
+
+
+_cache_dir = cache_dir
+
+
+# ---------------------------------------------------------------------------------------------------- batches
+
+
+class TokenData:
+    """A prepared dataset, memory-mapped and cut into windows of seq_len + 1 tokens for next-token prediction.
+
+    Window w holds tokens [w * seq_len, (w + 1) * seq_len + 1): windows share one token, the last target of one
+    being the first input of the next, so every token but the first is a target exactly once per epoch.
+    """
+
+    def __init__(self, path: Path, header: dict, tokens: np.ndarray, seq_len: int):
+        self.path = path
+        self.header = header
+        self.tokens = tokens  # (num_tokens,) memmap
+        self.seq_len = seq_len
+        self.num_tokens = len(tokens)
+        self.num_windows = (self.num_tokens - 1) // seq_len
+
+    @classmethod
+    def open(cls, data: str | Path, seq_len: int, vocab_size: int) -> TokenData:
+        """`data` is a directory made by `prepare`, or "default" for the default corpus."""
+        if seq_len < 1:
+            fail("seq_len", f"{seq_len} must be at least 1")
+        path = default_corpus() if str(data) == "default" else Path(data).expanduser()
+        header = read_header(path)
+        _check_fits(path, header, seq_len, vocab_size)
+        tokens = np.memmap(path / TOKENS_FILE, dtype=DTYPES[header["dtype"]], mode="r", shape=(header["num_tokens"],))
+        return cls(path, header, tokens, seq_len)
+
+    def batches(
+        self, batch_size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless (inputs, targets) int64 tensors, each (batch_size, seq_len); targets are inputs shifted by one.
+
+        Epoch e visits the windows in the order `default_rng((seed, e)).permutation(num_windows)`; the stream of
+        all epochs is cut into micro-batches of batch_size * world_size windows and rank r takes slice r of each.
+        `start` micro-batches are skipped in O(1), so a resumed run continues where it stopped.
+        """
+        _check_batch_args(batch_size, seed, start, rank, world_size)
+        # Not a generator itself, so bad arguments raise here rather than at the first next().
+        return self._iter_batches(batch_size, seed, start, rank, world_size)
+
+    def _iter_batches(self, batch_size: int, seed: int, start: int, rank: int, world_size: int):
+        orders = _EpochOrders(self.num_windows, seed)
+        offsets = np.arange(self.seq_len + 1)
+        num_windows_per_micro_batch = batch_size * world_size
+        for micro_batch in itertools.count(start):
+            first = micro_batch * num_windows_per_micro_batch + rank * batch_size
+            windows = orders.windows_at(np.arange(first, first + batch_size))  # (B,)
+            rows = self.tokens[windows[:, None] * self.seq_len + offsets]  # (B, T + 1)
+            rows = torch.from_numpy(rows.astype(np.int64))
+            yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # (B, T) each
+
+
+def _check_batch_args(batch_size: int, seed: int, start: int, rank: int, world_size: int) -> None:
+    if batch_size < 1:
+        fail("batch_size", f"{batch_size} must be at least 1")
+    if seed < 0:
+        fail("seed", f"{seed} must be a non-negative integer")
+    if start < 0:
+        fail("start", f"{start} must be non-negative")
+    if world_size < 1 or not 0 <= rank < world_size:
+        fail("rank", f"{rank} must be in [0, {world_size}) with world_size >= 1")
+
+
+class _EpochOrders:
+    """Maps positions in the endless window stream to windows; keeps the permutations of the latest epochs."""
+
+    def __init__(self, num_windows: int, seed: int):
+        self.num_windows = num_windows
+        self.seed = seed
+        self._orders: dict[int, np.ndarray] = {}
+
+    def windows_at(self, positions: np.ndarray) -> np.ndarray:
+        epochs, indices = np.divmod(positions, self.num_windows)
+        windows = np.empty_like(positions)
+        for epoch in np.unique(epochs):  # more than one when a micro-batch spans an epoch boundary
+            in_epoch = epochs == epoch
+            windows[in_epoch] = self._order(int(epoch))[indices[in_epoch]]
+        return windows
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:  # positions only grow, so the oldest epoch is done with
+                del self._orders[min(self._orders)]
+            self._orders[epoch] = np.random.default_rng((self.seed, epoch)).permutation(self.num_windows)
+        return self._orders[epoch]
+
+
+def read_header(path: Path) -> dict:
+    """The validated header.json of the dataset at `path`."""
+    if not path.is_dir():
+        fail("", f"data {path} is not a directory; {PREPARE_HINT}")
+    try:
+        header = json.loads((path / HEADER_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        fail("", f"data {path} has no {HEADER_FILE}; {PREPARE_HINT}")
+    except (OSError, ValueError) as e:
+        fail("", f"data {path}: {HEADER_FILE} is not readable JSON ({_first_line(e)}); {PREPARE_HINT}")
+    problem = _header_problem(header)
+    if problem:
+        fail("", f"data {path}: {HEADER_FILE} is malformed: {problem}; {PREPARE_HINT}")
+    return header
+
+
+def _header_problem(header) -> str | None:
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        return f"format is not {FORMAT!r}"
+    if header.get("version") != FORMAT_VERSION:
+        return f"version {header.get('version')!r} is not {FORMAT_VERSION}"
+    if header.get("dtype") not in DTYPES:
+        return f"dtype {header.get('dtype')!r} is not one of {', '.join(DTYPES)}"
+    for key in ("num_tokens", "num_documents", "vocab_size", "eos_id"):
+        value = header.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            return f"{key} {value!r} is not a non-negative integer"
+    return None
+
+
+def _check_fits(path: Path, header: dict, seq_len: int, vocab_size: int) -> None:
+    num_tokens = header["num_tokens"]
+    expected_bytes = num_tokens * DTYPES[header["dtype"]].itemsize
+    try:
+        actual_bytes = (path / TOKENS_FILE).stat().st_size
+    except FileNotFoundError:
+        fail("", f"data {path} has no {TOKENS_FILE}; {PREPARE_HINT}")
+    if actual_bytes != expected_bytes:
+        fail("", f"data {path}: {TOKENS_FILE} has {actual_bytes} bytes but {HEADER_FILE} says {num_tokens} "
+                 f"{header['dtype']} tokens ({expected_bytes} bytes); {PREPARE_HINT} again")
+    if header["vocab_size"] > vocab_size:
+        fail("", f"data {path} was tokenized with vocab size {header['vocab_size']} but the model has {vocab_size}")
+    if num_tokens < seq_len + 1:
+        fail("", f"data {path} has {num_tokens} tokens but one sequence of seq_len {seq_len} needs {seq_len + 1}")

@@ -1,0 +1,5 @@
+import sys
+
+from fastml.cli import main
+
+sys.exit(main())

@@ -1,0 +1,122 @@
+"""Validated, read-only config trees: frozen kw-only dataclasses built from JSON-like dicts.
+
+Every dataclass of the contract is loaded through `from_dict`, which rejects unknown keys and values of the
+wrong type with a `UserError` that names the field (as a dotted path) and what is allowed there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Union
+
+
+class UserError(ValueError):
+    """A mistake in what the user gave us: the CLI prints its message as one line and exits with code 2."""
+
+
+def fail(where: str, message: str) -> typing.NoReturn:
+    raise UserError(f"{where}: {message}" if where else message)
+
+
+def check_choice(where: str, value: Any, allowed: typing.Iterable[Any]) -> None:
+    allowed = list(allowed)
+    if value not in allowed:
+        fail(where, f"{value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+
+
+def check_range(where: str, value: float, low: float | None = None, high: float | None = None) -> None:
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        fail(where, f"{value!r} is outside the allowed range {bounds}")
+
+
+def from_dict(cls: type, data: Any, where: str = "") -> Any:
+    """Builds dataclass `cls` from `data`, checking every key and every value's type."""
+    if not isinstance(data, dict):
+        fail(where, f"expected an object with keys {', '.join(field_names(cls))}, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        fail(join(where, unknown[0]), f"unknown key; allowed keys are {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in data.items():
+        values[name] = _convert(hints[name], value, join(where, name))
+    missing = [f.name for f in fields.values() if f.name not in values and _has_no_default(f)]
+    if missing:
+        fail(join(where, missing[0]), "missing required key")
+    return cls(**values)
+
+
+def to_dict(obj: Any) -> Any:
+    """The JSON-ready form of a config tree (tuples become lists)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def _has_no_default(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            fail(where, "must not be null")
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(inner, value, where)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, where)
+    if origin is Literal:
+        check_choice(where, value, args)
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            fail(where, f"expected a list, got {type(value).__name__}")
+        return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            fail(where, f"expected an object, got {type(value).__name__}")
+        return {str(k): _convert(args[1], v, join(where, str(k))) for k, v in value.items()}
+    return _scalar(hint, value, where)
+
+
+def _scalar(hint: type, value: Any, where: str) -> Any:
+    # bool is a subclass of int in Python: keep true/false out of numeric fields and numbers out of bool fields.
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value != value or value in (float("inf"), float("-inf")):
+                fail(where, "must be a finite number")
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"unsupported config type {hint!r} at {where}")
+    fail(where, f"expected {hint.__name__}, got {value!r}")

@@ -1,0 +1,193 @@
+"""The contract between planner and executor: plan.json.
+
+A plan says what to train (`model`, `training`), on what (`hardware`), how (`knobs`, the searched choices) and what
+the planner expects of it (`predicted`). It is validated on load and read-only afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from fastml.config import UserError, check_range, fail, from_dict, to_dict
+from fastml.spec import ModelSpec
+
+PLAN_VERSION = 1
+RECOMPUTE_CHOICES = ("norm", "swiglu", "ffn", "qkv", "attention", "block")
+MEMORY_CATEGORIES = ("weights", "master_weights", "gradients", "optimizer_states", "activations", "workspace",
+                     "comm_buffers")
+TIME_COMPONENTS = ("compute", "recompute", "exposed_comm", "exposed_offload", "optimizer", "other")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    seq_len: int = 256
+    global_batch_tokens: int = 8192
+    """Tokens per optimizer step, over all GPUs: micro_batch_size * grad_accum_steps * seq_len * world_size."""
+    steps: int = 100
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at lr * min_lr_ratio."""
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+    data: str = "default"
+    """A directory written by `fastml prepare`, or "default" for the corpus that ships with Python."""
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_interval: int = 0
+    """Steps between checkpoints; 0 writes one only at the end (when checkpoint_dir is set)."""
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "global_batch_tokens", "steps"):
+            check_range(f"training.{name}", getattr(self, name), 1)
+        for name in ("warmup_steps", "checkpoint_interval"):
+            check_range(f"training.{name}", getattr(self, name), 0)
+        check_range("training.lr", self.lr, 0.0)
+        check_range("training.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_range("training.weight_decay", self.weight_decay, 0.0)
+        check_range("training.beta1", self.beta1, 0.0, 1.0)
+        check_range("training.beta2", self.beta2, 0.0, 1.0)
+        check_range("training.grad_clip", self.grad_clip, 0.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    profile: str = "cpu"
+    """Name of the hwprofile the plan was made for (fastml/hwprofiles)."""
+    fingerprint: str = ""
+    """Hash of that profile's contents, to notice a plan made for other hardware."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    num_gpus: int = 1
+    """World size: GPUs (or CPU processes) that train together."""
+    gpus_per_node: int = 1
+
+    def __post_init__(self) -> None:
+        check_range("hardware.num_gpus", self.num_gpus, 1)
+        check_range("hardware.gpus_per_node", self.gpus_per_node, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Knobs:
+    """The searched choices. Fractions are of the layers (0 = none, 1 = all)."""
+
+    micro_batch_size: int = 1
+    grad_accum_steps: int = 1
+    recompute: tuple[str, ...] = ()
+    """Parts recomputed in the backward pass instead of stored: any of norm, swiglu, ffn, qkv, attention, block."""
+    offload_optimizer: float = 0.0
+    offload_master: float = 0.0
+    offload_gradients: float = 0.0
+    offload_residuals: float = 0.0
+    offload_weights: float = 0.0
+    shard_optimizer: bool = False
+    shard_gradients: bool = False
+    shard_weights: bool = False
+    cache_weights_on_host: bool = False
+    matmul_dtype: Literal["bf16", "fp8"] = "bf16"
+    optimizer_dtype: Literal["fp32", "bf16"] = "fp32"
+    master_dtype: Literal["fp32", "bf16"] = "fp32"
+    comm: Literal["nccl", "memcpy"] = "nccl"
+    lm_head_chunks: int = 1
+    """The LM head and loss run over this many slices of the tokens, so the full logits never exist at once."""
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        check_range("knobs.micro_batch_size", self.micro_batch_size, 1)
+        check_range("knobs.grad_accum_steps", self.grad_accum_steps, 1)
+        check_range("knobs.lm_head_chunks", self.lm_head_chunks, 1)
+        for i, part in enumerate(self.recompute):
+            if part not in RECOMPUTE_CHOICES:
+                fail(f"knobs.recompute[{i}]", f"{part!r} is not allowed; choose from {', '.join(RECOMPUTE_CHOICES)}")
+        if len(set(self.recompute)) != len(self.recompute):
+            fail("knobs.recompute", "lists a part twice")
+        for name in ("offload_optimizer", "offload_master", "offload_gradients", "offload_residuals",
+                     "offload_weights"):
+            check_range(f"knobs.{name}", getattr(self, name), 0.0, 1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Predicted:
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    peak_memory_bytes: int
+    memory_bytes: dict[str, int]
+    host_memory_bytes: dict[str, int]
+    time_s: dict[str, float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    version: int = PLAN_VERSION
+    model: ModelSpec
+    training: Training = field(default_factory=Training)
+    hardware: Hardware = field(default_factory=Hardware)
+    knobs: Knobs = field(default_factory=Knobs)
+    predicted: Predicted | None = None
+
+    def __post_init__(self) -> None:
+        if self.version != PLAN_VERSION:
+            fail("version", f"plan version {self.version} is not supported by this fastml (it reads {PLAN_VERSION})")
+        k, t = self.knobs, self.training
+        tokens = k.micro_batch_size * k.grad_accum_steps * t.seq_len * self.hardware.num_gpus
+        if tokens != t.global_batch_tokens:
+            fail("training.global_batch_tokens",
+                 f"{t.global_batch_tokens} must equal micro_batch_size {k.micro_batch_size} x grad_accum_steps "
+                 f"{k.grad_accum_steps} x seq_len {t.seq_len} x num_gpus {self.hardware.num_gpus} = {tokens}")
+
+    def to_json(self) -> str:
+        return json.dumps(to_dict(self), indent=2) + "\n"
+
+
+def plan_from_dict(data: object) -> Plan:
+    return from_dict(Plan, data)
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such plan file (make one with `fastml plan -o {path}`)") from None
+    except (IsADirectoryError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read a plan from it ({e.__class__.__name__})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    return plan_from_dict(data)
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    Path(path).write_text(plan.to_json())
+
+
+def with_overrides(plan: Plan, assignments: list[str]) -> Plan:
+    """Applies `section.field=value` assignments (values parsed as JSON, else taken as strings), re-validating."""
+    data = to_dict(plan)
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) != 2 or parts[0] not in data or not isinstance(data[parts[0]], dict):
+            fail("--set", f"{assignment!r} must look like SECTION.FIELD=VALUE, SECTION one of "
+                          f"{', '.join(k for k, v in data.items() if isinstance(v, dict))}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        if parts[0] == "knobs" and parts[1] == "recompute" and isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        data[parts[0]][parts[1]] = value
+    return plan_from_dict(data)
+
+
+def replace(obj, **changes):
+    """dataclasses.replace, re-running validation; for code that derives one plan from another."""
+    return dataclasses.replace(obj, **changes)

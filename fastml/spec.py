@@ -1,0 +1,220 @@
+"""Model facts: the architecture of a Llama-family transformer, presets, HF config.json import, and counts.
+
+These are facts about the model, not searchable choices; the planner's costs and the executor's model both
+derive from `ModelSpec`, and a test checks that `num_params` equals the executor model's real count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastml.config import UserError, check_range, fail, from_dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama 3 frequency scaling of RoPE (HF `rope_scaling` with `rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_seq_len: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    name: str
+    """A preset name, or the HF directory the numbers were read from."""
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+                     "vocab_size"):
+            check_range(f"model.{name}", getattr(self, name), 1)
+        check_range("model.norm_eps", self.norm_eps, 0.0)
+        check_range("model.rope_theta", self.rope_theta, 1.0)
+        if self.num_heads % self.num_kv_heads:
+            fail("model.num_kv_heads", f"{self.num_kv_heads} must divide num_heads={self.num_heads}")
+        if self.head_dim % 2:
+            fail("model.head_dim", f"{self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def layer_matmul_params(self) -> int:
+        """Weights of one block's matmuls: fused qkv, output projection, fused gate+up, down."""
+        h = self.hidden_size
+        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.ffn_hidden_size
+
+    def layer_params(self) -> int:
+        bias = self.q_size + 2 * self.kv_size if self.qkv_bias else 0
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        return self.layer_matmul_params() + bias + qk_norm + 2 * self.hidden_size
+
+    def num_params(self) -> int:
+        """Every parameter of the executor's model; a tied LM head shares the embedding and counts once."""
+        embedding = self.vocab_size * self.hidden_size
+        lm_head = 0 if self.tied_embeddings else embedding
+        return embedding + self.num_layers * self.layer_params() + self.hidden_size + lm_head
+
+    def num_matmul_params(self) -> int:
+        """N_matmul of DESIGN.md: all matmul weights including the LM head, excluding the input embedding."""
+        return self.num_layers * self.layer_matmul_params() + self.vocab_size * self.hidden_size
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per trained token: 6·N_matmul + 6·L·h·s (PaLM, Chowdhery et al. 2022, appendix B,
+        halved attention term for causal masking; DESIGN.md "Definitions"). Recompute is not counted."""
+        return 6.0 * self.num_matmul_params() + 6.0 * self.num_layers * self.q_size * seq_len
+
+
+def _spec(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, **extra) -> ModelSpec:
+    return ModelSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv,
+                     head_dim=extra.pop("head_dim", hidden // heads), ffn_hidden_size=ffn, vocab_size=vocab, **extra)
+
+
+_LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+_LLAMA32_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192)
+_LLAMA3 = dict(rope_theta=500000.0, norm_eps=1e-5)
+_QWEN = dict(rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True)
+_QWEN_LARGE = dict(_QWEN, norm_eps=1e-5)
+
+# Numbers from each model's HF config.json. `tiny` is ours: a few million parameters for CPU runs and tests.
+PRESETS: dict[str, ModelSpec] = {s.name: s for s in [
+    _spec("tiny", 4, 256, 4, 2, 704, 512),
+    _spec("tinyllama-1.1b", 22, 2048, 32, 4, 5632, 32000),
+    _spec("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
+    _spec("llama-2-13b", 40, 5120, 40, 40, 13824, 32000),
+    _spec("llama-3.2-1b", 16, 2048, 32, 8, 8192, 128256, tied_embeddings=True, rope_scaling=_LLAMA32_ROPE,
+          **_LLAMA3),
+    _spec("llama-3.2-3b", 28, 3072, 24, 8, 8192, 128256, tied_embeddings=True, rope_scaling=_LLAMA32_ROPE,
+          **_LLAMA3),
+    _spec("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, rope_scaling=_LLAMA31_ROPE, **_LLAMA3),
+    _spec("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256, rope_scaling=_LLAMA31_ROPE, **_LLAMA3),
+    _spec("mistral-7b", 32, 4096, 32, 8, 14336, 32768, rope_theta=1000000.0),
+    _spec("qwen2.5-0.5b", 24, 896, 14, 2, 4864, 151936, tied_embeddings=True, **_QWEN),
+    _spec("qwen2.5-1.5b", 28, 1536, 12, 2, 8960, 151936, tied_embeddings=True, **_QWEN),
+    _spec("qwen2.5-3b", 36, 2048, 16, 2, 11008, 151936, tied_embeddings=True, **_QWEN),
+    _spec("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, **_QWEN),
+    _spec("qwen2.5-14b", 48, 5120, 40, 8, 13824, 152064, **_QWEN_LARGE),
+    _spec("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064, **_QWEN_LARGE),
+    _spec("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064, **_QWEN_LARGE),
+    _spec("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, head_dim=128, rope_theta=1000000.0, norm_eps=1e-6,
+          qk_norm=True),
+]}
+
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
+
+
+def resolve_model(name_or_path: str) -> ModelSpec:
+    """A preset name, or a directory (or config.json file) of an HF Llama, Mistral, Qwen2 or Qwen3 model."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return spec_from_hf_config(_read_json(path), name=str(path.parent))
+    fail("model", f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with a "
+                  "config.json")
+
+
+def spec_from_hf_config(config: dict, name: str) -> ModelSpec:
+    model_type = config.get("model_type")
+    if model_type not in HF_ARCHITECTURES:
+        fail(f"{name}/config.json", f"model_type {model_type!r} is not supported; supported: "
+                                    f"{', '.join(HF_ARCHITECTURES)}")
+    if config.get("sliding_window") and config.get("use_sliding_window", model_type == "mistral"):
+        fail(f"{name}/config.json", "sliding-window attention is not supported")
+    try:
+        heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        return ModelSpec(
+            name=name, num_layers=config["num_hidden_layers"], hidden_size=hidden, num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or hidden // heads,
+            ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+            rope_theta=float(_rope_parameters(config).get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(config, name), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")), qk_norm=model_type == "qwen3")
+    except KeyError as e:
+        fail(f"{name}/config.json", f"missing key {e.args[0]!r}")
+
+
+def hf_config(spec: ModelSpec, max_seq_len: int = 4096) -> dict:
+    """The HF config.json that describes `spec`, for export. Qwen2 is the family with qkv bias, Qwen3 with qk-norm."""
+    model_type = "qwen3" if spec.qk_norm else "qwen2" if spec.qkv_bias else "llama"
+    rope_parameters = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    if spec.rope_scaling:
+        s = spec.rope_scaling
+        rope_parameters.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+                               high_freq_factor=s.high_freq_factor,
+                               original_max_position_embeddings=s.original_max_seq_len)
+    config = {
+        "architectures": [HF_ARCHITECTURES[model_type]], "model_type": model_type,
+        "num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+        "intermediate_size": spec.ffn_hidden_size, "vocab_size": spec.vocab_size, "hidden_act": "silu",
+        "rms_norm_eps": spec.norm_eps, "tie_word_embeddings": spec.tied_embeddings,
+        "rope_theta": spec.rope_theta, "rope_scaling": rope_parameters if spec.rope_scaling else None,
+        "rope_parameters": rope_parameters, "max_position_embeddings": max_seq_len, "torch_dtype": "bfloat16",
+    }
+    if model_type == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    return config
+
+
+def _rope_parameters(config: dict) -> dict:
+    # transformers >= 5 writes `rope_parameters`; older configs have `rope_theta` and `rope_scaling` at the top.
+    merged = {"rope_theta": config.get("rope_theta", 10000.0)}
+    merged.update(config.get("rope_scaling") or {})
+    merged.update(config.get("rope_parameters") or {})
+    return merged
+
+
+def _rope_scaling(config: dict, name: str) -> RopeScaling | None:
+    params = _rope_parameters(config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        fail(f"{name}/config.json", f"rope scaling {rope_type!r} is not supported; supported: default, llama3")
+    return RopeScaling(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                       high_freq_factor=float(params["high_freq_factor"]),
+                       original_max_seq_len=int(params["original_max_position_embeddings"]))
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def spec_from_dict(data: dict) -> ModelSpec:
+    return from_dict(ModelSpec, data, "model")
+
+
+def replace(spec: ModelSpec, **changes) -> ModelSpec:
+    return dataclasses.replace(spec, **changes)
