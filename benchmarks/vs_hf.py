@@ -51,7 +51,7 @@ def run_hf(shape: str, sequences: int, micro_batch_size: int, checkpointing: boo
     spec = PRESETS[shape]
     config = LlamaConfig(**hf_config(spec, max_seq_len=SEQ_LEN))
     with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
     if checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
@@ -63,8 +63,9 @@ def run_hf(shape: str, sequences: int, micro_batch_size: int, checkpointing: boo
     for _ in range(steps):
         start = time.perf_counter()
         for _ in range(accum):
-            inputs, targets = next(batches)
-            logits_loss = model(input_ids=inputs.cuda(), labels=targets.cuda(), shift_labels=targets.cuda()).loss
+            inputs, targets = (t.cuda().contiguous() for t in next(batches))
+            # shift_labels: the targets are already the next tokens, as fastml's are
+            logits_loss = model(input_ids=inputs, labels=targets, shift_labels=targets).loss
             (logits_loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastml.config import UserError, fail
+from fastml.config import fail
 
 FORMAT = "fastml-tokens"
 FORMAT_VERSION = 1
@@ -152,6 +152,8 @@ def expand_inputs(inputs: Iterable[str | Path]) -> list[Path]:
     for pattern in inputs:
         matches = glob.glob(os.path.expanduser(str(pattern)), recursive=True)
         matched_files = [os.path.abspath(m) for m in matches if os.path.isfile(m)]
+        if not matched_files and os.path.isdir(os.path.expanduser(str(pattern))):
+            fail("", f"{str(pattern)!r} is a directory; give a pattern such as '{pattern}/**/*.jsonl'")
         if not matched_files:
             fail("", f"no file matches {str(pattern)!r}")
         files.update(matched_files)
@@ -237,6 +239,8 @@ def _publish(tmp_dir: Path, output_dir: Path, replace: bool) -> None:
         os.rename(tmp_dir, output_dir)  # atomic; succeeds when output_dir is absent or an empty directory
         return
     except OSError:
+        if not output_dir.exists():
+            raise
         if not is_dataset(output_dir):
             fail(f"output {output_dir}", f"appeared during prepare and is not a {FORMAT} dataset")
     if not replace:
@@ -369,7 +373,7 @@ def default_corpus() -> Path:
     the standard library changes. Processes building it at once are safe: the first rename wins, others keep it.
     """
     files = _stdlib_sources(DEFAULT_CORPUS_MAX_BYTES)
-    output_dir = _cache_dir() / f"default-corpus-{_corpus_key(files)}"
+    output_dir = cache_dir() / f"default-corpus-{_corpus_key(files)}"
     if not is_dataset(output_dir):
         paths = [path for path, _ in files]
         _prepare_files(paths, output_dir, ByteTokenizer(), "text", progress=False, replace=False)
@@ -414,8 +418,6 @@ def cache_dir() -> Path:
     xdg_cache = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg_cache).expanduser() if xdg_cache else Path.home() / ".cache") / "fastml"
 
-
-_cache_dir = cache_dir
 
 
 # ---------------------------------------------------------------------------------------------------- batches
@@ -468,7 +470,7 @@ class TokenData:
             first = micro_batch * num_windows_per_micro_batch + rank * batch_size
             windows = orders.windows_at(np.arange(first, first + batch_size))  # (B,)
             rows = self.tokens[windows[:, None] * self.seq_len + offsets]  # (B, T + 1)
-            rows = torch.from_numpy(rows.astype(np.int64))
+            rows = torch.from_numpy(np.asarray(rows, dtype=np.int64))
             yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # (B, T) each
 
 
