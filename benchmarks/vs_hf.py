@@ -25,7 +25,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from fastml import hwprofiles  # noqa: E402
+from fastml.executor.checkpoint import fastml_to_hf  # noqa: E402
 from fastml.executor.data import TokenData  # noqa: E402
+from fastml.executor.model import build_model, materialize  # noqa: E402
+from fastml.executor.optim import lr_at  # noqa: E402
 from fastml.executor.train import train  # noqa: E402
 from fastml.planner.defaults import make_plan  # noqa: E402
 from fastml.spec import PRESETS, hf_config  # noqa: E402
@@ -33,9 +36,11 @@ from fastml.spec import PRESETS, hf_config  # noqa: E402
 SEQ_LEN = 2048
 # shape -> (sequences per optimizer step, HF baseline settings, fastml knob pins to try)
 SHAPES = {
-    "tinyllama-1.1b": (32, [dict(micro_batch_size=8, checkpointing=False)], [
+    "tinyllama-1.1b": (32, [dict(micro_batch_size=8, checkpointing=False), dict(micro_batch_size=16,
+                                                                                checkpointing=False)], [
         ["knobs.micro_batch_size=8"],
         ["knobs.micro_batch_size=8", "knobs.compile=true"],
+        ["knobs.micro_batch_size=16", "knobs.compile=true"],
     ]),
     "llama-3.1-8b": (16, [dict(micro_batch_size=4, checkpointing=True), dict(micro_batch_size=2, checkpointing=True)], [
         ["knobs.micro_batch_size=1", "knobs.lm_head_chunks=4"],
@@ -46,52 +51,72 @@ SHAPES = {
 
 
 def run_hf(shape: str, sequences: int, micro_batch_size: int, checkpointing: bool, steps: int) -> dict:
+    """The baseline, starting from the very weights fastml starts from and stepping with the same schedule and
+    AdamW settings, so that the two loss curves can be compared as well as the speeds."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    spec = PRESETS[shape]
-    config = LlamaConfig(**hf_config(spec, max_seq_len=SEQ_LEN))
+    plan = _plan(shape, sequences, steps, [])
+    config = LlamaConfig(**hf_config(plan.model, max_seq_len=SEQ_LEN))
     with torch.device("cuda"):
         model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    model.load_state_dict(_fastml_initial_weights(plan), strict=True)
     if checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
-    batches = TokenData.open("default", SEQ_LEN, spec.vocab_size).batches(micro_batch_size, seed=0)
+    t = plan.training
+    params = [p for p in model.parameters()]
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
+    batches = TokenData.open(t.data, SEQ_LEN, plan.model.vocab_size).batches(micro_batch_size, seed=t.seed)
     accum = sequences // micro_batch_size
-    times = []
+    times, losses = [], []
     torch.cuda.reset_peak_memory_stats()
-    for _ in range(steps):
+    for step in range(steps):
         start = time.perf_counter()
+        loss_sum = torch.zeros((), device="cuda")
         for _ in range(accum):
-            inputs, targets = (t.cuda().contiguous() for t in next(batches))
+            inputs, targets = (x.cuda().contiguous() for x in next(batches))
             # shift_labels: the targets are already the next tokens, as fastml's are
-            logits_loss = model(input_ids=inputs, labels=targets, shift_labels=targets).loss
-            (logits_loss / accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            loss = model(input_ids=inputs, labels=targets, shift_labels=targets).loss
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, t)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        losses.append(loss_sum.item() / accum)
         times.append(time.perf_counter() - start)
-    result = _figures(spec, sequences, times[1:], torch.cuda.max_memory_allocated())
-    result.update(micro_batch_size=micro_batch_size, gradient_checkpointing=checkpointing,
-                  last_loss=logits_loss.item())
-    del model, optimizer
+    result = _figures(plan.model, sequences, statistics.median(times[1:]), torch.cuda.max_memory_allocated())
+    result.update(micro_batch_size=micro_batch_size, gradient_checkpointing=checkpointing, losses=losses)
+    del model, optimizer, params
     _free()
     return result
+
+
+def _fastml_initial_weights(plan) -> dict:
+    """fastml's initial weights for `plan` (seeded, on the GPU), under HF's names."""
+    model = materialize(build_model(plan.model), "cuda", torch.bfloat16, seed=plan.training.seed)
+    return fastml_to_hf(plan.model, model.state_dict())
+
+
+def _plan(shape: str, sequences: int, steps: int, pins: list[str]):
+    return make_plan(model=shape, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps,
+                     overrides=pins)
 
 
 def run_fastml(shape: str, sequences: int, pins: list[str], steps: int) -> dict:
-    plan = make_plan(model=shape, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps,
-                     overrides=pins)
-    summary = train(plan, show_progress=False)
-    result = _figures(PRESETS[shape], sequences, None, summary["peak_gpu_memory_bytes"], summary["step_time_s"])
-    result.update(knobs=pins, last_loss=summary["last_loss"])
+    log = Path(f"/tmp/fastml-bench-{os.getpid()}.jsonl")
+    summary = train(_plan(shape, sequences, steps, pins), log_json=log, show_progress=False)
+    result = _figures(PRESETS[shape], sequences, summary["step_time_s"], summary["peak_gpu_memory_bytes"])
+    result.update(knobs=pins, losses=[json.loads(line)["loss"] for line in log.read_text().splitlines()])
     _free()
     return result
 
 
-def _figures(spec, sequences: int, times: list[float] | None, peak_bytes: int, step_time_s: float | None = None):
-    step_time_s = step_time_s if times is None else statistics.median(times)
+def _figures(spec, sequences: int, step_time_s: float, peak_bytes: int) -> dict:
+    """Steady-state figures: step time is the median over the steps after the first."""
     tokens_per_s = sequences * SEQ_LEN / step_time_s
     peak = hwprofiles.peak_flops("h200", "bf16")
     return {"step_time_s": step_time_s, "tokens_per_s": tokens_per_s,
@@ -122,6 +147,9 @@ def bench(shape: str, steps: int) -> dict:
     ours = [_try(f"fastml {shape} {pins}", run_fastml, shape, sequences, pins, steps) for pins in fastml_pins]
     best_hf = max((r for r in hf if "error" not in r), key=lambda r: r["tokens_per_s"])
     best = max((r for r in ours if "error" not in r), key=lambda r: r["tokens_per_s"])
+    for r in ours:
+        if "error" not in r:  # same weights, data and schedule: the curves differ only by rounding
+            r["max_abs_loss_diff_vs_hf"] = max(abs(a - b) for a, b in zip(r["losses"], best_hf["losses"]))
     return {"shape": shape, "seq_len": SEQ_LEN, "tokens_per_step": sequences * SEQ_LEN, "hf": hf, "fastml": ours,
             "speedup_best_vs_best_hf": best["tokens_per_s"] / best_hf["tokens_per_s"],
             "mfu_peak": "H200 dense bf16 989 TFLOP/s"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -133,6 +134,9 @@ def _device(plan: Plan) -> torch.device:
     if plan.hardware.num_gpus > 1:
         fail("hardware.num_gpus", f"{plan.hardware.num_gpus}: this executor trains on one device only so far")
     if plan.hardware.device == "cuda":
+        # Segments that grow in place leave less memory stranded between differently sized blocks (read by the
+        # allocator at its first use, so set before anything is allocated).
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if not torch.cuda.is_available():
             fail("hardware.device", "the plan is for a GPU but none is available here; plan again on this "
                                     "machine (`fastml plan`)")

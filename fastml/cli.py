@@ -17,7 +17,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from fastml.plan import save_plan
 
     plan = make_plan(model=args.model, seq_len=args.seq, global_batch_tokens=args.global_batch_tokens,
-                     steps=args.steps, data=args.data, overrides=args.set)
+                     steps=args.steps, data=args.data, device=args.device, overrides=args.set)
     save_plan(plan, args.output)
     k, h = plan.knobs, plan.hardware
     print(f"wrote {args.output}: {plan.model.name} ({plan.model.num_params() / 1e6:,.1f}M parameters) on "
@@ -76,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
     plan.add_argument("--data", default="default",
                       help="a directory from `fastml prepare` (default: Python's own source, shipped with it)")
+    plan.add_argument("--device", choices=["cpu", "cuda"], help="train on this (default: a GPU if there is one)")
     plan.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                       help="pin a value, e.g. --set knobs.micro_batch_size=8 (repeatable)")
     plan.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default: plan.json)")

@@ -6,7 +6,6 @@ the planner expects of it (`predicted`). It is validated on load and read-only a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,7 +186,3 @@ def with_overrides(plan: Plan, assignments: list[str]) -> Plan:
         data[parts[0]][parts[1]] = value
     return plan_from_dict(data)
 
-
-def replace(obj, **changes):
-    """dataclasses.replace, re-running validation; for code that derives one plan from another."""
-    return dataclasses.replace(obj, **changes)

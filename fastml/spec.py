@@ -6,12 +6,11 @@ derive from `ModelSpec`, and a test checks that `num_params` equals the executor
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastml.config import UserError, check_range, fail, from_dict
+from fastml.config import UserError, check_range, fail
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,8 +143,7 @@ def spec_from_hf_config(config: dict, name: str) -> ModelSpec:
     if model_type not in HF_ARCHITECTURES:
         fail(f"{name}/config.json", f"model_type {model_type!r} is not supported; supported: "
                                     f"{', '.join(HF_ARCHITECTURES)}")
-    if config.get("sliding_window") and config.get("use_sliding_window", model_type == "mistral"):
-        fail(f"{name}/config.json", "sliding-window attention is not supported")
+    _check_supported_hf(config, model_type, f"{name}/config.json")
     try:
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
@@ -157,13 +155,28 @@ def spec_from_hf_config(config: dict, name: str) -> ModelSpec:
             rope_theta=float(_rope_parameters(config).get("rope_theta", 10000.0)),
             rope_scaling=_rope_scaling(config, name), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=bool(config.get("attention_bias", model_type == "qwen2")), qk_norm=model_type == "qwen3")
+            qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3")
     except KeyError as e:
         fail(f"{name}/config.json", f"missing key {e.args[0]!r}")
 
 
-def hf_config(spec: ModelSpec, max_seq_len: int = 4096) -> dict:
+def _check_supported_hf(config: dict, model_type: str, where: str) -> None:
+    """Refuses what our model does not compute, rather than loading it and computing something else."""
+    if config.get("sliding_window") and config.get("use_sliding_window", model_type == "mistral"):
+        fail(where, "sliding-window attention is not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        fail(where, f"hidden_act {config['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
+    if config.get("mlp_bias"):
+        fail(where, "mlp_bias is not supported")
+    # In Llama, Mistral and Qwen3, attention_bias also puts a bias on the output projection, which our model lacks.
+    if config.get("attention_bias") and model_type != "qwen2":
+        fail(where, f"attention_bias is not supported for model_type {model_type!r}")
+
+
+def hf_config(spec: ModelSpec, max_seq_len: int = 8192, dtype: str = "bfloat16") -> dict:
     """The HF config.json that describes `spec`, for export. Qwen2 is the family with qkv bias, Qwen3 with qk-norm."""
+    if spec.qk_norm and spec.qkv_bias:
+        fail("model", "no supported HF family has both qk-norm and a qkv bias, so this model cannot be exported")
     model_type = "qwen3" if spec.qk_norm else "qwen2" if spec.qkv_bias else "llama"
     rope_parameters = {"rope_type": "default", "rope_theta": spec.rope_theta}
     if spec.rope_scaling:
@@ -178,7 +191,7 @@ def hf_config(spec: ModelSpec, max_seq_len: int = 4096) -> dict:
         "intermediate_size": spec.ffn_hidden_size, "vocab_size": spec.vocab_size, "hidden_act": "silu",
         "rms_norm_eps": spec.norm_eps, "tie_word_embeddings": spec.tied_embeddings,
         "rope_theta": spec.rope_theta, "rope_scaling": rope_parameters if spec.rope_scaling else None,
-        "rope_parameters": rope_parameters, "max_position_embeddings": max_seq_len, "torch_dtype": "bfloat16",
+        "rope_parameters": rope_parameters, "max_position_embeddings": max_seq_len, "dtype": dtype,
     }
     if model_type == "llama":
         config.update(attention_bias=False, mlp_bias=False)
@@ -211,10 +224,3 @@ def _read_json(path: Path) -> dict:
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
 
-
-def spec_from_dict(data: dict) -> ModelSpec:
-    return from_dict(ModelSpec, data, "model")
-
-
-def replace(spec: ModelSpec, **changes) -> ModelSpec:
-    return dataclasses.replace(spec, **changes)

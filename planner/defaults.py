@@ -14,20 +14,26 @@ DEFAULT_SEQ_LEN = 2048
 SEQUENCES_PER_STEP = 16
 
 
-def detect_hardware() -> Hardware:
-    """The first CUDA GPU if there is one, else the CPU."""
-    if not torch.cuda.is_available():
+def detect_hardware(device: str | None = None) -> Hardware:
+    """The first CUDA GPU if there is one (or `device` says "cuda"), else the CPU."""
+    if device not in (None, "cpu", "cuda"):
+        fail("--device", f"{device!r} is not allowed; choose one of 'cpu', 'cuda'")
+    if device == "cpu" or (device is None and not torch.cuda.is_available()):
         return Hardware(profile="cpu", fingerprint=hwprofiles.fingerprint("cpu"), device="cpu")
+    if not torch.cuda.is_available():
+        fail("--device", "'cuda' was asked for, but this machine has no CUDA GPU")
     profile = hwprofiles.for_device_name(torch.cuda.get_device_name(0)) or ""
     return Hardware(profile=profile, fingerprint=hwprofiles.fingerprint(profile) if profile else "", device="cuda")
 
 
 def make_plan(model: str = "tiny", seq_len: int | None = None, global_batch_tokens: int | None = None,
-              steps: int = 100, data: str = "default", overrides: list[str] = ()) -> Plan:
-    """The plan `fastml plan` writes: `model` a preset or HF directory; `overrides` are `SECTION.FIELD=VALUE`
-    assignments applied last (a pinned micro_batch_size re-derives grad_accum_steps)."""
+              steps: int = 100, data: str = "default", device: str | None = None,
+              overrides: list[str] = ()) -> Plan:
+    """The plan `fastml plan` writes: `model` a preset or HF directory; `device` "cpu" or "cuda" (default: a GPU if
+    there is one); `overrides` are `SECTION.FIELD=VALUE` assignments applied last (a pinned micro_batch_size
+    re-derives grad_accum_steps)."""
     spec = resolve_model(model)
-    hardware = detect_hardware()
+    hardware = detect_hardware(device)
     seq_len = seq_len or (TINY_SEQ_LEN if spec.name == "tiny" else DEFAULT_SEQ_LEN)
     check_range("--seq", seq_len, 1)
     global_batch_tokens = global_batch_tokens or SEQUENCES_PER_STEP * seq_len

@@ -65,9 +65,9 @@ def test_vocab_mismatch_is_one_line(tmp_path):
 
 
 def test_gpu_plan_on_a_cpu_machine_is_refused(tmp_path):
-    pytest.importorskip("torch")
     import torch
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+    one_line_error(fastml("plan", "--device", "cuda", cwd=tmp_path), "--device", "no CUDA GPU")
     assert fastml("plan", "--set", "hardware.device=cuda", "-o", "p.json", cwd=tmp_path).returncode == 0
     one_line_error(fastml("run", "p.json", cwd=tmp_path), "hardware.device", "no")

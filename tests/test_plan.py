@@ -102,7 +102,14 @@ def test_unsupported_hf_configs(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     with pytest.raises(UserError, match="model_type 'gpt2' is not supported; supported: llama, mistral"):
         resolve_model(str(tmp_path))
-    config = hf_config(PRESETS["tiny"]) | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    llama = hf_config(PRESETS["tiny"])
+    for change, message in [({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+                            ({"attention_bias": True}, "attention_bias is not supported for model_type 'llama'"),
+                            ({"mlp_bias": True}, "mlp_bias is not supported"),
+                            ({"model_type": "mistral", "sliding_window": 4096}, "sliding-window")]:
+        with pytest.raises(UserError, match=message):
+            spec_from_hf_config(llama | change, name="x")
+    config = llama | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     config.pop("rope_parameters")
     with pytest.raises(UserError, match="rope scaling 'yarn' is not supported"):
         spec_from_hf_config(config, name="x")
