@@ -30,7 +30,7 @@ from fastml.executor.data import TokenData  # noqa: E402
 from fastml.executor.model import build_model, materialize  # noqa: E402
 from fastml.executor.optim import lr_at  # noqa: E402
 from fastml.executor.train import train  # noqa: E402
-from fastml.planner.defaults import make_plan  # noqa: E402
+from fastml.planner.planner import make_plan  # noqa: E402
 from fastml.spec import PRESETS, hf_config  # noqa: E402
 
 SEQ_LEN = 2048
@@ -102,8 +102,12 @@ def _fastml_initial_weights(plan) -> dict:
 
 
 def _plan(shape: str, sequences: int, steps: int, pins: list[str]):
+    """The plan with exactly these knobs: every searched knob not named is pinned to its default."""
+    defaults = {"knobs.recompute": "[]", "knobs.lm_head_chunks": "1", "knobs.compile": "false"}
+    named = {p.partition("=")[0] for p in pins}
+    pins = pins + [f"{k}={v}" for k, v in defaults.items() if k not in named]
     return make_plan(model=shape, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps,
-                     overrides=pins)
+                     overrides=pins).plan
 
 
 def run_fastml(shape: str, sequences: int, pins: list[str], steps: int) -> dict:

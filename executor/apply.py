@@ -9,23 +9,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastml.config import fail
-from fastml.plan import Knobs
+from fastml.plan import EXECUTOR_ONLY_RUNS, Knobs
 from fastml.executor.model import Transformer
-
-# Knob values this executor does not run yet; a plan asking for them is refused rather than run differently.
-_NOT_YET = {
-    "offload_optimizer": 0.0, "offload_master": 0.0, "offload_gradients": 0.0, "offload_residuals": 0.0,
-    "offload_weights": 0.0, "shard_optimizer": False, "shard_gradients": False, "shard_weights": False,
-    "cache_weights_on_host": False, "matmul_dtype": "bf16", "optimizer_dtype": "fp32", "master_dtype": "fp32",
-    "comm": "nccl",
-}
 
 
 def check_supported(knobs: Knobs) -> None:
-    for name, supported in _NOT_YET.items():
+    for name, supported in EXECUTOR_ONLY_RUNS.items():
         if getattr(knobs, name) != supported:
             fail(f"knobs.{name}", f"{getattr(knobs, name)!r} is not supported by this executor yet "
-                                  f"(only {supported!r}); re-plan with --set knobs.{name}={supported!r}")
+                                  f"(only {supported!r}); plan for this machine (`fastml plan` without --hw) or pin "
+                                  f"--set knobs.{name}={supported!r}")
 
 
 def apply_plan(model: Transformer, knobs: Knobs) -> Transformer:

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -23,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fastml.config import UserError, check_range, fail, from_dict, to_dict
+from fastml.executor.files import fsync, read_json_object, write_dir_atomically
 from fastml.executor.model import Transformer, build_model
 from fastml.spec import ModelSpec, hf_config, resolve_model, spec_from_hf_config
 
@@ -183,7 +181,7 @@ def _read_safetensors(path: Path) -> dict:
 
 def _read_shards(directory: Path) -> dict:
     index_path = directory / HF_INDEX_FILE
-    weight_map = _read_json(index_path).get("weight_map")
+    weight_map = read_json_object(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         fail(str(index_path), "'weight_map' must map tensor names to shard file names")
     tensors = {}
@@ -304,10 +302,9 @@ def save_checkpoint(directory, spec: ModelSpec, state_dict: dict, extra: dict | 
 
     def write(tmp: Path) -> None:
         _write_safetensors(state_dict, tmp / MODEL_FILE)
-        _write_text(tmp / META_FILE, text)
+        (tmp / META_FILE).write_text(text)
 
-    # abspath, not resolve(): "." and ".." get a real name for the sibling, and a symlink is replaced, not its target.
-    _write_dir_atomically(Path(os.path.abspath(directory)), write)
+    write_dir_atomically(directory, write, lambda d: (d / META_FILE).is_file(), "a fastml checkpoint")
 
 
 def load_checkpoint(directory) -> tuple[ModelSpec, dict, dict]:
@@ -316,7 +313,7 @@ def load_checkpoint(directory) -> tuple[ModelSpec, dict, dict]:
     meta_path = directory / META_FILE
     if not meta_path.is_file():
         fail(str(directory), f"not a fastml checkpoint (no {META_FILE})")
-    meta = _read_json(meta_path)
+    meta = read_json_object(meta_path)
     if meta.get("format") != CHECKPOINT_FORMAT:
         fail(str(meta_path), f"'format' is {meta.get('format')!r}, expected {CHECKPOINT_FORMAT!r}")
     if meta.get("version") != CHECKPOINT_VERSION:
@@ -333,41 +330,6 @@ def load_checkpoint(directory) -> tuple[ModelSpec, dict, dict]:
     return spec, state, meta
 
 
-def _write_dir_atomically(directory: Path, write) -> None:
-    """Runs write(tmp) on a fresh sibling directory, fsyncs it, then renames it to `directory`."""
-    _check_replaceable(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.with_name(f".{directory.name}.tmp-{uuid.uuid4().hex[:12]}")
-    tmp.mkdir()
-    try:
-        write(tmp)
-        _fsync(tmp)
-        _move_into_place(tmp, directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
-    _fsync(directory.parent)  # makes the rename itself durable
-
-
-def _check_replaceable(directory: Path) -> None:
-    if directory.exists() and not directory.is_dir():
-        fail(str(directory), "exists and is not a directory")
-    if directory.is_dir() and any(directory.iterdir()) and not (directory / META_FILE).is_file():
-        fail(str(directory), "is not empty and not a fastml checkpoint; refusing to replace it")
-
-
-def _move_into_place(tmp: Path, directory: Path) -> None:
-    # rename() replaces a missing or empty directory atomically. POSIX cannot swap in one step with a non-empty
-    # one, so the old checkpoint is renamed aside first: a crash between the two renames leaves it intact at
-    # `.{name}.old-*`, never a half-written one under the real name.
-    if directory.is_dir() and any(directory.iterdir()):
-        old = directory.with_name(f".{directory.name}.old-{uuid.uuid4().hex[:12]}")
-        os.rename(directory, old)
-        os.rename(tmp, directory)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, directory)
-
-
 # ---- conversion -------------------------------------------------------------------------------------------
 
 def convert_from_hf(hf_dir, out_dir) -> ModelSpec:
@@ -377,7 +339,7 @@ def convert_from_hf(hf_dir, out_dir) -> ModelSpec:
     hf_dir = Path(hf_dir)
     spec = _hf_spec(hf_dir)
     state = _take_hf(spec, read_hf_tensors(hf_dir))
-    save_checkpoint(out_dir, spec, state, extra={"hf_config": _read_json(hf_dir / "config.json")})
+    save_checkpoint(out_dir, spec, state, extra={"hf_config": read_json_object(hf_dir / "config.json")})
     return spec
 
 
@@ -390,38 +352,13 @@ def convert_to_hf(ckpt_dir, hf_dir, max_shard_bytes: int = 5 * 2**30) -> ModelSp
 
 # ---- files --------------------------------------------------------------------------------------------------
 
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        fail(str(path), "missing")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        fail(str(path), f"expected a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _write_safetensors(tensors: dict, path: Path) -> None:
     # "format": "pt" is what transformers expects in the header of a PyTorch safetensors file.
     save_file({name: _compact(t.detach()) for name, t in tensors.items()}, path, metadata={"format": "pt"})
-    _fsync(path)
+    fsync(path)
 
 
 def _write_json(path: Path, data: dict) -> None:
-    _write_text(path, json.dumps(data, indent=2) + "\n")
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    fsync(path)
 
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

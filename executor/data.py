@@ -16,10 +16,8 @@ import hashlib
 import itertools
 import json
 import os
-import shutil
 import sys
 import sysconfig
-import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import numpy as np
 import torch
 
 from fastml.config import fail
+from fastml.executor.files import read_json_object, write_dir_atomically
 
 FORMAT = "fastml-tokens"
 FORMAT_VERSION = 1
@@ -91,11 +90,8 @@ class HFTokenizer:
         self.vocab_size = max(self._tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
         self.eos_id = _find_eos_id(vocab, path)
 
-    def encode(self, text: str) -> np.ndarray:
-        """The ids of `text` as a uint32 numpy array, without BOS/EOS templates: `prepare` adds the eos itself."""
-        return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
-
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """The ids of each text as a uint32 numpy array, without BOS/EOS templates: `prepare` adds the eos itself."""
         encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
 
@@ -138,10 +134,8 @@ def prepare(
     the text under `field`; `.parquet` holds the text in column `field`; any other file is one document.
     Empty documents are skipped. Each document is followed by the tokenizer's eos id.
     """
-    output_dir = Path(output_dir).expanduser()
-    _check_output_dir(output_dir)
     files = expand_inputs(inputs)
-    return _prepare_files(files, output_dir, load_tokenizer(tokenizer), field, progress, replace=True)
+    return _prepare_files(files, Path(output_dir).expanduser(), load_tokenizer(tokenizer), field, progress)
 
 
 def expand_inputs(inputs: Iterable[str | Path]) -> list[Path]:
@@ -149,49 +143,32 @@ def expand_inputs(inputs: Iterable[str | Path]) -> list[Path]:
     if isinstance(inputs, (str, Path)):
         inputs = [inputs]
     files: set[str] = set()
-    for pattern in inputs:
-        matches = glob.glob(os.path.expanduser(str(pattern)), recursive=True)
-        matched_files = [os.path.abspath(m) for m in matches if os.path.isfile(m)]
-        if not matched_files and os.path.isdir(os.path.expanduser(str(pattern))):
-            fail("", f"{str(pattern)!r} is a directory; give a pattern such as '{pattern}/**/*.jsonl'")
+    for pattern in map(str, inputs):
+        expanded = os.path.expanduser(pattern)
+        matched_files = [os.path.abspath(m) for m in glob.glob(expanded, recursive=True) if os.path.isfile(m)]
+        if not matched_files and os.path.isdir(expanded):
+            fail("", f"{pattern!r} is a directory; give a pattern such as '{pattern}/**/*.jsonl'")
         if not matched_files:
-            fail("", f"no file matches {str(pattern)!r}")
+            fail("", f"no file matches {pattern!r}")
         files.update(matched_files)
     if not files:
         fail("", "no input files given")
     return [Path(f) for f in sorted(files)]
 
 
-def _check_output_dir(output_dir: Path) -> None:
-    """Refuses to clobber anything but an empty directory or an earlier dataset."""
-    if not output_dir.exists():
-        return
-    if not output_dir.is_dir():
-        fail(f"output {output_dir}", "exists and is not a directory; choose another output directory")
-    if any(output_dir.iterdir()) and not is_dataset(output_dir):
-        fail(f"output {output_dir}", f"exists and is not a {FORMAT} dataset; refusing to overwrite it")
-
-
 def is_dataset(path: Path) -> bool:
     """Whether `path` holds a header of this format: true only for a directory `prepare` published."""
     try:
-        header = json.loads((Path(path) / HEADER_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json_object(Path(path) / HEADER_FILE).get("format") == FORMAT
+    except (OSError, ValueError):  # a UserError is a ValueError
         return False
-    return isinstance(header, dict) and header.get("format") == FORMAT
 
 
-def _prepare_files(files: list[Path], output_dir: Path, tokenizer, field: str, progress: bool, replace: bool) -> dict:
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    # A sibling, so the final rename stays on one filesystem and is atomic.
-    tmp_dir = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp_dir.mkdir()
-    try:
-        header = _write_dataset(files, tmp_dir, tokenizer, field, progress)
-        _publish(tmp_dir, output_dir, replace)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # gone already after a successful publish
-    return header
+def _prepare_files(files: list[Path], output_dir: Path, tokenizer, field: str, progress: bool,
+                   keep_existing: bool = False) -> dict:
+    """Refuses to replace anything but an empty directory or an earlier dataset; returns the header."""
+    return write_dir_atomically(output_dir, lambda tmp: _write_dataset(files, tmp, tokenizer, field, progress),
+                                is_dataset, f"a {FORMAT} dataset", keep_existing)
 
 
 def _write_dataset(files: list[Path], out_dir: Path, tokenizer, field: str, progress: bool) -> dict:
@@ -207,7 +184,6 @@ def _write_dataset(files: list[Path], out_dir: Path, tokenizer, field: str, prog
                 num_documents += len(texts)
                 bar.add_tokens(len(tokens))
             bar.end_file()
-        _sync(f)
     if num_tokens == 0:
         fail("", f"the inputs hold no text: 0 tokens from {len(files)} file(s)")
     header = {
@@ -221,34 +197,8 @@ def _write_dataset(files: list[Path], out_dir: Path, tokenizer, field: str, prog
         "tokenizer": tokenizer.name,
         "sources": [str(p) for p in files],
     }
-    with open(out_dir / HEADER_FILE, "w", encoding="utf-8") as f:
-        f.write(json.dumps(header, indent=1) + "\n")
-        _sync(f)
+    (out_dir / HEADER_FILE).write_text(json.dumps(header, indent=1) + "\n", encoding="utf-8")
     return header
-
-
-def _sync(f) -> None:
-    # On disk before the rename publishes it: after a crash a published dataset is a complete one.
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def _publish(tmp_dir: Path, output_dir: Path, replace: bool) -> None:
-    """Renames `tmp_dir` to `output_dir`; an existing dataset there is replaced, or kept when not `replace`."""
-    try:
-        os.rename(tmp_dir, output_dir)  # atomic; succeeds when output_dir is absent or an empty directory
-        return
-    except OSError:
-        if not output_dir.exists():
-            raise
-        if not is_dataset(output_dir):
-            fail(f"output {output_dir}", f"appeared during prepare and is not a {FORMAT} dataset")
-    if not replace:
-        return  # another process published the same dataset first: keep theirs
-    old_dir = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.rename(output_dir, old_dir)
-    os.rename(tmp_dir, output_dir)
-    shutil.rmtree(old_dir, ignore_errors=True)
 
 
 def _read_documents(path: Path, field: str) -> Iterator[str]:
@@ -376,7 +326,7 @@ def default_corpus() -> Path:
     output_dir = cache_dir() / f"default-corpus-{_corpus_key(files)}"
     if not is_dataset(output_dir):
         paths = [path for path, _ in files]
-        _prepare_files(paths, output_dir, ByteTokenizer(), "text", progress=False, replace=False)
+        _prepare_files(paths, output_dir, ByteTokenizer(), "text", progress=False, keep_existing=True)
     return output_dir
 
 
@@ -417,7 +367,6 @@ def cache_dir() -> Path:
         return Path(os.environ["FASTML_CACHE"]).expanduser()
     xdg_cache = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg_cache).expanduser() if xdg_cache else Path.home() / ".cache") / "fastml"
-
 
 
 # ---------------------------------------------------------------------------------------------------- batches

@@ -7,23 +7,101 @@ and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from fastml.config import UserError
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from fastml.planner.defaults import make_plan
+    from rich.console import Console
     from fastml.plan import save_plan
+    from fastml.planner import report
+    from fastml.planner.planner import NoFeasiblePlan, make_plan
 
-    plan = make_plan(model=args.model, seq_len=args.seq, global_batch_tokens=args.global_batch_tokens,
-                     steps=args.steps, data=args.data, device=args.device, overrides=args.set)
-    save_plan(plan, args.output)
-    k, h = plan.knobs, plan.hardware
-    print(f"wrote {args.output}: {plan.model.name} ({plan.model.num_params() / 1e6:,.1f}M parameters) on "
-          f"{h.device} ({h.profile or 'unknown GPU'}), seq {plan.training.seq_len}, "
-          f"{plan.training.global_batch_tokens:,} tokens/step = micro-batch {k.micro_batch_size} x "
-          f"{k.grad_accum_steps} accumulation steps, recompute {list(k.recompute) or 'none'}")
+    console = Console(stderr=args.json)
+    hardware = args.hw.split(",") if args.hw else [None]
+    results = []
+    for hw in hardware:
+        kwargs = dict(model=args.model, seq_len=args.seq, global_batch_tokens=args.global_batch_tokens,
+                      steps=args.steps, data=args.data, hw=hw, gpus=args.gpus, nodes=args.nodes,
+                      gpu_mem=args.gpu_mem, host_mem=args.host_mem, device=args.device, trials=args.trials,
+                      study=args.study, lower_precision=args.lower_precision, overrides=args.set)
+        try:
+            with _trial_progress(console, args.trials, hw) as on_trial:
+                results.append((hw, make_plan(**kwargs, on_trial=on_trial), ""))
+        except NoFeasiblePlan as e:
+            if len(hardware) == 1:
+                raise
+            results.append((hw, None, str(e)))
+    feasible = [r for r in results if r[1] is not None]
+    if not feasible:
+        raise UserError("no feasible plan on any of " + ", ".join(hardware))
+    hw, best, _ = min(feasible, key=lambda r: r[1].plan.predicted.usd_per_million_tokens if r[1].plan.predicted
+                      else 0)
+    save_plan(best.plan, args.output)
+    if args.json:
+        print(json.dumps(report.plan_json(best.plan, best.runners_up), indent=2))
+    else:
+        report.print_plan(console, best.plan, best.runners_up)
+        if len(hardware) > 1:
+            report.print_ranking(console, [(h or "here", r and r.plan, note) for h, r, note in results])
+        if best.lower_precision:
+            console.print("[yellow]note:[/] fits only with lower-precision knobs (fp8 matmuls or bf16 optimizer "
+                          "states/master weights); pass --full-precision to refuse them")
+    console.print(f"wrote {args.output}" + (f" (the cheapest: {hw})" if len(hardware) > 1 else ""))
+
+
+def cmd_explain(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from fastml.plan import load_plan
+    from fastml.planner import report
+    from fastml.planner.planner import predicted, replan
+    from fastml.planner.search import Problem
+    from fastml.planner.simulate import chrome_trace
+
+    plan = load_plan(args.plan)
+    if plan.hardware.profile == "cpu":
+        raise UserError(f"{args.plan}: a CPU plan has no simulated step to explain")
+    candidate, problem = replan(plan)
+    if not candidate.feasible:
+        raise UserError(f"{args.plan}: these knobs do not fit in memory on {plan.hardware.profile} "
+                        f"(GPU over by {candidate.gpu_over_bytes / 2**30:.1f} GiB, host over by "
+                        f"{candidate.host_over_bytes / 2**30:.1f} GiB)")
+    import dataclasses
+    plan = dataclasses.replace(plan, predicted=predicted(problem, candidate))
+    if args.trace:
+        Path(args.trace).write_text(json.dumps(chrome_trace(candidate.simulation)))
+    if args.json:
+        print(json.dumps(report.plan_json(plan) | {"critical_path": candidate.simulation.critical_path}, indent=2))
+        return
+    console = Console()
+    report.print_plan(console, plan)
+    console.print(f"critical path: {len(candidate.simulation.critical_path)} ops, from "
+                  f"{candidate.simulation.critical_path[0]!r} to {candidate.simulation.critical_path[-1]!r}")
+    if args.trace:
+        console.print(f"wrote trace {args.trace} (open in https://ui.perfetto.dev)")
+
+
+def cmd_profile(args: argparse.Namespace) -> None:
+    from fastml.planner.profile import profile
+
+    profile(args.output)
+
+
+def _trial_progress(console, trials: int, hw: str | None):
+    """A progress bar over the search's trials, as a context manager yielding the per-trial callback."""
+    import contextlib
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    @contextlib.contextmanager
+    def bar():
+        with Progress(TextColumn(f"planning on {hw or 'this machine'}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=True) as progress:
+            task = progress.add_task("search", total=trials)
+            yield lambda: progress.advance(task)
+    return bar()
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -69,18 +147,44 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fastml", description="Plan and run memory- and communication-efficient LLM training.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    plan = sub.add_parser("plan", help="write a training plan for a model on this machine")
+    plan = sub.add_parser("plan", help="search the fastest plan that fits and write it")
     plan.add_argument("--model", default="tiny", help="a preset name or an HF model directory (default: tiny)")
     plan.add_argument("--seq", type=int, help="sequence length (default: 256 for tiny, else 2048)")
     plan.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default: 16 sequences)")
     plan.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
     plan.add_argument("--data", default="default",
                       help="a directory from `fastml prepare` (default: Python's own source, shipped with it)")
-    plan.add_argument("--device", choices=["cpu", "cuda"], help="train on this (default: a GPU if there is one)")
+    plan.add_argument("--hw", help="a profile (h200, h100-sxm, a100-80gb, l40s, rtx3090, rtx4090, rtx5090, "
+                                   "rtx5060ti-16gb), a profile JSON file, or several names separated by commas to "
+                                   "rank them (default: this machine)")
+    plan.add_argument("--gpus", type=int, help="GPUs per node (default: the profile's, or all detected)")
+    plan.add_argument("--nodes", type=int, help="nodes (default: 1)")
+    plan.add_argument("--gpu-mem", help="cap the memory of each GPU, e.g. 16GiB")
+    plan.add_argument("--host-mem", help="host memory per node, e.g. 256GiB (default: the profile's)")
+    plan.add_argument("--device", choices=["cpu", "cuda"], help="without --hw: plan for this machine's CPU or GPU")
+    plan.add_argument("--trials", type=int, default=300, help="search trials (default: 300)")
+    plan.add_argument("--study", help="keep the search in this SQLite file, to resume or extend it")
+    precision = plan.add_mutually_exclusive_group()
+    precision.add_argument("--full-precision", dest="lower_precision", action="store_false", default=None,
+                           help="never use fp8 matmuls or bf16 optimizer states")
+    precision.add_argument("--lower-precision", dest="lower_precision", action="store_true",
+                           help="search fp8 matmuls and bf16 optimizer states too (default: only if nothing else "
+                                "fits)")
+    plan.add_argument("--json", action="store_true", help="print the plan and runners-up as JSON")
     plan.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                       help="pin a value, e.g. --set knobs.micro_batch_size=8 (repeatable)")
     plan.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default: plan.json)")
     plan.set_defaults(func=cmd_plan)
+
+    explain = sub.add_parser("explain", help="the cost breakdown of a plan, re-simulated")
+    explain.add_argument("plan", help="a plan.json")
+    explain.add_argument("--json", action="store_true", help="machine-readable output")
+    explain.add_argument("--trace", metavar="FILE", help="write the simulated step as a Chrome/Perfetto trace")
+    explain.set_defaults(func=cmd_explain)
+
+    prof = sub.add_parser("profile", help="detect the GPUs and their topology, and write a hardware profile")
+    prof.add_argument("-o", "--output", default="hwprofile.json", help="where to write it (default: hwprofile.json)")
+    prof.set_defaults(func=cmd_profile)
 
     run = sub.add_parser("run", help="train as a plan says")
     run.add_argument("plan", help="a plan.json")

@@ -18,6 +18,14 @@ PLAN_VERSION = 1
 RECOMPUTE_CHOICES = ("norm", "swiglu", "ffn", "qkv", "attention", "block")
 MEMORY_CATEGORIES = ("weights", "master_weights", "gradients", "optimizer_states", "activations", "workspace",
                      "comm_buffers")
+# Knobs the executor cannot run yet at any value but this one. The executor refuses other values; the planner
+# leaves them out of the search when the plan is meant to run here and now.
+EXECUTOR_ONLY_RUNS = {
+    "offload_optimizer": 0.0, "offload_master": 0.0, "offload_gradients": 0.0, "offload_residuals": 0.0,
+    "offload_weights": 0.0, "shard_optimizer": False, "shard_gradients": False, "shard_weights": False,
+    "cache_weights_on_host": False, "matmul_dtype": "bf16", "optimizer_dtype": "fp32", "master_dtype": "fp32",
+    "comm": "nccl",
+}
 TIME_COMPONENTS = ("compute", "recompute", "exposed_comm", "exposed_offload", "optimizer", "other")
 
 
@@ -66,10 +74,16 @@ class Hardware:
     num_gpus: int = 1
     """World size: GPUs (or CPU processes) that train together."""
     gpus_per_node: int = 1
+    gpu_memory_bytes: int = 0
+    """GPU memory the plan may use (a user's --gpu-mem cap); 0 for the profile's."""
+    host_memory_bytes: int = 0
+    """Host memory the plan may use per node (--host-mem); 0 for the profile's."""
 
     def __post_init__(self) -> None:
         check_range("hardware.num_gpus", self.num_gpus, 1)
         check_range("hardware.gpus_per_node", self.gpus_per_node, 1)
+        check_range("hardware.gpu_memory_bytes", self.gpu_memory_bytes, 0)
+        check_range("hardware.host_memory_bytes", self.host_memory_bytes, 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,8 +132,13 @@ class Predicted:
     mfu: float
     peak_memory_bytes: int
     memory_bytes: dict[str, int]
+    """GPU memory of one GPU at its peak, by category (MEMORY_CATEGORIES)."""
     host_memory_bytes: dict[str, int]
+    """Host memory of one node, by category."""
     time_s: dict[str, float]
+    """The step time split by component (TIME_COMPONENTS); the parts add up to step_time_s."""
+    usd_per_million_tokens: float
+    kwh_per_million_tokens: float
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,11 @@ def load(name: str) -> dict:
 
 def fingerprint(name: str) -> str:
     """A short hash of the profile's contents: plans record it to notice a profile that changed under them."""
-    return hashlib.sha256(json.dumps(load(name), sort_keys=True).encode()).hexdigest()[:16]
+    return fingerprint_of(load(name))
+
+
+def fingerprint_of(profile: dict) -> str:
+    return hashlib.sha256(json.dumps(profile, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def for_device_name(device_name: str) -> str | None:

@@ -168,7 +168,7 @@ def test_losing_publish_keeps_the_winner(tmp_path):
     (tmp_path / "a.txt").write_text("winner")
     (tmp_path / "b.txt").write_text("loser")
     prepare([str(tmp_path / "a.txt")], tmp_path / "out", progress=False)
-    data._prepare_files([tmp_path / "b.txt"], tmp_path / "out", ByteTokenizer(), "text", False, replace=False)
+    data._prepare_files([tmp_path / "b.txt"], tmp_path / "out", ByteTokenizer(), "text", False, keep_existing=True)
     assert read_tokens(tmp_path / "out") == byte_ids("winner") + [EOS]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "out"]
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from fastml.planner.defaults import make_plan
+from fastml.planner.planner import make_plan
 from fastml.executor.train import train
 
 pytestmark = [pytest.mark.gpu,
@@ -13,10 +13,17 @@ pytestmark = [pytest.mark.gpu,
 
 
 def run(tmp_path, name, pins, steps=30):
-    plan = make_plan(seq_len=256, global_batch_tokens=256 * 16, steps=steps, overrides=pins)
+    plan = make_plan(seq_len=256, global_batch_tokens=256 * 16, steps=steps, overrides=pinned(pins)).plan
     assert plan.hardware.device == "cuda"
     summary = train(plan, log_json=tmp_path / name, show_progress=False)
     return summary, [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+
+
+def pinned(pins: list[str]) -> list[str]:
+    """All searched knobs pinned: the defaults where `pins` says nothing, so the plan is exactly the one named."""
+    defaults = {"knobs.recompute": "[]", "knobs.lm_head_chunks": "1", "knobs.compile": "false"}
+    named = {p.partition("=")[0] for p in pins}
+    return pins + [f"{k}={v}" for k, v in defaults.items() if k not in named]
 
 
 @pytest.mark.parametrize("pins", [

@@ -6,17 +6,21 @@ import pytest
 
 from fastml.config import UserError
 from fastml.plan import Knobs, Plan, Training, load_plan, plan_from_dict, save_plan, with_overrides
-from fastml.planner.defaults import make_plan
+from fastml.planner.planner import make_plan
+
+
+def cpu_plan(**kwargs):
+    return make_plan(device="cpu", **kwargs).plan
 from fastml.spec import PRESETS, resolve_model, spec_from_hf_config, hf_config
 from fastml.config import to_dict
 
 
 def plan_dict() -> dict:
-    return json.loads(make_plan(steps=5).to_json())
+    return json.loads(cpu_plan(steps=5).to_json())
 
 
 def test_default_plan_round_trips_through_json(tmp_path):
-    plan = make_plan(steps=5)
+    plan = cpu_plan(steps=5)
     save_plan(plan, tmp_path / "p.json")
     assert load_plan(tmp_path / "p.json") == plan
     assert plan.model == PRESETS["tiny"]
@@ -54,7 +58,7 @@ def test_missing_model_is_an_error():
 
 
 def test_plan_is_read_only():
-    plan = make_plan(steps=5)
+    plan = cpu_plan(steps=5)
     with pytest.raises(AttributeError):
         plan.knobs.micro_batch_size = 3
 
@@ -68,7 +72,7 @@ def test_malformed_and_missing_files(tmp_path):
 
 
 def test_overrides_are_validated():
-    plan = make_plan(steps=5)
+    plan = cpu_plan(steps=5)
     assert with_overrides(plan, ["knobs.recompute=block,ffn"]).knobs.recompute == ("block", "ffn")
     assert with_overrides(plan, ["training.lr=0.01"]).training.lr == 0.01
     with pytest.raises(UserError, match="SECTION.FIELD=VALUE"):
@@ -78,12 +82,12 @@ def test_overrides_are_validated():
 
 
 def test_pinned_micro_batch_derives_accumulation():
-    plan = make_plan(model="tiny", seq_len=128, global_batch_tokens=128 * 12, overrides=["knobs.micro_batch_size=4"])
+    plan = cpu_plan(model="tiny", seq_len=128, global_batch_tokens=128 * 12, overrides=["knobs.micro_batch_size=4"])
     assert (plan.knobs.micro_batch_size, plan.knobs.grad_accum_steps) == (4, 3)
     with pytest.raises(UserError, match="must divide the 12 sequences"):
-        make_plan(seq_len=128, global_batch_tokens=128 * 12, overrides=["knobs.micro_batch_size=5"])
+        cpu_plan(seq_len=128, global_batch_tokens=128 * 12, overrides=["knobs.micro_batch_size=5"])
     with pytest.raises(UserError, match="multiple of the sequence length"):
-        make_plan(seq_len=128, global_batch_tokens=1000)
+        cpu_plan(seq_len=128, global_batch_tokens=1000)
 
 
 def test_unknown_model_names_the_presets():

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from fastml.plan import Training
-from fastml.planner.defaults import make_plan
+from fastml.planner.planner import make_plan
 from fastml.executor.optim import MasterWeightAdamW, lr_at
 from fastml.executor.train import train
 
 
 def losses(tmp_path, name, **plan_args):
-    plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=3, device="cpu", **plan_args)
+    plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=3, device="cpu", **plan_args).plan
     train(plan, log_json=tmp_path / name, show_progress=False)
     return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
 

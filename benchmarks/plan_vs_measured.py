@@ -1,0 +1,80 @@
+"""The planner's prediction next to a real run, on this machine: for each shape, the plan `fastml plan` picks
+(knobs the executor runs) and a few pinned alternatives, each trained for a few steps. Writes
+benchmarks/results/plan_vs_measured-<gpu>.json.
+
+    python benchmarks/plan_vs_measured.py --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from fastml.executor.train import train
+from fastml.planner.planner import make_plan
+
+SEQ_LEN = 2048
+# shape -> (sequences per step, pinned knob sets to run besides the planner's own choice)
+CASES = {
+    "tinyllama-1.1b": (32, [["knobs.micro_batch_size=8", "knobs.recompute=[]", "knobs.lm_head_chunks=1",
+                             "knobs.compile=false"]]),
+    "llama-3.1-8b": (16, [["knobs.micro_batch_size=1", "knobs.recompute=[]", "knobs.lm_head_chunks=4",
+                           "knobs.compile=true"],
+                          ["knobs.micro_batch_size=4", "knobs.recompute=block", "knobs.lm_head_chunks=8",
+                           "knobs.compile=true"]]),
+}
+
+
+def run_case(shape: str, sequences: int, pins: list[str], steps: int) -> dict:
+    plan = make_plan(model=shape, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps,
+                     overrides=pins, trials=200).plan
+    try:
+        summary = train(plan, show_progress=False)
+        measured = {"step_time_s": summary["step_time_s"], "peak_memory_bytes": summary["peak_gpu_memory_bytes"]}
+    except torch.cuda.OutOfMemoryError as e:
+        measured = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+    gc.collect()
+    torch.cuda.empty_cache()
+    p = plan.predicted
+    row = {"shape": shape, "pins": pins, "knobs": {k: v for k, v in json.loads(plan.to_json())["knobs"].items()},
+           "predicted": {"step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes, "time_s": p.time_s},
+           "measured": measured}
+    if "error" not in measured:
+        row["step_time_error"] = p.step_time_s / measured["step_time_s"] - 1
+        row["peak_memory_error"] = p.peak_memory_bytes / measured["peak_memory_bytes"] - 1
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    rows = [run_case(shape, sequences, pins, args.steps)
+            for shape, (sequences, alternatives) in CASES.items() for pins in [[], *alternatives]]
+    name = torch.cuda.get_device_name()
+    result = {"command": " ".join([Path(sys.executable).name] + sys.argv),
+              "git_commit": os.environ.get("GIT_COMMIT") or subprocess.run(
+                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "machine": f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}",
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
+    path = Path(args.out) / f"plan_vs_measured-{name.split()[-1].lower()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    for r in rows:
+        if "step_time_error" in r:
+            print(f"{r['shape']:>16} {str(r['pins'] or 'planner'):>60}: step time {r['step_time_error']:+.1%}, "
+                  f"peak memory {r['peak_memory_error']:+.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""`fastml profile`: the GPUs, their links and the host as NVML reports them, written as a hwprofile JSON.
+
+Only what NVML reports is detected here. Every rate (FLOP/s, GEMM efficiency, HBM, PCIe, NVLink, collectives),
+the price and the power still come from the nearest shipped profile until microbenchmarks measure them
+(DESIGN.md, Planner / Profile); the written `source` says which fields are which.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import re
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from fastml import hwprofiles
+from fastml.config import fail
+
+DEFAULT_OUTPUT = "hwprofile.json"
+
+_SHORT_LEVEL = {"same board": "BOARD", "single PCIe switch": "PIX", "multiple PCIe switches": "PXB",
+                "host bridge": "PHB", "NUMA node": "NODE", "system": "SYS"}
+
+
+def detect_topology() -> dict:
+    """GPUs, PCIe and NVLink links, P2P and topology between every pair, and the host, read through NVML.
+
+    With no NVML library or driver the result has no GPUs and says why in `no_gpu_reason`."""
+    topology = {"date": datetime.date.today().isoformat(), "host": _host(), "gpus": [], "p2p": [],
+                "topology": [], "no_gpu_reason": None}
+    try:
+        import pynvml as nvml
+    except ImportError as e:
+        return {**topology, "no_gpu_reason": f"nvidia-ml-py is not installed: {e}"}
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as e:
+        return {**topology, "no_gpu_reason": f"NVML is not available: {e}"}
+    try:
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        topology["host"]["driver_version"] = _text(_query(nvml, "nvmlSystemGetDriverVersion"))
+        topology["gpus"] = [_gpu(nvml, i, handle) for i, handle in enumerate(handles)]
+        topology["p2p"] = _matrix(handles, lambda a, b: _p2p_status(nvml, a, b))
+        topology["topology"] = _matrix(handles, lambda a, b: _topology_level(nvml, a, b))
+    finally:
+        nvml.nvmlShutdown()
+    if not handles:
+        topology["no_gpu_reason"] = "NVML found no GPU"
+    return topology
+
+
+def _query(nvml, function: str, *args):
+    """One NVML call, or None where this GPU, driver or binding does not support it."""
+    fn = getattr(nvml, function, None)
+    if fn is None:
+        return None
+    try:
+        return fn(*args)
+    except nvml.NVMLError:
+        return None
+
+
+def _host() -> dict:
+    # On some VMs memory is added as it is used, so this can read low; the user can edit the written file.
+    return {"memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "num_cpus": os.cpu_count(),
+            "driver_version": None}
+
+
+def _gpu(nvml, index: int, handle) -> dict:
+    numa_node = _query(nvml, "nvmlDeviceGetNumaNodeId", handle)
+    num_words = -(-(os.cpu_count() or 1) // 64)
+    return {
+        "index": index,
+        "name": _text(nvml.nvmlDeviceGetName(handle)),
+        "memory_bytes": int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
+        "pcie": {"generation": _query(nvml, "nvmlDeviceGetCurrPcieLinkGeneration", handle),
+                 "max_generation": _query(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", handle),
+                 "width": _query(nvml, "nvmlDeviceGetCurrPcieLinkWidth", handle),
+                 "max_width": _query(nvml, "nvmlDeviceGetMaxPcieLinkWidth", handle)},
+        "num_nvlinks": _num_nvlinks(nvml, handle),
+        "numa_node": numa_node if numa_node is not None and numa_node >= 0 else None,
+        "cpu_affinity": _cpu_list(_query(nvml, "nvmlDeviceGetCpuAffinity", handle, num_words)),
+        "num_sms": getattr(_query(nvml, "nvmlDeviceGetAttributes", handle), "multiprocessorCount", None),
+    }
+
+
+def _num_nvlinks(nvml, handle) -> int:
+    states = [_query(nvml, "nvmlDeviceGetNvLinkState", handle, link) for link in range(nvml.NVML_NVLINK_MAX_LINKS)]
+    return sum(state == nvml.NVML_FEATURE_ENABLED for state in states)
+
+
+def _p2p_status(nvml, a, b) -> str | None:
+    """NVML's P2P read status between two GPUs ("ok", or why not); None where NVML cannot tell."""
+    index = getattr(nvml, "NVML_P2P_CAPS_INDEX_READ", 0)
+    index = index[0] if isinstance(index, tuple) else index  # nvidia-ml-py 13 defines it as (0,), a stray comma
+    status = _query(nvml, "nvmlDeviceGetP2PStatus", a, b, index)
+    if status is None:
+        return None
+    names = {nvml.NVML_P2P_STATUS_OK: "ok", nvml.NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED: "chipset not supported",
+             nvml.NVML_P2P_STATUS_GPU_NOT_SUPPORTED: "GPU not supported",
+             nvml.NVML_P2P_STATUS_IOH_TOPOLOGY_NOT_SUPPORTED: "IOH topology not supported",
+             nvml.NVML_P2P_STATUS_DISABLED_BY_REGKEY: "disabled by regkey",
+             nvml.NVML_P2P_STATUS_NOT_SUPPORTED: "not supported"}
+    return names.get(status, "unknown")
+
+
+def _topology_level(nvml, a, b) -> str | None:
+    """The closest common ancestor of two GPUs on the PCIe tree; None where NVML cannot tell."""
+    level = _query(nvml, "nvmlDeviceGetTopologyCommonAncestor", a, b)
+    names = {nvml.NVML_TOPOLOGY_INTERNAL: "same board", nvml.NVML_TOPOLOGY_SINGLE: "single PCIe switch",
+             nvml.NVML_TOPOLOGY_MULTIPLE: "multiple PCIe switches", nvml.NVML_TOPOLOGY_HOSTBRIDGE: "host bridge",
+             nvml.NVML_TOPOLOGY_NODE: "NUMA node", nvml.NVML_TOPOLOGY_SYSTEM: "system"}
+    return None if level is None else names.get(level, f"level {level}")
+
+
+def _matrix(handles: list, value) -> list[list]:
+    return [[None if i == j else value(a, b) for j, b in enumerate(handles)] for i, a in enumerate(handles)]
+
+
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _cpu_list(words) -> str | None:
+    """NVML's CPU affinity bit mask (64-bit words) as a list of ranges, like "0-31,64-95"."""
+    if words is None:
+        return None
+    spans: list[list[int]] = []
+    for cpu in (64 * i + bit for i, word in enumerate(words) for bit in range(64) if int(word) >> bit & 1):
+        if spans and cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or None
+
+
+def profile_json(topology: dict) -> dict:
+    """A hwprofile (the schema of hwprofiles/*.json) for the detected machine: the nearest shipped profile with
+    what was detected written over it, and the raw topology under the extra top-level key `detected`."""
+    if not topology["gpus"]:
+        return _cpu_profile(topology)
+    gpus = topology["gpus"]
+    base, match = _base_profile(gpus[0]["name"], gpus[0]["memory_bytes"])
+    data = copy.deepcopy(hwprofiles.load(base))
+    fields = _write_detected(data, topology)
+    kinds = sorted({g["name"] for g in gpus})
+    mixed = f"; the GPUs are of {len(kinds)} kinds, so the profile takes the smallest memory and PCIe link" \
+        if len(kinds) > 1 else ""
+    data["name"] = f"detected-{base}"
+    data["source"] = (
+        f"detected by `fastml profile` on {topology['date']}: {', '.join(fields)}; the raw NVML topology is under "
+        f"`detected`{mixed}. Not measured on this machine but taken from shipped profile {base!r} ({match}): every "
+        f"rate (peak FLOP/s, GEMM efficiency, HBM, PCIe, NVLink, host, collectives), price and power. "
+        f"Source of {base!r}: {data['source']}")
+    data["detected"] = {**topology, "base_profile": base, "base_match": match}
+    return data
+
+
+def _base_profile(device_name: str, memory_bytes: int) -> tuple[str, str]:
+    """The shipped profile listing this GPU name, else the GPU profile nearest in memory; and how it was chosen."""
+    named = hwprofiles.for_device_name(device_name)
+    if named:
+        return named, f"its device_names list {device_name!r}"
+    candidates = [n for n in hwprofiles.names() if hwprofiles.load(n)["gpu"]["memory_bytes"] > 0]
+    if not candidates:
+        fail("profile", "no shipped GPU profile to start from")
+    nearest = min(candidates, key=lambda n: abs(hwprofiles.load(n)["gpu"]["memory_bytes"] - memory_bytes))
+    return nearest, f"nearest in GPU memory: no shipped profile lists {device_name!r}"
+
+
+def _write_detected(data: dict, topology: dict) -> list[str]:
+    """Writes the detected values over `data`; returns the dotted names of the fields written."""
+    gpus, gpu, node = topology["gpus"], data["gpu"], data["node"]
+    data["device_names"] = sorted({g["name"] for g in gpus})
+    gpu["memory_bytes"] = min(g["memory_bytes"] for g in gpus)
+    node["gpus_per_node"] = len(gpus)
+    node["host_memory_bytes"] = topology["host"]["memory_bytes"]
+    fields = ["name", "device_names", "gpu.memory_bytes", "node.gpus_per_node", "node.host_memory_bytes"]
+    if len(gpus) > 1:
+        # A pair NVML cannot tell about counts as no P2P: the planner then routes collectives through the host.
+        pairs = [s for i, row in enumerate(topology["p2p"]) for j, s in enumerate(row) if i != j]
+        gpu["p2p"] = all(s == "ok" for s in pairs)
+        fields.append("gpu.p2p (P2P read OK between every pair)")
+    for key, detected in (("generation", "max_generation"), ("lanes", "max_width")):
+        values = [g["pcie"][detected] for g in gpus]
+        if None not in values:
+            gpu.setdefault("pcie", {})[key] = min(values)
+            fields.append(f"gpu.pcie.{key} (the link's maximum)")
+    return fields
+
+
+def _cpu_profile(topology: dict) -> dict:
+    """The shipped `cpu` profile with the host's memory, and zeros (unknown) where load_machine needs a number."""
+    data = copy.deepcopy(hwprofiles.load("cpu"))
+    node = data.setdefault("node", {})
+    node.setdefault("gpus_per_node", 1)
+    node["host_memory_bytes"] = topology["host"]["memory_bytes"]
+    for key in ("h2d_all_gpus_bytes_per_s", "cpu_adam_params_per_s", "host_copy_bytes_per_s", "nic_bytes_per_s"):
+        node.setdefault(key, 0)
+    data.setdefault("collectives", {"latency_s": 0, "bus_bytes_per_s": {}})
+    data.setdefault("price", {"usd_per_gpu_hour": 0, "source": "no GPU: not priced"})
+    data.setdefault("power", {"watts_per_gpu": 0, "source": "no GPU"})
+    data["name"] = "detected-cpu"
+    data["source"] = (
+        f"no CUDA GPU found ({topology['no_gpu_reason']}); detected by `fastml profile` on {topology['date']}: "
+        f"node.host_memory_bytes, and {topology['host']['num_cpus']} CPUs (under `detected`). The rest is shipped "
+        f"profile 'cpu', with 0 (unknown) for the rates it has none of. Source of 'cpu': {data['source']}")
+    data["detected"] = {**topology, "base_profile": "cpu", "base_match": "no CUDA GPU"}
+    return data
+
+
+def print_topology(topology: dict, console: Console) -> None:
+    host = topology["host"]
+    driver = f", NVIDIA driver {host['driver_version']}" if host.get("driver_version") else ""
+    console.print(f"host: {host['num_cpus']} CPUs, {host['memory_bytes'] / 2**30:.1f} GiB memory{driver}")
+    if not topology["gpus"]:
+        console.print(f"no CUDA GPU found ({topology['no_gpu_reason']})")
+        return
+    console.print(_gpu_table(topology["gpus"]))
+    if len(topology["gpus"]) > 1:
+        console.print(_pair_table(topology))
+        legend = ", ".join(f"{short} {name}" for name, short in _SHORT_LEVEL.items())
+        console.print(f"P2P: ok, no or ? (unknown); common ancestor: {legend}")
+
+
+def _gpu_table(gpus: list[dict]) -> Table:
+    table = Table("GPU", "name", "memory GiB", "PCIe (max)", "NVLink links", "NUMA", "CPUs", "SMs", title="GPUs")
+    for g in gpus:
+        pcie = g["pcie"]
+        link = f"gen{_or_unknown(pcie['max_generation'])} x{_or_unknown(pcie['max_width'])}"
+        if (pcie["generation"], pcie["width"]) != (pcie["max_generation"], pcie["max_width"]):
+            link += f" (now gen{_or_unknown(pcie['generation'])} x{_or_unknown(pcie['width'])})"
+        table.add_row(str(g["index"]), g["name"], f"{g['memory_bytes'] / 2**30:.1f}", link, str(g["num_nvlinks"]),
+                      _or_unknown(g["numa_node"]), _or_unknown(g["cpu_affinity"]), _or_unknown(g["num_sms"]))
+    return table
+
+
+def _pair_table(topology: dict) -> Table:
+    n = len(topology["gpus"])
+    table = Table("", *(f"GPU {j}" for j in range(n)), title="P2P read / closest common ancestor")
+    for i in range(n):
+        cells = ["-" if i == j else f"{_p2p_mark(topology['p2p'][i][j])} "
+                 f"{_SHORT_LEVEL.get(topology['topology'][i][j], _or_unknown(topology['topology'][i][j]))}"
+                 for j in range(n)]
+        table.add_row(f"GPU {i}", *cells)
+    return table
+
+
+def _p2p_mark(status: str | None) -> str:
+    return "?" if status is None else "ok" if status == "ok" else "no"
+
+
+def _or_unknown(value) -> str:
+    return "?" if value is None else str(value)
+
+
+def _dumps(data: dict) -> str:
+    """Indented JSON with each list of numbers or strings on one line, as in the shipped profiles."""
+    def one_line(match: re.Match) -> str:
+        try:
+            return json.dumps(json.loads(match.group()))
+        except json.JSONDecodeError:  # brackets inside a string
+            return match.group()
+    return re.sub(r"\[[^\[\]{}]*\]", one_line, json.dumps(data, indent=2)) + "\n"
+
+
+def profile(output: str | None = None, console: Console | None = None) -> dict:
+    """`fastml profile [-o FILE]`: detects the machine, prints it, writes its hwprofile JSON to `output`
+    (default hwprofile.json) and returns it."""
+    console = console or Console()
+    topology = detect_topology()
+    print_topology(topology, console)
+    data = profile_json(topology)
+    path = Path(output or DEFAULT_OUTPUT)
+    try:
+        path.write_text(_dumps(data))
+    except OSError as e:
+        fail("-o", f"cannot write {path}: {e.strerror or e}")
+    detected = data["detected"]
+    console.print(f"wrote {path}: profile {data['name']!r}; rates not measured yet, taken from shipped profile "
+                  f"{detected['base_profile']!r} ({detected['base_match']})")
+    return data

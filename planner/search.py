@@ -1,0 +1,225 @@
+"""The search over knobs: memory first (cheap, analytic), then the simulated step time of what fits.
+
+Optuna's TPE sampler explores large spaces; a space no larger than the trial budget is enumerated exhaustively
+(Optuna's brute-force sampler), so small searches are exact. Studies can live in SQLite to resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import warnings
+from dataclasses import dataclass
+
+from fastml.config import fail
+from fastml.plan import EXECUTOR_ONLY_RUNS, Knobs
+from fastml.planner.hardware import Machine
+from fastml.planner.memory import Memory, memory
+from fastml.planner.simulate import Simulation, simulate
+from fastml.spec import ModelSpec
+
+# Recompute sets worth searching; "norm" and "qkv" alone free (almost) nothing in this model (memory.py).
+RECOMPUTE_OPTIONS = ((), ("swiglu",), ("attention",), ("swiglu", "attention"), ("ffn",), ("ffn", "attention"),
+                     ("block",))
+FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+LM_HEAD_CHUNKS = (1, 2, 4, 8, 16)
+MAX_MICRO_BATCH = 64
+# Memory kept back from the plan: the CUDA context and allocator slack on the GPU, the OS and page cache on the
+# host.
+GPU_RESERVE_BYTES = 2**30
+GPU_USABLE_FRACTION = 0.97
+HOST_USABLE_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class Candidate:
+    knobs: Knobs
+    memory: Memory
+    simulation: Simulation | None
+    """None when the knobs do not fit in memory."""
+    gpu_over_bytes: int
+    host_over_bytes: int
+
+    @property
+    def feasible(self) -> bool:
+        return self.simulation is not None
+
+
+@dataclass(frozen=True)
+class Problem:
+    spec: ModelSpec
+    seq_len: int
+    global_batch_tokens: int
+    machine: Machine
+
+    @property
+    def sequences_per_gpu(self) -> int:
+        return self.global_batch_tokens // (self.seq_len * self.machine.num_gpus)
+
+    def gpu_budget(self) -> int:
+        return int(self.machine.gpu.memory_bytes * GPU_USABLE_FRACTION) - GPU_RESERVE_BYTES
+
+    def host_budget(self) -> int:
+        return int(self.machine.node.host_memory_bytes * HOST_USABLE_FRACTION)
+
+
+def knob_space(problem: Problem, runnable_only: bool, lower_precision: bool) -> dict[str, tuple]:
+    """The choices of each knob; a knob with one choice is fixed."""
+    sequences = problem.sequences_per_gpu
+    space = {
+        "micro_batch_size": tuple(m for m in range(1, min(sequences, MAX_MICRO_BATCH) + 1) if sequences % m == 0
+                                  and (m & (m - 1) == 0 or m == sequences)),
+        "recompute": RECOMPUTE_OPTIONS, "lm_head_chunks": LM_HEAD_CHUNKS, "compile": (False, True),
+    }
+    if not runnable_only:
+        space.update({name: FRACTIONS for name in ("offload_optimizer", "offload_master", "offload_gradients",
+                                                    "offload_residuals", "offload_weights")})
+        if lower_precision:
+            space["matmul_dtype"] = ("bf16", "fp8") if "fp8" in problem.machine.gpu.peak_flops else ("bf16",)
+            space["optimizer_dtype"] = space["master_dtype"] = ("fp32", "bf16")
+        if problem.machine.num_gpus > 1:
+            space.update(shard_optimizer=(False, True), shard_gradients=(False, True), shard_weights=(False, True),
+                         cache_weights_on_host=(False, True), comm=("nccl", "memcpy"))
+    return space
+
+
+def pin(space: dict[str, tuple], pins: dict) -> dict[str, tuple]:
+    """Fixes pinned knobs to one value (a pin may name a value outside the searched choices)."""
+    unknown = sorted(set(pins) - {f.name for f in dataclasses.fields(Knobs)})
+    if unknown:
+        fail(f"knobs.{unknown[0]}", "unknown knob")
+    fixed = dict(space)
+    for name, value in pins.items():
+        fixed[name] = (tuple(value) if isinstance(value, list) else value,)
+    return fixed
+
+
+def space_size(space: dict[str, tuple]) -> int:
+    return math.prod(len(choices) for choices in space.values())
+
+
+def make_knobs(problem: Problem, choice: dict) -> Knobs:
+    defaults = {f.name: f.default for f in dataclasses.fields(Knobs)}
+    values = {**defaults, **choice}
+    values["grad_accum_steps"] = problem.sequences_per_gpu // values["micro_batch_size"]
+    if not values["shard_weights"]:
+        values["cache_weights_on_host"] = False  # only gathered weights are cached
+    return Knobs(**values)
+
+
+def evaluate(problem: Problem, knobs: Knobs) -> Candidate:
+    """Memory first; only knobs that fit are simulated."""
+    m = memory(problem.spec, problem.seq_len, knobs, problem.machine.num_gpus, problem.machine.gpus_per_node)
+    gpu_over = m.gpu_total - problem.gpu_budget()
+    host_over = m.host_total - problem.host_budget()
+    sim = None
+    if gpu_over <= 0 and host_over <= 0:
+        sim = simulate(problem.spec, problem.seq_len, knobs, problem.machine)
+    return Candidate(knobs=knobs, memory=m, simulation=sim, gpu_over_bytes=gpu_over, host_over_bytes=host_over)
+
+
+def tokens_per_s(problem: Problem, candidate: Candidate) -> float:
+    return problem.global_batch_tokens / candidate.simulation.step_time_s if candidate.feasible else 0.0
+
+
+def exhaustive(problem: Problem, space: dict[str, tuple]) -> list[Candidate]:
+    """Every combination, best first: the reference the search is tested against."""
+    names = list(space)
+    candidates = {}
+    for values in itertools.product(*(space[n] for n in names)):
+        knobs = make_knobs(problem, dict(zip(names, values)))
+        candidates.setdefault(knobs, None)
+    evaluated = [evaluate(problem, k) for k in candidates]
+    return sorted(evaluated, key=lambda c: -tokens_per_s(problem, c))
+
+
+def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: str | None = None,
+           study_name: str = "fastml", seed: int = 0, on_trial=None) -> list[Candidate]:
+    """Runs the Optuna study; returns its distinct candidates, feasible ones best first."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    exhaustive_search = space_size(space) <= num_trials
+    sampler = optuna.samplers.BruteForceSampler(seed=seed) if exhaustive_search else \
+        optuna.samplers.TPESampler(seed=seed, multivariate=True)
+    study = optuna.create_study(direction="maximize", sampler=sampler, storage=storage, study_name=study_name,
+                                load_if_exists=storage is not None)
+    encoded = {name: [_encode(v) for v in choices] for name, choices in space.items()}
+    seen: dict[Knobs, Candidate] = {}
+    if not exhaustive_search:
+        for candidate in [*_core_leaders(problem, space), *_relaxations(problem, space)]:
+            seen[candidate.knobs] = candidate
+            study.enqueue_trial({n: _encode(getattr(candidate.knobs, n)) for n in space}, skip_if_exists=True)
+
+    def objective(trial) -> float:
+        choice = {name: _decode(trial.suggest_categorical(name, options)) for name, options in encoded.items()}
+        knobs = make_knobs(problem, choice)
+        if knobs not in seen:
+            seen[knobs] = evaluate(problem, knobs)
+        if on_trial:
+            on_trial()
+        return tokens_per_s(problem, seen[knobs])
+
+    study.optimize(objective, n_trials=num_trials)
+    for trial in study.trials:  # trials of an earlier session of a resumed study
+        if trial.params and set(trial.params) == set(encoded):
+            knobs = make_knobs(problem, {n: _decode(v) for n, v in trial.params.items()})
+            seen.setdefault(knobs, None)
+    ranked = [c or evaluate(problem, k) for k, c in seen.items()]
+    return sorted(ranked, key=lambda c: -tokens_per_s(problem, c))
+
+
+CORE_KNOBS = ("micro_batch_size", "recompute", "lm_head_chunks", "compile")
+
+
+def _core_leaders(problem: Problem, space: dict[str, tuple], count: int = 5) -> list[Candidate]:
+    """The best few plans that offload, shard and lower nothing (every other knob at its first choice), found
+    exhaustively: a cheap, strong start for the sampler, which would seldom draw all those knobs at zero."""
+    core = {n: (c if n in CORE_KNOBS else c[:1]) for n, c in space.items()}
+    if space_size(core) > 2000:
+        return []
+    return [c for c in exhaustive(problem, core)[:count] if c.feasible]
+
+
+def smallest_choice(space: dict[str, tuple]) -> dict:
+    """Per knob, the choice that needs the least GPU memory: offload and shard everything, recompute blocks,
+    the smallest micro-batch, the most LM-head chunks, the narrowest dtypes."""
+    def least(name, choices):
+        if name == "recompute":
+            return ("block",) if ("block",) in choices else choices[0]
+        if name == "micro_batch_size":
+            return min(choices)
+        if name == "cache_weights_on_host":
+            return False if False in choices else choices[0]
+        if isinstance(choices[0], (bool, int, float)):
+            return max(choices)
+        return choices[-1]  # dtypes are listed widest first; comm choices hold no memory of their own
+    return {name: least(name, choices) for name, choices in space.items()}
+
+
+def _relaxations(problem: Problem, space: dict[str, tuple]) -> list[Candidate]:
+    """The smallest plan, then each single knob changed from it that still fits: feasible footholds in spaces
+    where a random draw almost never fits (a large model on small GPUs)."""
+    smallest = smallest_choice(space)
+    found = [evaluate(problem, make_knobs(problem, smallest))]
+    for name, choices in space.items():
+        for value in choices:
+            if value != smallest[name]:
+                found.append(evaluate(problem, make_knobs(problem, {**smallest, name: value})))
+    return sorted((c for c in found if c.feasible), key=lambda c: -tokens_per_s(problem, c))[:10]
+
+
+def _encode(value):
+    # Optuna's categorical choices must be None, bool, int, float or str: recompute sets travel as strings.
+    return ",".join(value) if isinstance(value, tuple) else value
+
+
+def _decode(value):
+    return tuple(v for v in value.split(",") if v) if isinstance(value, str) and value not in (
+        "bf16", "fp8", "fp32", "nccl", "memcpy") else value
+
+
+def runnable_pins() -> dict:
+    return dict(EXECUTOR_ONLY_RUNS)

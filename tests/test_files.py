@@ -1,0 +1,65 @@
+"""Tests of executor/files.py: atomic directory replacement, its races and fsyncs, and JSON reading."""
+
+from pathlib import Path
+
+import pytest
+
+from fastml.config import UserError
+from fastml.executor import files
+from fastml.executor.files import read_json_object, write_dir_atomically
+
+
+def is_ours(directory: Path) -> bool:
+    return (directory / "ours").is_file()
+
+
+def write_file(name: str, text: str):
+    def write(tmp: Path) -> str:
+        (tmp / name).write_text(text)
+        return text
+    return write
+
+
+def rival_publishes(out: Path, name: str):
+    """A write() during which another process publishes its own directory at `out`: our rename then loses."""
+    def write(tmp: Path) -> None:
+        out.mkdir()
+        (out / name).write_text("theirs")
+        (tmp / "ours").write_text("mine")
+    return write
+
+
+@pytest.mark.parametrize("keep_existing,expected", [(True, "theirs"), (False, "mine")])
+def test_losing_rename_keeps_or_replaces_ours(tmp_path, keep_existing, expected):
+    write_dir_atomically(tmp_path / "out", rival_publishes(tmp_path / "out", "ours"), is_ours, "ours", keep_existing)
+    assert (tmp_path / "out" / "ours").read_text() == expected
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # neither the temporary nor the old directory is left
+
+
+def test_refuses_to_replace_what_is_not_ours(tmp_path):
+    with pytest.raises(UserError, match="out: exists and is not a thing of ours; refusing to replace it"):
+        write_dir_atomically(tmp_path / "out", rival_publishes(tmp_path / "out", "notes"), is_ours, "a thing of ours")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes"]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="file: exists and is not a directory"):
+        write_dir_atomically(tmp_path / "file", write_file("ours", ""), is_ours, "ours")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]
+
+
+def test_files_temporary_dir_and_parent_are_fsynced(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(files, "fsync", synced.append)
+    assert write_dir_atomically(tmp_path / "new" / "out", write_file("ours", "x"), is_ours, "ours") == "x"
+    tmp = synced[1]
+    assert synced == [tmp / "ours", tmp, tmp_path / "new"] and tmp.name.startswith(".out.tmp-")
+
+
+def test_read_json_object_errors_are_one_line(tmp_path):
+    for text, message in [(None, "missing"), ("{", "not valid JSON"), ("[1]", "expected a JSON object, got list")]:
+        if text is not None:
+            (tmp_path / "x.json").write_text(text)
+        with pytest.raises(UserError, match=f"x.json: {message}") as error:
+            read_json_object(tmp_path / "x.json")
+        assert "\n" not in str(error.value)
+    (tmp_path / "x.json").write_text('{"a": 1}')
+    assert read_json_object(tmp_path / "x.json") == {"a": 1}

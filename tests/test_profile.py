@@ -1,0 +1,222 @@
+"""`fastml profile`: topology detection through a fake NVML, the hwprofile it writes, and the real detection."""
+
+import io
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+from rich.console import Console
+
+from fastml import hwprofiles
+from fastml.planner.hardware import load_machine
+from fastml.planner.profile import detect_topology, print_topology, profile, profile_json
+
+RTX4090 = "NVIDIA GeForce RTX 4090"
+RTX4090_MEMORY_BYTES = 24564 * 2**20
+H200_MEMORY_BYTES = 143771 * 2**20
+
+
+def fake_nvml(gpus: list[dict], p2p_status: int | None, level) -> types.ModuleType:
+    """A stand-in for pynvml. Each GPU dict: name, memory_bytes, pcie (gen, max_gen, width, max_width),
+    num_nvlinks, and numa/affinity/num_sms, None where the fake says "not supported"; p2p_status None leaves the
+    binding without nvmlDeviceGetP2PStatus; level(i, j) is the common ancestor, None for "not supported"."""
+    nvml = types.ModuleType("pynvml")
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_NotSupported(NVMLError):
+        pass
+
+    class NVMLError_InvalidArgument(NVMLError):
+        pass
+
+    def supported(value):
+        if value is None:
+            raise NVMLError_NotSupported("Not Supported")
+        return value
+
+    def nvlink_state(handle, link):
+        if gpus[handle]["num_nvlinks"] == 0:
+            raise NVMLError_NotSupported("Not Supported")
+        if link >= 18:
+            raise NVMLError_InvalidArgument("Invalid Argument")
+        return int(link < gpus[handle]["num_nvlinks"])
+
+    def affinity(handle, num_words):
+        return [*supported(gpus[handle]["affinity"]), *[0] * num_words][:num_words]
+
+    nvml.__dict__.update(
+        NVMLError=NVMLError, NVML_NVLINK_MAX_LINKS=36, NVML_FEATURE_ENABLED=1,
+        NVML_P2P_CAPS_INDEX_READ=(0,),  # a tuple, as nvidia-ml-py 13 defines it
+        NVML_P2P_STATUS_OK=0, NVML_P2P_STATUS_CHIPSET_NOT_SUPPORTED=1, NVML_P2P_STATUS_GPU_NOT_SUPPORTED=2,
+        NVML_P2P_STATUS_IOH_TOPOLOGY_NOT_SUPPORTED=3, NVML_P2P_STATUS_DISABLED_BY_REGKEY=4,
+        NVML_P2P_STATUS_NOT_SUPPORTED=5, NVML_TOPOLOGY_INTERNAL=0, NVML_TOPOLOGY_SINGLE=10,
+        NVML_TOPOLOGY_MULTIPLE=20, NVML_TOPOLOGY_HOSTBRIDGE=30, NVML_TOPOLOGY_NODE=40, NVML_TOPOLOGY_SYSTEM=50,
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: len(gpus),
+        nvmlDeviceGetHandleByIndex=lambda i: i, nvmlSystemGetDriverVersion=lambda: "580.159.04",
+        nvmlDeviceGetName=lambda h: gpus[h]["name"],
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=gpus[h]["memory_bytes"], used=0),
+        nvmlDeviceGetCurrPcieLinkGeneration=lambda h: gpus[h]["pcie"][0],
+        nvmlDeviceGetMaxPcieLinkGeneration=lambda h: gpus[h]["pcie"][1],
+        nvmlDeviceGetCurrPcieLinkWidth=lambda h: gpus[h]["pcie"][2],
+        nvmlDeviceGetMaxPcieLinkWidth=lambda h: gpus[h]["pcie"][3],
+        nvmlDeviceGetNvLinkState=nvlink_state, nvmlDeviceGetCpuAffinity=affinity,
+        nvmlDeviceGetNumaNodeId=lambda h: supported(gpus[h]["numa"]),
+        nvmlDeviceGetAttributes=lambda h: types.SimpleNamespace(multiprocessorCount=supported(gpus[h]["num_sms"])),
+        nvmlDeviceGetTopologyCommonAncestor=lambda a, b: supported(level(a, b)))
+    if p2p_status is not None:
+        nvml.nvmlDeviceGetP2PStatus = lambda a, b, index: p2p_status if index == 0 else supported(None)
+    return nvml
+
+
+def rtx4090s(name=RTX4090, memory_bytes=RTX4090_MEMORY_BYTES):
+    """Four consumer cards on two CPU sockets, no NVLink, no NUMA or affinity reported, idle links at gen1."""
+    return [dict(name=name, memory_bytes=memory_bytes, pcie=(1, 4, 16, 16), num_nvlinks=0, numa=None,
+                 affinity=None, num_sms=None) for _ in range(4)]
+
+
+def h200s():
+    return [dict(name="NVIDIA H200", memory_bytes=H200_MEMORY_BYTES, pcie=(5, 5, 16, 16), num_nvlinks=18, numa=i,
+                 affinity=[0xFFFFFFFF << 32 * i], num_sms=132) for i in range(2)]
+
+
+def socket_level(a, b):
+    return 40 if a // 2 == b // 2 else 50
+
+
+def use(monkeypatch, nvml):
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    return detect_topology()
+
+
+def printed(topology) -> str:
+    out = io.StringIO()
+    print_topology(topology, Console(file=out, width=160, color_system=None))
+    return out.getvalue()
+
+
+def write_and_load(tmp_path, data):
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(data))
+    return load_machine(str(path))
+
+
+def test_four_rtx4090s_without_p2p(monkeypatch, tmp_path):
+    topology = use(monkeypatch, fake_nvml(rtx4090s(), p2p_status=5, level=socket_level))
+    assert topology["no_gpu_reason"] is None and topology["host"]["driver_version"] == "580.159.04"
+    assert [g["index"] for g in topology["gpus"]] == [0, 1, 2, 3]
+    assert topology["gpus"][0] == {
+        "index": 0, "name": RTX4090, "memory_bytes": RTX4090_MEMORY_BYTES,
+        "pcie": {"generation": 1, "max_generation": 4, "width": 16, "max_width": 16},
+        "num_nvlinks": 0, "numa_node": None, "cpu_affinity": None, "num_sms": None}
+    assert topology["p2p"][0] == [None, "not supported", "not supported", "not supported"]
+    assert topology["topology"][0] == [None, "NUMA node", "system", "system"]
+
+    data = profile_json(topology)
+    machine = write_and_load(tmp_path, data)
+    assert machine.gpu.p2p is False and machine.node.gpus_per_node == 4 and machine.num_gpus == 4
+    assert machine.gpu.memory_bytes == RTX4090_MEMORY_BYTES
+    assert machine.node.host_memory_bytes == topology["host"]["memory_bytes"] > 0
+    assert data["gpu"]["pcie"]["generation"] == 4 and data["gpu"]["pcie"]["lanes"] == 16
+    assert data["device_names"] == [RTX4090] and data["detected"]["gpus"] == topology["gpus"]
+    base = hwprofiles.for_device_name(RTX4090)
+    if base is not None:
+        assert data["detected"]["base_profile"] == base and machine.profile == f"detected-{base}"
+        assert machine.gpu.peak_flops == hwprofiles.load(base)["gpu"]["peak_flops"]
+    else:  # no shipped RTX 4090 profile yet: the nearest-memory fallback, tested on its own below
+        assert "nearest in GPU memory" in data["detected"]["base_match"]
+    assert "gpu.p2p" in data["source"] and "Not measured on this machine" in data["source"]
+
+    text = printed(topology)
+    assert text.count(RTX4090) == 4 and "24.0" in text and "gen4 x16 (now gen1 x16)" in text
+    assert "no NODE" in text and "no SYS" in text and "driver 580.159.04" in text
+
+
+def test_two_h200s_with_nvlink_and_p2p(monkeypatch, tmp_path):
+    topology = use(monkeypatch, fake_nvml(h200s(), p2p_status=0, level=lambda a, b: 50))
+    assert [(g["num_nvlinks"], g["numa_node"], g["cpu_affinity"], g["num_sms"]) for g in topology["gpus"]] == \
+        [(18, 0, "0-31", 132), (18, 1, "32-63", 132)]
+    assert topology["p2p"] == [[None, "ok"], ["ok", None]]
+    assert topology["topology"] == [[None, "system"], ["system", None]]
+
+    data = profile_json(topology)
+    machine = write_and_load(tmp_path, data)
+    assert data["detected"]["base_profile"] == "h200" and machine.profile == "detected-h200"
+    assert machine.gpu.p2p is True and machine.node.gpus_per_node == 2
+    assert machine.gpu.memory_bytes == H200_MEMORY_BYTES
+    assert machine.gpu.nvlink_bytes_per_s == hwprofiles.load("h200")["gpu"]["nvlink_bytes_per_s"]
+    assert "its device_names list 'NVIDIA H200'" in data["source"]
+
+    text = printed(topology)
+    assert "gen5 x16" in text and "(now" not in text and "ok SYS" in text and "0-31" in text
+
+
+def test_unknown_gpu_starts_from_the_profile_nearest_in_memory(monkeypatch, tmp_path):
+    topology = use(monkeypatch, fake_nvml(rtx4090s("Acme X1", H200_MEMORY_BYTES), p2p_status=0,
+                                          level=socket_level))
+    data = profile_json(topology)
+    base = data["detected"]["base_profile"]
+    assert hwprofiles.load(base)["gpu"]["memory_bytes"] == hwprofiles.load("h200")["gpu"]["memory_bytes"]
+    assert "nearest in GPU memory: no shipped profile lists 'Acme X1'" in data["source"]
+    assert data["device_names"] == ["Acme X1"] and data["name"] == f"detected-{base}"
+    assert write_and_load(tmp_path, data).gpu.p2p is True
+
+
+def test_p2p_and_topology_nvml_cannot_report_count_as_no_p2p(monkeypatch, tmp_path):
+    topology = use(monkeypatch, fake_nvml(h200s(), p2p_status=None, level=lambda a, b: None))
+    assert topology["p2p"] == [[None, None], [None, None]] and topology["topology"] == topology["p2p"]
+    assert write_and_load(tmp_path, profile_json(topology)).gpu.p2p is False
+    assert "? ?" in printed(topology)
+
+
+def test_without_nvml_there_is_no_gpu_and_the_cpu_profile_is_written(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    data = profile(None, Console(file=out, width=160, color_system=None))
+    assert "no CUDA GPU found (nvidia-ml-py is not installed" in out.getvalue()
+    assert json.loads((tmp_path / "hwprofile.json").read_text()) == data
+    machine = load_machine("hwprofile.json")
+    assert machine.profile == "detected-cpu" and machine.gpu.memory_bytes == 0
+    assert machine.node.host_memory_bytes == data["detected"]["host"]["memory_bytes"] > 0
+    assert data["detected"]["host"]["num_cpus"] == os.cpu_count()
+
+
+def test_nvml_failing_to_start_means_no_gpu(monkeypatch):
+    nvml = fake_nvml([], p2p_status=0, level=socket_level)
+
+    def no_library():
+        raise nvml.NVMLError("NVML Shared Library Not Found")
+
+    nvml.nvmlInit = no_library
+    topology = use(monkeypatch, nvml)
+    assert topology["gpus"] == [] and "NVML Shared Library Not Found" in topology["no_gpu_reason"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path; this machine has a CUDA GPU")
+def test_real_detection_without_a_gpu(tmp_path):
+    topology = detect_topology()
+    assert topology["gpus"] == [] and topology["no_gpu_reason"]
+    data = profile(str(tmp_path / "hw.json"), Console(file=io.StringIO()))
+    assert load_machine(str(tmp_path / "hw.json")).node.host_memory_bytes == data["node"]["host_memory_bytes"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+@pytest.mark.skipif("CUDA_VISIBLE_DEVICES" in os.environ,
+                    reason="NVML sees every GPU of the machine, torch only those in CUDA_VISIBLE_DEVICES")
+def test_real_detection_on_gpus(tmp_path):
+    out = io.StringIO()
+    data = profile(str(tmp_path / "hw.json"), Console(file=out, width=160, color_system=None))
+    gpus = data["detected"]["gpus"]
+    torch_names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    assert len(gpus) == torch.cuda.device_count()
+    assert sorted(g["name"] for g in gpus) == sorted(torch_names)
+    assert all(g["memory_bytes"] >= torch.cuda.get_device_properties(0).total_memory * 0.99 for g in gpus)
+    machine = load_machine(str(tmp_path / "hw.json"))
+    assert machine.node.gpus_per_node == len(gpus) and machine.gpu.memory_bytes > 0
+    assert all(name in out.getvalue() for name in torch_names)
