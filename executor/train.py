@@ -131,8 +131,6 @@ def _peak_flops(device: torch.device) -> tuple[float | None, str]:
 
 
 def _device(plan: Plan) -> torch.device:
-    if plan.hardware.num_gpus > 1:
-        fail("hardware.num_gpus", f"{plan.hardware.num_gpus}: this executor trains on one device only so far")
     if plan.hardware.device == "cuda":
         # Segments that grow in place leave less memory stranded between differently sized blocks (read by the
         # allocator at its first use, so set before anything is allocated).
@@ -140,8 +138,9 @@ def _device(plan: Plan) -> torch.device:
         if not torch.cuda.is_available():
             fail("hardware.device", "the plan is for a GPU but none is available here; plan again on this "
                                     "machine (`fastml plan`)")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if plan.hardware.num_gpus > 1:
+        fail("hardware.num_gpus", f"{plan.hardware.num_gpus}: this executor trains on one device only so far")
+    return torch.device("cuda" if plan.hardware.device == "cuda" else "cpu")
 
 
 def _status(record: dict) -> str:

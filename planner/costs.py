@@ -116,7 +116,9 @@ def collective_s(kind: str, num_bytes: float, machine: Machine, comm: str) -> fl
 def _attention_forward_s(spec: ModelSpec, micro_batch_size: int, seq_len: int, machine: Machine,
                          dtype: str) -> float:
     flops = 2.0 * micro_batch_size * seq_len * seq_len * spec.q_size  # causal: half of 4·s²·d per head
-    size = (seq_len * seq_len * spec.head_dim) ** (1 / 3)
+    # Flash attention runs all heads and sequences at once: as efficient as one GEMM of (tokens x heads) rows,
+    # seq_len columns and head_dim depth.
+    size = (micro_batch_size * seq_len * spec.num_heads * seq_len * spec.head_dim) ** (1 / 3)
     return flops / (machine.gpu.peak_flops.get(dtype, machine.gpu.peak_flops["bf16"])
                     * machine.gpu.gemm_efficiency_at(size))
 

@@ -71,3 +71,55 @@ def test_gpu_plan_on_a_cpu_machine_is_refused(tmp_path):
     one_line_error(fastml("plan", "--device", "cuda", cwd=tmp_path), "--device", "no CUDA GPU")
     assert fastml("plan", "--set", "hardware.device=cuda", "-o", "p.json", cwd=tmp_path).returncode == 0
     one_line_error(fastml("run", "p.json", cwd=tmp_path), "hardware.device", "no")
+
+
+def test_plan_json_explain_and_trace(tmp_path):
+    result = fastml("plan", "--model", "llama-3.1-8b", "--hw", "h200", "--gpus", "1", "--trials", "60", "--json",
+                    "-o", "p.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    predicted = printed["plan"]["predicted"]
+    assert set(predicted["memory_bytes"]) == {"weights", "master_weights", "gradients", "optimizer_states",
+                                              "activations", "workspace", "comm_buffers"}
+    assert set(predicted["time_s"]) == {"compute", "recompute", "exposed_comm", "exposed_offload", "optimizer",
+                                        "other"}
+    assert predicted["usd_per_million_tokens"] > 0 and predicted["kwh_per_million_tokens"] > 0
+    assert json.loads((tmp_path / "p.json").read_text()) == printed["plan"]
+    explained = fastml("explain", "p.json", "--json", "--trace", "t.json", cwd=tmp_path)
+    assert explained.returncode == 0, explained.stderr
+    again = json.loads(explained.stdout)
+    assert again["plan"]["predicted"]["step_time_s"] == pytest.approx(predicted["step_time_s"])
+    assert again["critical_path"]
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    table = fastml("explain", "p.json", cwd=tmp_path)
+    assert table.returncode == 0 and "step time by component" in table.stdout
+
+
+def test_no_feasible_plan_is_one_line(tmp_path):
+    one_line_error(fastml("plan", "--model", "llama-3.1-70b", "--hw", "rtx4090", "--gpus", "1", "--host-mem",
+                          "64GiB", "--trials", "40", cwd=tmp_path), "no feasible plan", "host memory", "--host-mem")
+
+
+def test_several_machines_are_ranked_by_cost(tmp_path):
+    result = fastml("plan", "--model", "tinyllama-1.1b", "--hw", "h200,h100-sxm,rtx4090", "--gpus", "1",
+                    "--trials", "40", "-o", "p.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "ranked by cost per million tokens" in result.stdout
+    for name in ("h200", "h100-sxm", "rtx4090"):
+        assert name in result.stdout
+
+
+def test_a_plan_for_other_hardware_does_not_run_here(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert fastml("plan", "--model", "tiny", "--hw", "h200", "--trials", "20", "-o", "p.json",
+                  cwd=tmp_path).returncode == 0
+    one_line_error(fastml("run", "p.json", "--steps", "1", cwd=tmp_path), "hardware.device")
+
+
+def test_profile_writes_a_loadable_profile(tmp_path):
+    result = fastml("profile", "-o", "hw.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "hw.json").read_text())["name"]
+    assert fastml("plan", "--hw", "hw.json", "-o", "p.json", cwd=tmp_path).returncode == 0
