@@ -7,6 +7,7 @@ and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -69,7 +70,6 @@ def cmd_explain(args: argparse.Namespace) -> None:
         raise UserError(f"{args.plan}: these knobs do not fit in memory on {plan.hardware.profile} "
                         f"(GPU over by {candidate.gpu_over_bytes / 2**30:.1f} GiB, host over by "
                         f"{candidate.host_over_bytes / 2**30:.1f} GiB)")
-    import dataclasses
     plan = dataclasses.replace(plan, predicted=predicted(problem, candidate))
     if args.trace:
         Path(args.trace).write_text(json.dumps(chrome_trace(candidate.simulation)))

@@ -12,7 +12,8 @@ from fastml import hwprofiles
 from fastml.config import UserError, check_range, fail, from_dict
 from fastml.plan import Hardware, Knobs, Plan, Predicted, Training, with_overrides
 from fastml.planner.hardware import has_gpu, load_machine
-from fastml.planner.search import Candidate, Problem, evaluate, knob_space, pin, search, space_size
+from fastml.planner.search import (HOST_USABLE_FRACTION, Candidate, Problem, evaluate, knob_space, make_knobs,
+                                   pin, search, smallest_choice)
 from fastml.spec import ModelSpec, resolve_model
 
 TINY_SEQ_LEN = 256
@@ -62,7 +63,7 @@ def make_plan(model: str = "tiny", seq_len: int | None = None, global_batch_toke
         if feasible:
             plans = [_assemble(problem, c, steps, data, here) for c in feasible[:4]]
             return Planned(with_overrides(plans[0], other), plans[1:], lower)
-    raise NoFeasiblePlan(infeasible_message(problem, ranked, space))
+    raise NoFeasiblePlan(infeasible_message(problem, space))
 
 
 def replan(plan: Plan) -> tuple[Candidate, Problem]:
@@ -88,23 +89,26 @@ def predicted(problem: Problem, candidate: Candidate) -> Predicted:
         kwh_per_million_tokens=machine.watts_per_gpu * machine.num_gpus / 1000 * hours_per_million)
 
 
-def infeasible_message(problem: Problem, ranked: list[Candidate], space: dict) -> str:
-    """What does not fit, by how much, and what would make it fit."""
+def infeasible_message(problem: Problem, space: dict) -> str:
+    """What does not fit, by how much, and what would make it fit: judged on the plan that needs the least GPU
+    memory (everything offloaded, sharded and recomputed that the space allows)."""
     m, spec = problem.machine, problem.spec
-    best = min(ranked, key=lambda c: max(c.gpu_over_bytes / problem.gpu_budget(),
-                                        c.host_over_bytes / max(1, problem.host_budget())))
+    smallest = evaluate(problem, make_knobs(problem, smallest_choice(space)))
     parts = []
-    if best.gpu_over_bytes > 0:
-        parts.append(f"GPU memory: the smallest plan needs {_gib(best.memory.gpu_total)} per GPU, "
-                     f"{_gib(best.gpu_over_bytes)} more than the {_gib(problem.gpu_budget())} usable on {m.profile}")
-    if best.host_over_bytes > 0:
-        parts.append(f"host memory: it needs {_gib(best.memory.host_total)} per node, {_gib(best.host_over_bytes)} "
-                     f"more than the {_gib(problem.host_budget())} usable")
-    hints = [f"--host-mem {_gib(best.memory.host_total / 0.9)}"] if best.host_over_bytes > 0 else []
-    hints.append(f"more GPUs (--gpus/--nodes; sharding needs several)")
+    if smallest.gpu_over_bytes > 0:
+        parts.append(f"GPU memory: the smallest plan needs {_gib(smallest.memory.gpu_total)} per GPU, "
+                     f"{_gib(smallest.gpu_over_bytes)} more than the {_gib(problem.gpu_budget())} usable on "
+                     f"{m.profile}")
+    if smallest.host_over_bytes > 0:
+        parts.append(f"host memory: it needs {_gib(smallest.memory.host_total)} per node, "
+                     f"{_gib(smallest.host_over_bytes)} more than the {_gib(problem.host_budget())} usable")
+    hints = [f"--host-mem {_gib(smallest.memory.host_total / HOST_USABLE_FRACTION)}"] \
+        if smallest.host_over_bytes > 0 else []
+    hints.append("more GPUs (--gpus/--nodes: sharding spreads the model states)")
     if problem.seq_len > 256:
         hints.append(f"a shorter sequence (--seq {problem.seq_len // 2})")
-    return (f"no feasible plan for {spec.name} (seq {problem.seq_len}) on {m.num_gpus} x {m.profile}: "
+    lower = " even with fp8 matmuls and bf16 optimizer states" if len(space.get("optimizer_dtype", ())) > 1 else ""
+    return (f"no feasible plan for {spec.name} (seq {problem.seq_len}) on {m.num_gpus} x {m.profile}{lower}: "
             f"{'; '.join(parts)}. It might fit with: {', or '.join(hints)}")
 
 
