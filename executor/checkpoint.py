@@ -12,6 +12,7 @@ crash never leaves a half-written checkpoint under the real name.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from pathlib import Path
 
@@ -288,27 +289,40 @@ def _describes(base_config: dict | None, spec: ModelSpec) -> bool:
 
 # ---- fastml checkpoints -------------------------------------------------------------------------------------
 
-def save_checkpoint(directory, spec: ModelSpec, state_dict: dict, extra: dict | None = None) -> None:
-    """Writes a fastml checkpoint atomically. `extra` (JSON values) goes into fastml.json next to the spec.
+def save_checkpoint(directory, spec: ModelSpec, state_dict: dict, extra: dict | None = None,
+                    tensor_files: dict[str, dict] | None = None, after_each_file=None) -> None:
+    """Writes a fastml checkpoint atomically: model.safetensors, any further safetensors files (name -> tensors,
+    e.g. optimizer state), and fastml.json with the spec, `extra` (JSON values) and a SHA-256 per file.
 
     An existing directory is replaced only if it is empty or a fastml checkpoint."""
     _check_state_dict(spec, state_dict, "state_dict")
     meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "model": to_dict(spec)}
-    clash = sorted(set(extra or {}) & set(meta))
+    clash = sorted(set(extra or {}) & (set(meta) | {"files"}))
     if clash:
         fail("save_checkpoint", f"extra key {clash[0]!r} is reserved")
     meta.update(extra or {})
-    text = json.dumps(meta, indent=2)  # before any file is written: a value that is not JSON fails here
+    json.dumps(meta)  # before any file is written: a value that is not JSON fails here
 
     def write(tmp: Path) -> None:
-        _write_safetensors(state_dict, tmp / MODEL_FILE)
-        (tmp / META_FILE).write_text(text)
+        checksums = {}
+        for name, tensors in {MODEL_FILE: state_dict, **(tensor_files or {})}.items():
+            _write_safetensors(tensors, tmp / name)
+            checksums[name] = _sha256(tmp / name)
+            if after_each_file:
+                after_each_file()
+        (tmp / META_FILE).write_text(json.dumps({**meta, "files": checksums}, indent=2))
 
-    write_dir_atomically(directory, write, lambda d: (d / META_FILE).is_file(), "a fastml checkpoint")
+    write_dir_atomically(directory, write, _is_checkpoint, "a fastml checkpoint")
+
+
+def _is_checkpoint(directory: Path) -> bool:
+    """One of ours, or what is left of one (a damaged checkpoint may be replaced): only our kinds of files."""
+    return all(p.is_file() and (p.name == META_FILE or p.suffix == ".safetensors") for p in directory.iterdir())
 
 
 def load_checkpoint(directory) -> tuple[ModelSpec, dict, dict]:
-    """(spec, state dict, the whole fastml.json) of a checkpoint written by `save_checkpoint`."""
+    """(spec, state dict, the whole fastml.json) of a checkpoint written by `save_checkpoint`, after checking
+    that every file it lists is there, whole and unchanged."""
     directory = Path(directory)
     meta_path = directory / META_FILE
     if not meta_path.is_file():
@@ -325,9 +339,34 @@ def load_checkpoint(directory) -> tuple[ModelSpec, dict, dict]:
         spec = from_dict(ModelSpec, meta["model"], "model")
     except UserError as e:
         raise UserError(f"{meta_path}: {e}") from None
+    _verify_files(directory, meta.get("files", {MODEL_FILE: None}))
     state = _read_safetensors(directory / MODEL_FILE)
     _check_state_dict(spec, state, str(directory / MODEL_FILE))
     return spec, state, meta
+
+
+def load_tensor_file(directory, name: str) -> dict:
+    """Another safetensors file of a checkpoint (already verified by `load_checkpoint`)."""
+    return _read_safetensors(Path(directory) / name)
+
+
+def _verify_files(directory: Path, checksums: dict) -> None:
+    if not isinstance(checksums, dict):
+        fail(str(directory / META_FILE), "'files' must map file names to SHA-256 digests")
+    for name, digest in checksums.items():
+        path = directory / name
+        if Path(name).name != name or not path.is_file():
+            fail(str(path), "missing from the checkpoint")
+        if digest is not None and _sha256(path) != digest:
+            fail(str(path), "checksum mismatch: the file was truncated or changed after it was written")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 # ---- conversion -------------------------------------------------------------------------------------------
@@ -354,7 +393,7 @@ def convert_to_hf(ckpt_dir, hf_dir, max_shard_bytes: int = 5 * 2**30) -> ModelSp
 
 def _write_safetensors(tensors: dict, path: Path) -> None:
     # "format": "pt" is what transformers expects in the header of a PyTorch safetensors file.
-    save_file({name: _compact(t.detach()) for name, t in tensors.items()}, path, metadata={"format": "pt"})
+    save_file({name: _compact(t.detach().cpu()) for name, t in tensors.items()}, path, metadata={"format": "pt"})
     fsync(path)
 
 

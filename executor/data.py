@@ -86,8 +86,12 @@ class HFTokenizer:
             fail(f"tokenizer {path}", f"not a valid tokenizer.json ({_first_line(e)})")
         self.name = str(path.resolve())
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        if not vocab:
+            fail(f"tokenizer {path}", "has an empty vocabulary")
         # Ids can have gaps; the largest id decides the token dtype, so count up to it.
         self.vocab_size = max(self._tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
+        if self.vocab_size > 2**32:
+            fail(f"tokenizer {path}", f"has token id {self.vocab_size - 1}, beyond the uint32 ids of {TOKENS_FILE}")
         self.eos_id = _find_eos_id(vocab, path)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
@@ -160,7 +164,7 @@ def is_dataset(path: Path) -> bool:
     """Whether `path` holds a header of this format: true only for a directory `prepare` published."""
     try:
         return read_json_object(Path(path) / HEADER_FILE).get("format") == FORMAT
-    except (OSError, ValueError):  # a UserError is a ValueError
+    except (OSError, ValueError, RecursionError):  # a UserError is a ValueError
         return False
 
 
@@ -379,11 +383,12 @@ class TokenData:
     being the first input of the next, so every token but the first is a target exactly once per epoch.
     """
 
-    def __init__(self, path: Path, header: dict, tokens: np.ndarray, seq_len: int):
+    def __init__(self, path: Path, header: dict, tokens: np.ndarray, seq_len: int, vocab_size: int | None = None):
         self.path = path
         self.header = header
         self.tokens = tokens  # (num_tokens,) memmap
         self.seq_len = seq_len
+        self.vocab_size = vocab_size  # the model's: batches refuse larger ids, from a damaged tokens.bin
         self.num_tokens = len(tokens)
         self.num_windows = (self.num_tokens - 1) // seq_len
 
@@ -396,7 +401,7 @@ class TokenData:
         header = read_header(path)
         _check_fits(path, header, seq_len, vocab_size)
         tokens = np.memmap(path / TOKENS_FILE, dtype=DTYPES[header["dtype"]], mode="r", shape=(header["num_tokens"],))
-        return cls(path, header, tokens, seq_len)
+        return cls(path, header, tokens, seq_len, vocab_size)
 
     def batches(
         self, batch_size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1
@@ -418,9 +423,20 @@ class TokenData:
         for micro_batch in itertools.count(start):
             first = micro_batch * num_windows_per_micro_batch + rank * batch_size
             windows = orders.windows_at(np.arange(first, first + batch_size))  # (B,)
-            rows = self.tokens[windows[:, None] * self.seq_len + offsets]  # (B, T + 1)
-            rows = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+            positions = windows[:, None] * self.seq_len + offsets  # (B, T + 1)
+            rows = np.asarray(self.tokens[positions], dtype=np.int64)
+            self._check_ids(rows, positions)
+            rows = torch.from_numpy(rows)
             yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # (B, T) each
+
+    def _check_ids(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        """On the CPU, where it costs a max over the batch: on a GPU an id beyond the vocabulary is a device assert
+        that kills the process without saying where the bad token is."""
+        if self.vocab_size is None or rows.max(initial=0) < self.vocab_size:
+            return
+        index = np.argmax(rows >= self.vocab_size)  # the first, in row-major order
+        fail("", f"data {self.path}: token id {rows.flat[index]} at position {positions.flat[index]} of {TOKENS_FILE} "
+                 f"is beyond the model's vocabulary of {self.vocab_size}; {PREPARE_HINT} again")
 
 
 def _check_batch_args(batch_size: int, seed: int, start: int, rank: int, world_size: int) -> None:
@@ -466,7 +482,7 @@ def read_header(path: Path) -> dict:
         header = json.loads((path / HEADER_FILE).read_text(encoding="utf-8"))
     except FileNotFoundError:
         fail("", f"data {path} has no {HEADER_FILE}; {PREPARE_HINT}")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         fail("", f"data {path}: {HEADER_FILE} is not readable JSON ({_first_line(e)}); {PREPARE_HINT}")
     problem = _header_problem(header)
     if problem:

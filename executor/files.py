@@ -3,7 +3,6 @@ checkpoint behind: written into a hidden sibling (same filesystem, so the rename
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -11,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from fastml.config import fail
+from fastml.config import fail, read_json
 
 T = TypeVar("T")
 
@@ -82,12 +81,9 @@ def fsync(path: Path) -> None:
 
 def read_json_object(path) -> dict:
     """The JSON object in the file at `path`; a one-line UserError naming the file if it is missing or not one."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not Path(path).exists():
         fail(str(path), "missing")
-    except ValueError as e:  # JSONDecodeError or UnicodeDecodeError, each a one-line message
-        fail(str(path), f"not valid JSON ({e})")
+    data = read_json(path, "a JSON object")
     if not isinstance(data, dict):
         fail(str(path), f"expected a JSON object, got {type(data).__name__}")
     return data

@@ -21,7 +21,9 @@ class MasterWeightAdamW:
     """
 
     def __init__(self, model: nn.Module, training: Training):
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.use_masters = any(p.dtype != torch.float32 for p in self.params)
         if self.use_masters:
             self.masters = [p.detach().to(torch.float32, copy=True).requires_grad_() for p in self.params]
@@ -48,6 +50,26 @@ class MasterWeightAdamW:
             for p, master in chunk:
                 p.copy_(master)
                 master.grad = None
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Everything a resumed run needs, by parameter name: fp32 master weights and Adam's m, v and step."""
+        tensors = {}
+        for name, master in zip(self.names, self.masters):
+            if self.use_masters:
+                tensors[f"master/{name}"] = master.detach()
+            for key, value in self.inner.state.get(master, {}).items():
+                tensors[f"{key}/{name}"] = value
+        return tensors
+
+    @torch.no_grad()
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, master in zip(self.names, self.masters):
+            if self.use_masters:
+                master.copy_(tensors[f"master/{name}"])
+            state = {key: tensors[f"{key}/{name}"].to(master.device) for key in ("step", "exp_avg", "exp_avg_sq")
+                     if f"{key}/{name}" in tensors}
+            if state:  # fused AdamW keeps `step` on the GPU, foreach on the CPU: both beside the master here
+                self.inner.state[master] = state
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
+import signal
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -16,38 +19,150 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fastml import hwprofiles
-from fastml.config import fail
+from fastml.config import check_range, fail
 from fastml.plan import Plan
+from fastml.executor import faults
+from fastml.executor import resume as resume_lib
 from fastml.executor.apply import apply_plan
 from fastml.executor.data import TokenData
 from fastml.executor.model import Transformer, build_model, materialize
 from fastml.executor.optim import MasterWeightAdamW, lr_at
 
 
+class TrainingStopped(Exception):
+    """The run stopped before its last step, on purpose: the message says why and how to go on."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = None, show_progress: bool = True,
-          console: Console | None = None) -> dict:
-    """Runs `plan` for `steps` optimizer steps (default: the plan's) and returns the summary of the run."""
+          console: Console | None = None, resume: bool = False, keep_checkpoints: int = 3,
+          max_nonfinite_steps: int = 5, strict: bool = False) -> dict:
+    """Runs `plan` for `steps` optimizer steps in all (default: the plan's) and returns the summary of the run.
+
+    With `resume`, continues from the newest intact checkpoint in the plan's checkpoint_dir. SIGINT and SIGTERM
+    finish the step, write a checkpoint and raise TrainingStopped; so do `max_nonfinite_steps` skipped steps in a
+    row (without the checkpoint). `strict` refuses a plan made for other hardware instead of warning."""
     if steps is not None:
         plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, steps=steps))
+    check_range("--keep-checkpoints", keep_checkpoints, 1)
+    check_range("--max-nonfinite-steps", max_nonfinite_steps, 1)
+    console = console or Console(stderr=True)
     device = _device(plan)
+    _check_hardware(plan, device, strict, console)
     torch.manual_seed(plan.training.seed)
     model = build_training_model(plan, device)
     data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
     optimizer = MasterWeightAdamW(model, plan.training)
+    position = _resume(plan, model, optimizer, console) if resume else resume_lib.Position(0, 0)
+    micro = plan.knobs.micro_batch_size
+    if position.sequences % micro:
+        fail("knobs.micro_batch_size", f"{micro} does not divide the {position.sequences} sequences the checkpoint "
+                                       "has consumed; resume with the micro-batch size it was written with")
+    batches = data.batches(micro, plan.training.seed, start=position.sequences // micro)
     meter = _Meter(plan, device)
-    console = console or Console(stderr=True)
-    with _progress(console, show_progress) as progress, _log_file(log_json) as log:
-        task = progress.add_task("training", total=plan.training.steps, status="")
-        batches = data.batches(plan.knobs.micro_batch_size, plan.training.seed)
-        for step in range(plan.training.steps):
+    with _log_file(log_json, position.step if resume else None) as log, _progress(console, show_progress) \
+            as progress, _StopSignals() as stop:
+        task = progress.add_task("training", total=plan.training.steps, completed=position.step, status="")
+        bad_in_a_row = 0
+        for step in range(position.step, plan.training.steps):
             record = meter.measure(train_step(model, optimizer, batches, plan, step, device))
+            position = resume_lib.Position(step + 1, position.sequences + micro * plan.knobs.grad_accum_steps)
+            bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0
             if log:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
             progress.update(task, advance=1, status=_status(record))
+            if bad_in_a_row >= max_nonfinite_steps:
+                raise TrainingStopped(
+                    f"step {step + 1}: loss or gradient norm not finite {bad_in_a_row} steps in a row; stopped. "
+                    f"Last good checkpoint: {_newest(plan) or 'none'}", exit_code=3)
+            if _checkpoint_due(plan, step + 1) or stop.signal:
+                path = _save_checkpoint(plan, model, optimizer, position, keep_checkpoints, console)
+            if stop.signal:
+                raise TrainingStopped(_stopped_message(plan, step + 1, stop.signal, path), 128 + stop.signal)
     summary = meter.summary()
     print_summary(console, plan, summary)
     return summary
+
+
+def _resume(plan: Plan, model, optimizer, console: Console) -> resume_lib.Position:
+    root = plan.training.checkpoint_dir
+    if not root:
+        fail("--resume", "needs a checkpoint directory: --checkpoint-dir DIR or training.checkpoint_dir")
+    path = resume_lib.newest_good(root, lambda message: console.print(f"[yellow]warning:[/] {message}"))
+    if path is None:
+        console.print(f"no checkpoint in {root} yet: starting from step 0")
+        return resume_lib.Position(0, 0)
+    position = resume_lib.restore(path, model, optimizer, plan)
+    console.print(f"resumed from {path} (step {position.step})")
+    return position
+
+
+def _checkpoint_due(plan: Plan, steps_done: int) -> bool:
+    t = plan.training
+    if not t.checkpoint_dir:
+        return False
+    return steps_done == t.steps or (t.checkpoint_interval > 0 and steps_done % t.checkpoint_interval == 0)
+
+
+def _save_checkpoint(plan: Plan, model, optimizer, position, keep: int, console: Console) -> Path | None:
+    if not plan.training.checkpoint_dir:
+        return None
+    path = resume_lib.save(plan.training.checkpoint_dir, model, optimizer, plan, position, keep)
+    console.print(f"checkpoint {path}")
+    return path
+
+
+def _newest(plan: Plan) -> Path | None:
+    root = plan.training.checkpoint_dir
+    return resume_lib.newest_good(root, lambda message: None) if root else None
+
+
+def _stopped_message(plan: Plan, step: int, signum: int, path: Path | None) -> str:
+    name = signal.Signals(signum).name
+    if path is None:
+        return (f"stopped by {name} after step {step}; no checkpoint directory was set (--checkpoint-dir), so "
+                f"nothing was saved")
+    return (f"stopped by {name} after step {step}; checkpoint {path}. Resume with the same command and --resume "
+            f"(with --checkpoint-dir {plan.training.checkpoint_dir} if it was given on the command line)")
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM ask the loop to stop after the step it is in; a second one stops at once."""
+
+    def __enter__(self):
+        self.signal = None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def _check_hardware(plan: Plan, device: torch.device, strict: bool, console: Console) -> None:
+    """A plan's predictions hold for the hardware it was made for: say so when this is other hardware."""
+    here = "cpu" if device.type == "cpu" else hwprofiles.for_device_name(torch.cuda.get_device_name(device))
+    planned = plan.hardware.profile.removeprefix("detected-")
+    if here == planned and (not plan.hardware.fingerprint or planned != plan.hardware.profile
+                            or plan.hardware.fingerprint == hwprofiles.fingerprint(here)):
+        return
+    message = (f"the plan was made for {plan.hardware.profile or 'an unknown GPU'} "
+               f"(fingerprint {plan.hardware.fingerprint or '-'}) but runs on {here or 'an unknown GPU'}"
+               f"{'' if here != planned else ' whose profile has changed since'}: its predictions do not apply")
+    if strict:
+        fail("hardware.profile", message)
+    console.print(f"[yellow]warning:[/] {message} (--strict refuses such a plan)")
 
 
 def build_training_model(plan: Plan, device: torch.device) -> Transformer:
@@ -59,22 +174,31 @@ def build_training_model(plan: Plan, device: torch.device) -> Transformer:
 
 def train_step(model: Transformer, optimizer: MasterWeightAdamW, batches, plan: Plan, step: int,
                device: torch.device) -> dict:
-    """One optimizer step over grad_accum_steps micro-batches; returns its loss, lr and gradient norm."""
+    """One optimizer step over grad_accum_steps micro-batches; returns its loss, lr and gradient norm. A step whose
+    loss or gradient norm is not finite leaves the weights and optimizer state as they were ("skipped")."""
     knobs = plan.knobs
     loss_sum = torch.zeros((), device=device)
-    for _ in range(knobs.grad_accum_steps):
+    for micro in range(knobs.grad_accum_steps):
         inputs, targets = next(batches)
         loss = model.loss(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True),
                           knobs.lm_head_chunks)
+        if faults.due("nan-loss", step + 1):
+            loss = loss * float("nan")
         (loss / knobs.grad_accum_steps).backward()
         loss_sum += loss.detach()
+        if micro == 0:
+            faults.kill_if_due("kill-mid-step", step + 1)
     clip = plan.training.grad_clip
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")).item()
+    loss_value = loss_sum.item() / knobs.grad_accum_steps
+    skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
     lr = lr_at(step, plan.training)
-    optimizer.step(lr)
+    if not skipped:
+        optimizer.step(lr)
     optimizer.zero_grad()
-    return {"step": step + 1, "loss": loss_sum.item() / knobs.grad_accum_steps, "lr": lr,
-            "grad_norm": grad_norm.item()}
+    # JSON has no NaN or infinity: a non-finite figure is logged as null.
+    return {"step": step + 1, "loss": loss_value if math.isfinite(loss_value) else None, "lr": lr,
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "skipped": skipped}
 
 
 class _Meter:
@@ -111,6 +235,7 @@ class _Meter:
         return {
             "steps": len(self.records), "total_time_s": time.perf_counter() - self.start,
             "first_loss": self.records[0]["loss"], "last_loss": self.records[-1]["loss"],
+            "skipped_steps": sum(r["skipped"] for r in self.records),
             "step_time_s": step_time_s, "tokens_per_s": tokens_per_s, "mfu": self._mfu(tokens_per_s),
             "mfu_peak": self.peak_name, "peak_gpu_memory_bytes": self.records[-1]["peak_gpu_memory_bytes"],
         }
@@ -146,9 +271,21 @@ def _device(plan: Plan) -> torch.device:
 def _status(record: dict) -> str:
     memory = record["peak_gpu_memory_bytes"]
     mfu = record["mfu"]
-    return (f"loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  "
+    return (f"loss {_loss(record['loss'])}  {record['tokens_per_s']:,.0f} tok/s  "
             f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}  "
             f"mem {'n/a' if memory is None else f'{memory / 2**30:.1f} GiB'}")
+
+
+def _logged_step(line: str) -> float:
+    """The step of a log line; infinity for a line that is not a record (the torn last line of a killed run)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
+def _loss(value: float | None) -> str:
+    return "not finite" if value is None else f"{value:.4f}"
 
 
 def _progress(console: Console, enabled: bool) -> Progress:
@@ -156,9 +293,17 @@ def _progress(console: Console, enabled: bool) -> Progress:
                     TextColumn("ETA"), TimeRemainingColumn(), console=console, disable=not enabled)
 
 
-def _log_file(path: str | Path | None):
-    """The JSON-lines log of the run, or nothing; the loop flushes it after every record so a crash loses none."""
-    return open(path, "w") if path else contextlib.nullcontext()
+def _log_file(path: str | Path | None, resumed_at: int | None):
+    """The JSON-lines log of the run, or nothing; the loop flushes it after every record so a crash loses none.
+    A resumed run keeps the records up to its checkpoint's step and appends from there."""
+    if not path:
+        return contextlib.nullcontext()
+    path = Path(path)
+    if resumed_at is not None and path.is_file():
+        kept = [line for line in path.read_text().splitlines() if _logged_step(line) <= resumed_at]
+        path.write_text("".join(line + "\n" for line in kept))
+        return open(path, "a")
+    return open(path, "w")
 
 
 def print_summary(console: Console, plan: Plan, summary: dict) -> None:
@@ -169,7 +314,8 @@ def print_summary(console: Console, plan: Plan, summary: dict) -> None:
     predicted = plan.predicted
     memory = summary["peak_gpu_memory_bytes"]
     rows = [
-        ("loss, first -> last step", f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}", None),
+        ("loss, first -> last step", f"{_loss(summary['first_loss'])} -> {_loss(summary['last_loss'])}", None),
+        ("steps skipped (loss or gradient not finite)", str(summary["skipped_steps"]), None),
         ("step time", f"{summary['step_time_s']:.3f} s", predicted and f"{predicted.step_time_s:.3f} s"),
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}", predicted and f"{predicted.tokens_per_s:,.0f}"),
         ("MFU", "n/a" if summary["mfu"] is None else f"{summary['mfu']:.1%}", predicted and f"{predicted.mfu:.1%}"),

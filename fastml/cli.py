@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from fastml.config import UserError
+from fastml.config import UserError, check_range, fail, show
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -106,10 +106,21 @@ def _trial_progress(console, trials: int, hw: str | None):
 
 def cmd_run(args: argparse.Namespace) -> None:
     from fastml.plan import load_plan, with_overrides
-    from fastml.executor.train import train
+    from fastml.executor.train import TrainingStopped, train
 
-    plan = with_overrides(load_plan(args.plan), args.set)
-    train(plan, steps=args.steps, log_json=args.log_json, show_progress=not args.no_progress)
+    overrides = list(args.set)
+    if args.checkpoint_dir is not None:
+        overrides.append(f"training.checkpoint_dir={args.checkpoint_dir}")
+    if args.checkpoint_interval is not None:
+        overrides.append(f"training.checkpoint_interval={args.checkpoint_interval}")
+    plan = with_overrides(load_plan(args.plan), overrides)
+    try:
+        train(plan, steps=args.steps, log_json=args.log_json, show_progress=not args.no_progress,
+              resume=args.resume, keep_checkpoints=args.keep_checkpoints,
+              max_nonfinite_steps=args.max_nonfinite_steps, strict=args.strict)
+    except TrainingStopped as e:
+        print(f"fastml: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -140,7 +151,45 @@ def cmd_convert(args: argparse.Namespace) -> None:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         """Bad command-line usage is a user error too: one line, exit code 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The values argparse cannot check by type alone, each refused with the option's name before any work."""
+    from fastml.plan import MAX_GLOBAL_BATCH_TOKENS, MAX_NUM_GPUS, MAX_STEPS
+    from fastml.spec import MAX_SEQ_LEN
+
+    # Counts, wherever a subcommand has them, within the same bounds as the plan's fields.
+    counts = {"steps": (1, MAX_STEPS), "seq": (1, MAX_SEQ_LEN), "global_batch_tokens": (1, MAX_GLOBAL_BATCH_TOKENS),
+              "gpus": (1, MAX_NUM_GPUS), "nodes": (1, MAX_NUM_GPUS), "trials": (1, None),
+              "checkpoint_interval": (0, MAX_STEPS)}
+    for name, (low, high) in counts.items():
+        if getattr(args, name, None) is not None:
+            check_range(_option(name), getattr(args, name), low, high)
+    for name in ("gpu_mem", "host_mem"):
+        value = getattr(args, name, None)
+        if value is not None:
+            from fastml.planner.hardware import parse_bytes
+
+            check_range(_option(name), parse_bytes(value, _option(name)), 1)
+    if getattr(args, "hw", None):
+        from fastml import hwprofiles
+
+        for hw in args.hw.split(","):
+            if hw not in hwprofiles.names() and not hw.endswith(".json") and not Path(hw).is_file():
+                fail("--hw", f"{show(hw)} is neither a shipped profile ({', '.join(hwprofiles.names())}) nor a "
+                             "profile JSON file")
+    if getattr(args, "study", None) and not Path(args.study).expanduser().parent.is_dir():
+        fail("--study", f"{args.study}: its directory does not exist")
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _one_line(message: str) -> str:
+    """An error message as one line, whatever a user's path or value held."""
+    return " ".join(message.splitlines())
 
 
 def parser() -> argparse.ArgumentParser:
@@ -193,6 +242,15 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                      help="override a value of the plan (repeatable)")
     run.add_argument("--no-progress", action="store_true", help="no live progress display")
+    run.add_argument("--checkpoint-dir", help="write checkpoints here (overrides training.checkpoint_dir)")
+    run.add_argument("--checkpoint-interval", type=int,
+                     help="steps between checkpoints; 0: only at the end (overrides training.checkpoint_interval)")
+    run.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest K checkpoints (default: 3)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the newest intact checkpoint in the checkpoint directory")
+    run.add_argument("--max-nonfinite-steps", type=int, default=5,
+                     help="stop after this many steps in a row with a NaN or infinite loss or gradient (default: 5)")
+    run.add_argument("--strict", action="store_true", help="refuse a plan made for other hardware (else: warn)")
     run.set_defaults(func=cmd_run)
 
     prep = sub.add_parser("prepare", help="tokenize text, jsonl or parquet files into a training token file")
@@ -214,9 +272,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        check_args(args)
         args.func(args)
     except UserError as e:
-        print(f"fastml: error: {e}", file=sys.stderr)
+        print(f"fastml: error: {_one_line(str(e))}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path the user gave: a missing directory for -o, no permission, a full disk
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"fastml: error: {_one_line(where + (e.strerror or str(e)))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fastml: interrupted", file=sys.stderr)

@@ -7,8 +7,11 @@ wrong type with a `UserError` that names the field (as a dotted path) and what i
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal, Union
 
 
@@ -23,13 +26,54 @@ def fail(where: str, message: str) -> typing.NoReturn:
 def check_choice(where: str, value: Any, allowed: typing.Iterable[Any]) -> None:
     allowed = list(allowed)
     if value not in allowed:
-        fail(where, f"{value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+        fail(where, f"{show(value)} is not allowed; choose one of {', '.join(map(repr, allowed))}")
 
 
-def check_range(where: str, value: float, low: float | None = None, high: float | None = None) -> None:
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
-        fail(where, f"{value!r} is outside the allowed range {bounds}")
+def check_range(where: str, value: float, low: float | None = None, high: float | None = None, *,
+                low_open: bool = False, high_open: bool = False) -> None:
+    """`value` in [low, high]; `low_open`/`high_open` leave the bound itself out."""
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        bounds = (f"{'(' if low_open or low is None else '['}{'-inf' if low is None else low}, "
+                  f"{'inf' if high is None else high}{')' if high_open or high is None else ']'}")
+        fail(where, f"{show(value)} is outside the allowed range {bounds}")
+
+
+def show(value: Any, max_chars: int = 60) -> str:
+    """`repr(value)`, cut short: an error message stays one readable line whatever the user's file holds."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to print (sys.get_int_max_str_digits)
+        return "a number too large to print"
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+
+def read_json(path: str | Path, what: str, max_bytes: int = 2**24) -> Any:
+    """The JSON value in a user's file, which should be `what` ("a plan"): an unreadable, oversized, non-UTF-8,
+    malformed or too deeply nested file is a one-line UserError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)  # bounded: a mistaken path may name gigabytes
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        fail(str(path), f"cannot read {what} from it ({getattr(e, 'strerror', None) or first_line(e)})")
+    if len(raw) > max_bytes:
+        fail(str(path), f"is over {max_bytes:,} bytes, too large to be {what}")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        fail(str(path), f"is not UTF-8 text (byte {e.start} cannot be decoded), so not {what}")
+    except json.JSONDecodeError as e:
+        fail(str(path), f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})")
+    except RecursionError:
+        fail(str(path), f"not {what}: its JSON is nested too deeply to read")
+    except ValueError as e:  # an integer literal longer than Python converts
+        fail(str(path), f"not {what} ({first_line(e)})")
+
+
+def first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def from_dict(cls: type, data: Any, where: str = "") -> Any:
@@ -37,7 +81,7 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
     if not isinstance(data, dict):
         fail(where, f"expected an object with keys {', '.join(field_names(cls))}, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = [name for name in data if name not in fields]
     if unknown:
         fail(join(where, unknown[0]), f"unknown key; allowed keys are {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
@@ -48,6 +92,11 @@ def from_dict(cls: type, data: Any, where: str = "") -> Any:
     if missing:
         fail(join(where, missing[0]), "missing required key")
     return cls(**values)
+
+
+def as_type(hint: Any, value: Any, where: str) -> Any:
+    """`value` checked (and converted, 2.0 to 2 for an int) as `hint`, the way `from_dict` checks a field."""
+    return _convert(hint, value, where)
 
 
 def to_dict(obj: Any) -> Any:
@@ -65,7 +114,10 @@ def field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def join(where: str, name: str) -> str:
+def join(where: str, name: Any) -> str:
+    """The dotted path of a field; a key that is not a plain name (a user's typo may hold anything) is quoted."""
+    if not (isinstance(name, str) and name.isidentifier() and len(name) <= 60):
+        return f"{where}[{show(name)}]"
     return f"{where}.{name}" if where else name
 
 
@@ -95,7 +147,7 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             fail(where, f"expected an object, got {type(value).__name__}")
-        return {str(k): _convert(args[1], v, join(where, str(k))) for k, v in value.items()}
+        return {str(k): _convert(args[1], v, join(where, k)) for k, v in value.items()}
     return _scalar(hint, value, where)
 
 
@@ -111,12 +163,16 @@ def _scalar(hint: type, value: Any, where: str) -> Any:
             return int(value)
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if value != value or value in (float("inf"), float("-inf")):
-                fail(where, "must be a finite number")
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int beyond float's range
+                number = float("inf")
+            if not math.isfinite(number):
+                fail(where, f"must be a finite number, got {show(value)}")
+            return number
     elif hint is str:
         if isinstance(value, str):
             return value
     else:
         raise TypeError(f"unsupported config type {hint!r} at {where}")
-    fail(where, f"expected {hint.__name__}, got {value!r}")
+    fail(where, f"expected {hint.__name__}, got {show(value)}")

@@ -6,13 +6,15 @@ the planner expects of it (`predicted`). It is validated on load and read-only a
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from fastml.config import UserError, check_range, fail, from_dict, to_dict
-from fastml.spec import ModelSpec
+from fastml.config import UserError, check_range, fail, from_dict, read_json, show, to_dict
+from fastml.spec import MAX_SEQ_LEN, ModelSpec
 
 PLAN_VERSION = 1
 RECOMPUTE_CHOICES = ("norm", "swiglu", "ffn", "qkv", "attention", "block")
@@ -27,6 +29,15 @@ EXECUTOR_ONLY_RUNS = {
     "comm": "nccl",
 }
 TIME_COMPONENTS = ("compute", "recompute", "exposed_comm", "exposed_offload", "optimizer", "other")
+# Upper bounds far above any real run: an absurd plan is refused at load, before it can hang or exhaust memory.
+MAX_STEPS = 10**9
+MAX_GLOBAL_BATCH_TOKENS = 2**40
+MAX_SEED = 2**63 - 1
+MAX_MICRO_BATCH_SIZE = 2**16
+MAX_LM_HEAD_CHUNKS = 4096
+MAX_NUM_GPUS = 2**20
+MAX_MEMORY_BYTES = 2**60
+MAX_PLAN_FILE_BYTES = 2**24
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,15 +63,19 @@ class Training:
     """Steps between checkpoints; 0 writes one only at the end (when checkpoint_dir is set)."""
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "global_batch_tokens", "steps"):
-            check_range(f"training.{name}", getattr(self, name), 1)
+        check_range("training.seq_len", self.seq_len, 1, MAX_SEQ_LEN)
+        check_range("training.global_batch_tokens", self.global_batch_tokens, 1, MAX_GLOBAL_BATCH_TOKENS)
+        check_range("training.steps", self.steps, 1, MAX_STEPS)
         for name in ("warmup_steps", "checkpoint_interval"):
-            check_range(f"training.{name}", getattr(self, name), 0)
-        check_range("training.lr", self.lr, 0.0)
+            check_range(f"training.{name}", getattr(self, name), 0, MAX_STEPS)
+        check_range("training.seed", self.seed, 0, MAX_SEED)
+        # AdamW's step is about lr per weight: above 1 it is a typo (3 for 3e-4), never a schedule.
+        check_range("training.lr", self.lr, 0.0, 1.0)
         check_range("training.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_range("training.weight_decay", self.weight_decay, 0.0)
-        check_range("training.beta1", self.beta1, 0.0, 1.0)
-        check_range("training.beta2", self.beta2, 0.0, 1.0)
+        # Adam divides by 1 - beta**step: a beta of 1 divides by zero.
+        check_range("training.beta1", self.beta1, 0.0, 1.0, high_open=True)
+        check_range("training.beta2", self.beta2, 0.0, 1.0, high_open=True)
         check_range("training.grad_clip", self.grad_clip, 0.0)
 
 
@@ -80,10 +95,12 @@ class Hardware:
     """Host memory the plan may use per node (--host-mem); 0 for the profile's."""
 
     def __post_init__(self) -> None:
-        check_range("hardware.num_gpus", self.num_gpus, 1)
-        check_range("hardware.gpus_per_node", self.gpus_per_node, 1)
-        check_range("hardware.gpu_memory_bytes", self.gpu_memory_bytes, 0)
-        check_range("hardware.host_memory_bytes", self.host_memory_bytes, 0)
+        check_range("hardware.num_gpus", self.num_gpus, 1, MAX_NUM_GPUS)
+        check_range("hardware.gpus_per_node", self.gpus_per_node, 1, self.num_gpus)
+        if self.num_gpus % self.gpus_per_node:
+            fail("hardware.gpus_per_node", f"{self.gpus_per_node} must divide num_gpus={self.num_gpus}")
+        check_range("hardware.gpu_memory_bytes", self.gpu_memory_bytes, 0, MAX_MEMORY_BYTES)
+        check_range("hardware.host_memory_bytes", self.host_memory_bytes, 0, MAX_MEMORY_BYTES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,9 +129,9 @@ class Knobs:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        check_range("knobs.micro_batch_size", self.micro_batch_size, 1)
-        check_range("knobs.grad_accum_steps", self.grad_accum_steps, 1)
-        check_range("knobs.lm_head_chunks", self.lm_head_chunks, 1)
+        check_range("knobs.micro_batch_size", self.micro_batch_size, 1, MAX_MICRO_BATCH_SIZE)
+        check_range("knobs.grad_accum_steps", self.grad_accum_steps, 1, MAX_GLOBAL_BATCH_TOKENS)
+        check_range("knobs.lm_head_chunks", self.lm_head_chunks, 1, MAX_LM_HEAD_CHUNKS)
         for i, part in enumerate(self.recompute):
             if part not in RECOMPUTE_CHOICES:
                 fail(f"knobs.recompute[{i}]", f"{part!r} is not allowed; choose from {', '.join(RECOMPUTE_CHOICES)}")
@@ -139,6 +156,20 @@ class Predicted:
     """The step time split by component (TIME_COMPONENTS); the parts add up to step_time_s."""
     usd_per_million_tokens: float
     kwh_per_million_tokens: float
+
+    def __post_init__(self) -> None:
+        check_range("predicted.step_time_s", self.step_time_s, 0.0, low_open=True)
+        for name in ("tokens_per_s", "mfu", "usd_per_million_tokens", "kwh_per_million_tokens"):
+            check_range(f"predicted.{name}", getattr(self, name), 0.0)
+        check_range("predicted.peak_memory_bytes", self.peak_memory_bytes, 0, MAX_MEMORY_BYTES)
+        for name, keys, high in (("memory_bytes", MEMORY_CATEGORIES, MAX_MEMORY_BYTES),
+                                 ("host_memory_bytes", MEMORY_CATEGORIES, MAX_MEMORY_BYTES),
+                                 ("time_s", TIME_COMPONENTS, None)):
+            values = getattr(self, name)
+            if set(values) != set(keys):  # the reports index one by the other's keys
+                fail(f"predicted.{name}", f"must have exactly the keys {', '.join(keys)}")
+            for key, value in values.items():
+                check_range(f"predicted.{name}.{key}", value, 0, high)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,18 +200,10 @@ def plan_from_dict(data: object) -> Plan:
 
 
 def load_plan(path: str | Path) -> Plan:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such plan file (make one with `fastml plan -o {path}`)") from None
-    except (IsADirectoryError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: cannot read a plan from it ({e.__class__.__name__})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    return plan_from_dict(data)
+    """The plan in the JSON file at `path`, validated; any problem with the file is a one-line `UserError`."""
+    if not Path(path).exists():
+        raise UserError(f"{path}: no such plan file (make one with `fastml plan -o {path}`)")
+    return plan_from_dict(read_json(path, "a plan", MAX_PLAN_FILE_BYTES))
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
@@ -194,14 +217,23 @@ def with_overrides(plan: Plan, assignments: list[str]) -> Plan:
         key, sep, raw = assignment.partition("=")
         parts = key.strip().split(".")
         if not sep or len(parts) != 2 or parts[0] not in data or not isinstance(data[parts[0]], dict):
-            fail("--set", f"{assignment!r} must look like SECTION.FIELD=VALUE, SECTION one of "
+            fail("--set", f"{show(assignment)} must look like SECTION.FIELD=VALUE, SECTION one of "
                           f"{', '.join(k for k, v in data.items() if isinstance(v, dict))}")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
+        value = _override_value(parts[0], parts[1], raw)
         if parts[0] == "knobs" and parts[1] == "recompute" and isinstance(value, str):
             value = [v for v in value.split(",") if v]
         data[parts[0]][parts[1]] = value
     return plan_from_dict(data)
 
+
+def _override_value(section: str, name: str, raw: str) -> object:
+    """`raw` parsed as JSON, else the string itself; always the string for a text field (a data directory "123")."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return raw
+    section_type = typing.get_type_hints(Plan).get(section)
+    section_type = next((t for t in typing.get_args(section_type) if t is not type(None)), section_type)
+    hint = typing.get_type_hints(section_type).get(name) if dataclasses.is_dataclass(section_type) else None
+    takes_text = hint is str or str in typing.get_args(hint)  # str, or str | None
+    return raw if takes_text and value is not None and not isinstance(value, str) else value

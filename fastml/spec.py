@@ -6,11 +6,18 @@ derive from `ModelSpec`, and a test checks that `num_params` equals the executor
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from fastml.config import UserError, check_range, fail
+from fastml.config import UserError, as_type, check_range, fail, read_json, show
+
+# Upper bounds far above any real model (the largest presets have 80 layers, hidden 8192, vocab 152064): an absurd
+# spec is refused before it can hang a planner loop or exhaust memory.
+MAX_SIZES = {"num_layers": 1024, "hidden_size": 2**17, "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 1024,
+             "ffn_hidden_size": 2**20, "vocab_size": 2**24}
+MAX_ROPE_THETA = 1e12
+MAX_SEQ_LEN = 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,6 +28,14 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_seq_len: int
+
+    def __post_init__(self) -> None:
+        check_range("model.rope_scaling.factor", self.factor, 1.0)
+        check_range("model.rope_scaling.low_freq_factor", self.low_freq_factor, 0.0, low_open=True)
+        # The blend between the two divides by their difference.
+        check_range("model.rope_scaling.high_freq_factor", self.high_freq_factor, self.low_freq_factor,
+                    low_open=True)
+        check_range("model.rope_scaling.original_max_seq_len", self.original_max_seq_len, 1, MAX_SEQ_LEN)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,11 +57,10 @@ class ModelSpec:
     qk_norm: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
-                     "vocab_size"):
-            check_range(f"model.{name}", getattr(self, name), 1)
-        check_range("model.norm_eps", self.norm_eps, 0.0)
-        check_range("model.rope_theta", self.rope_theta, 1.0)
+        for name, high in MAX_SIZES.items():
+            check_range(f"model.{name}", getattr(self, name), 1, high)
+        check_range("model.norm_eps", self.norm_eps, 0.0, 1.0)
+        check_range("model.rope_theta", self.rope_theta, 1.0, MAX_ROPE_THETA)
         if self.num_heads % self.num_kv_heads:
             fail("model.num_kv_heads", f"{self.num_kv_heads} must divide num_heads={self.num_heads}")
         if self.head_dim % 2:
@@ -133,31 +147,52 @@ def resolve_model(name_or_path: str) -> ModelSpec:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return spec_from_hf_config(_read_json(path), name=str(path.parent))
-    fail("model", f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with a "
+        return spec_from_hf_config(read_json(path, "an HF config.json"), name=str(path.parent), where=str(path))
+    fail("model", f"{show(name_or_path)} is neither a preset ({', '.join(PRESETS)}) nor a directory with a "
                   "config.json")
 
 
-def spec_from_hf_config(config: dict, name: str) -> ModelSpec:
+def spec_from_hf_config(config: dict, name: str, where: str | None = None) -> ModelSpec:
+    """The spec of an HF config.json's contents; `where` names the file in errors (default: NAME/config.json)."""
+    where = where or f"{name}/config.json"
+    if not isinstance(config, dict):
+        fail(where, f"expected a JSON object, got {type(config).__name__}")
     model_type = config.get("model_type")
-    if model_type not in HF_ARCHITECTURES:
-        fail(f"{name}/config.json", f"model_type {model_type!r} is not supported; supported: "
-                                    f"{', '.join(HF_ARCHITECTURES)}")
-    _check_supported_hf(config, model_type, f"{name}/config.json")
+    if not isinstance(model_type, str) or model_type not in HF_ARCHITECTURES:
+        fail(where, f"model_type {show(model_type)} is not supported; supported: {', '.join(HF_ARCHITECTURES)}")
+    _check_supported_hf(config, model_type, where)
+    heads = _hf_value(config, "num_attention_heads", int, where)
+    hidden = _hf_value(config, "hidden_size", int, where)
+    check_range(f"{where}: num_attention_heads", heads, 1)
+    rope = _rope_parameters(config, where)
+    scaling = _rope_scaling(rope, where)
+    values = dict(
+        num_layers=_hf_value(config, "num_hidden_layers", int, where), hidden_size=hidden, num_heads=heads,
+        num_kv_heads=_hf_value(config, "num_key_value_heads", int, where, None) or heads,
+        head_dim=_hf_value(config, "head_dim", int, where, None) or hidden // heads,
+        ffn_hidden_size=_hf_value(config, "intermediate_size", int, where),
+        vocab_size=_hf_value(config, "vocab_size", int, where),
+        rope_theta=_hf_value(rope, "rope_theta", float, where, 10000.0),
+        norm_eps=_hf_value(config, "rms_norm_eps", float, where, 1e-6),
+        tied_embeddings=_hf_value(config, "tie_word_embeddings", bool, where, False))
     try:
-        heads = config["num_attention_heads"]
-        hidden = config["hidden_size"]
-        return ModelSpec(
-            name=name, num_layers=config["num_hidden_layers"], hidden_size=hidden, num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or hidden // heads,
-            ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
-            rope_theta=float(_rope_parameters(config).get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(config, name), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3")
-    except KeyError as e:
-        fail(f"{name}/config.json", f"missing key {e.args[0]!r}")
+        return ModelSpec(name=name, rope_scaling=scaling and RopeScaling(**scaling), qkv_bias=model_type == "qwen2",
+                         qk_norm=model_type == "qwen3", **values)
+    except UserError as e:  # a value out of range: name the file it came from
+        raise UserError(f"{where}: {e}") from None
+
+
+_REQUIRED = object()
+
+
+def _hf_value(config: dict, key: str, hint: type, where: str, default: Any = _REQUIRED) -> Any:
+    """config[key] checked as `hint`; `default` when the key is missing or null (HF writes null for "unset")."""
+    value = config.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            fail(where, f"missing key {key!r}")
+        return default
+    return as_type(hint, value, f"{where}: {key}")
 
 
 def _check_supported_hf(config: dict, model_type: str, where: str) -> None:
@@ -165,7 +200,7 @@ def _check_supported_hf(config: dict, model_type: str, where: str) -> None:
     if config.get("sliding_window") and config.get("use_sliding_window", model_type == "mistral"):
         fail(where, "sliding-window attention is not supported")
     if config.get("hidden_act", "silu") != "silu":
-        fail(where, f"hidden_act {config['hidden_act']!r} is not supported; only 'silu' (SwiGLU)")
+        fail(where, f"hidden_act {show(config['hidden_act'])} is not supported; only 'silu' (SwiGLU)")
     if config.get("mlp_bias"):
         fail(where, "mlp_bias is not supported")
     # In Llama, Mistral and Qwen3, attention_bias also puts a bias on the output projection, which our model lacks.
@@ -198,29 +233,25 @@ def hf_config(spec: ModelSpec, max_seq_len: int = 8192, dtype: str = "bfloat16")
     return config
 
 
-def _rope_parameters(config: dict) -> dict:
+def _rope_parameters(config: dict, where: str) -> dict:
     # transformers >= 5 writes `rope_parameters`; older configs have `rope_theta` and `rope_scaling` at the top.
-    merged = {"rope_theta": config.get("rope_theta", 10000.0)}
-    merged.update(config.get("rope_scaling") or {})
-    merged.update(config.get("rope_parameters") or {})
+    merged = {"rope_theta": config.get("rope_theta")}
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key) or {}
+        if not isinstance(value, dict):
+            fail(where, f"{key} must be an object, got {type(value).__name__}")
+        merged.update(value)
     return merged
 
 
-def _rope_scaling(config: dict, name: str) -> RopeScaling | None:
-    params = _rope_parameters(config)
+def _rope_scaling(params: dict, where: str) -> dict | None:
+    """The arguments of `RopeScaling`, or None for plain RoPE."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return None
     if rope_type != "llama3":
-        fail(f"{name}/config.json", f"rope scaling {rope_type!r} is not supported; supported: default, llama3")
-    return RopeScaling(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
-                       high_freq_factor=float(params["high_freq_factor"]),
-                       original_max_seq_len=int(params["original_max_position_embeddings"]))
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-
+        fail(where, f"rope scaling {show(rope_type)} is not supported; supported: default, llama3")
+    return dict(factor=_hf_value(params, "factor", float, where),
+                low_freq_factor=_hf_value(params, "low_freq_factor", float, where),
+                high_freq_factor=_hf_value(params, "high_freq_factor", float, where),
+                original_max_seq_len=_hf_value(params, "original_max_position_embeddings", int, where))

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastml import hwprofiles
-from fastml.config import UserError, check_range, fail
+from fastml.config import UserError, check_range, fail, read_json
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +91,7 @@ def load_machine(hw: str, num_gpus: int | None = None, num_nodes: int | None = N
     data = _read_profile(hw)
     try:
         machine = _machine(data)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UserError(f"hardware profile {hw!r}: malformed ({e.__class__.__name__}: {e})") from None
     node = machine.node
     gpus_per_node = node.gpus_per_node if num_gpus is None else num_gpus
@@ -110,18 +109,21 @@ def load_machine(hw: str, num_gpus: int | None = None, num_nodes: int | None = N
 
 def has_gpu(hw: str) -> bool:
     """Whether a profile describes GPUs (the shipped `cpu` profile and `fastml profile` without a GPU do not)."""
-    return bool(_read_profile(hw)["gpu"].get("memory_bytes"))
+    gpu = _read_profile(hw).get("gpu")
+    if not isinstance(gpu, dict):
+        fail("--hw", f"{hw}: not a hardware profile (no 'gpu' object)")
+    return bool(gpu.get("memory_bytes"))
 
 
 def _read_profile(hw: str) -> dict:
     path = Path(hw)
     if hw.endswith(".json") or path.is_file():
-        try:
-            return json.loads(path.read_text())
-        except FileNotFoundError:
+        if not path.exists():
             fail("--hw", f"{hw}: no such file")
-        except json.JSONDecodeError as e:
-            fail("--hw", f"{hw}: not valid JSON ({e.msg} at line {e.lineno})")
+        data = read_json(path, "a hardware profile")
+        if not isinstance(data, dict):
+            fail("--hw", f"{hw}: not a hardware profile (expected a JSON object)")
+        return data
     return hwprofiles.load(hw)
 
 

@@ -174,7 +174,7 @@ def _split_overrides(overrides) -> tuple[dict, list[str]]:
         if key.strip().startswith("knobs."):
             try:
                 value = json.loads(raw)
-            except json.JSONDecodeError:
+            except ValueError:  # not JSON (or a number too long to read): the text itself
                 value = raw
             name = key.strip().removeprefix("knobs.")
             if name == "recompute" and isinstance(value, str):
