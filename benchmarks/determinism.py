@@ -8,13 +8,9 @@ benchmarks/results/determinism-<gpu>.json.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
+from record import gpu_tag, write_result
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastml.executor.train import train
@@ -38,14 +34,7 @@ def main() -> None:
         rows[backend] = {"identical": a == b, "first_difference_at_step": next(
             (i + 1 for i, (x, y) in enumerate(zip(a, b)) if x != y), None), "run_a": a, "run_b": b}
         print(backend, "identical" if a == b else f"differ from step {rows[backend]['first_difference_at_step']}")
-    name = torch.cuda.get_device_name()
-    result = {"command": " ".join([Path(sys.executable).name] + sys.argv),
-              "git_commit": os.environ.get("GIT_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "machine": f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}",
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "attention": rows}
-    path = Path("benchmarks/results") / f"determinism-{name.split()[-1].lower()}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(f"determinism-{gpu_tag()}.json", {"attention": rows})
 
 
 if __name__ == "__main__":

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
+from record import gpu_tag, write_result
 
 SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 # (M, N, K) of the matmuls of real shapes: tokens x out x in, for tinyllama-1.1b and llama-3.1-8b at 2 and 8
@@ -57,17 +53,11 @@ def copy_rates() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--peak-tflops", type=float, required=True, help="dense bf16 peak of this GPU")
-    parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    name = torch.cuda.get_device_name()
     square = {g: gemm_tflops(g, g, g) for g in SQUARE_SIZES}
     shapes = {f"{m}x{n}x{k}": gemm_tflops(m, n, k) for m, n, k in MODEL_SHAPES}
-    result = {
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "git_commit": os.environ.get("GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"],
-                                                                     capture_output=True, text=True).stdout.strip(),
-        "machine": f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    rates = copy_rates()
+    write_result(f"gemm_curve-{gpu_tag()}.json", {
         "peak_tflops": args.peak_tflops,
         "gemm_efficiency": [[g, round(t / args.peak_tflops, 4)] for g, t in square.items()],
         "square_tflops": square,
@@ -75,16 +65,12 @@ def main() -> None:
         "model_shape_efficiency_at_geomean": {
             f"{m}x{n}x{k}": [round((m * n * k) ** (1 / 3)), round(shapes[f"{m}x{n}x{k}"] / args.peak_tflops, 4)]
             for m, n, k in MODEL_SHAPES},
-        **copy_rates(),
-    }
-    path = Path(args.out) / f"gemm_curve-{name.split()[-1].lower()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+        **rates})
     for g, t in square.items():
         print(f"{g:>5}^3  {t:7.1f} TFLOP/s  {t / args.peak_tflops:.1%}")
     for s, t in shapes.items():
         print(f"{s:>20}  {t:7.1f} TFLOP/s")
-    print(json.dumps({k: v for k, v in result.items() if "bytes" in k}, indent=1))
+    print(json.dumps(rates, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
-import sys
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
+from record import gpu_tag, write_result
 
 from fastml.executor.train import train
 from fastml.planner.planner import make_plan
@@ -57,19 +53,10 @@ def run_case(shape: str, sequences: int, pins: list[str], steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     rows = [run_case(shape, sequences, pins, args.steps)
             for shape, (sequences, alternatives) in CASES.items() for pins in [[], *alternatives]]
-    name = torch.cuda.get_device_name()
-    result = {"command": " ".join([Path(sys.executable).name] + sys.argv),
-              "git_commit": os.environ.get("GIT_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "machine": f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}",
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
-    path = Path(args.out) / f"plan_vs_measured-{name.split()[-1].lower()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(f"plan_vs_measured-{gpu_tag()}.json", {"rows": rows})
     for r in rows:
         if "step_time_error" in r:
             print(f"{r['shape']:>16} {str(r['pins'] or 'planner'):>60}: step time {r['step_time_error']:+.1%}, "

@@ -7,15 +7,10 @@ of 8 h100-sxm, on 2 CPU cores). Writes benchmarks/results/planning_time.json.
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 from fastml.planner.planner import DEFAULT_TRIALS, make_plan
+from record import write_result
 
 CASES = [
     dict(model="llama-3.1-8b", hw="h200", gpus=1),
@@ -36,13 +31,7 @@ def main() -> None:
         rows.append({"case": case, "trials": DEFAULT_TRIALS, "planning_time_s": seconds,
                      "tokens_per_s": p.tokens_per_s, "mfu": p.mfu, "lower_precision": planned.lower_precision})
         print(f"{json.dumps(case):>90}: {seconds:5.1f} s, {p.tokens_per_s:,.0f} tok/s predicted", flush=True)
-    result = {"command": " ".join(["python"] + sys.argv),
-              "git_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-                         f"Python {platform.python_version()}",
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "rows": rows}
-    Path("benchmarks/results/planning_time.json").write_text(json.dumps(result, indent=2) + "\n")
-
+    write_result("planning_time.json", {"rows": rows})
 
 if __name__ == "__main__":
     main()

@@ -7,9 +7,7 @@ writes the new errors beside the old ones: benchmarks/results/plan_vs_measured-<
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 from fastml.config import from_dict
@@ -17,6 +15,7 @@ from fastml.plan import Knobs
 from fastml.planner.hardware import load_machine
 from fastml.planner.search import Problem, evaluate
 from fastml.spec import PRESETS
+from record import write_result
 
 SEQ_LEN = 2048
 
@@ -39,13 +38,8 @@ def main(path: str) -> None:
         print(f"{row['shape']:>16} {str(row['pins'] or 'planner')[:60]:>60}: step time "
               f"{row['step_time_error']:+.1%} -> {rows[-1]['step_time_error_now']:+.1%}, peak memory "
               f"{rows[-1]['peak_memory_error_now']:+.1%}")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = Path(path).with_name(Path(path).stem + "-repredicted.json")
-    out.write_text(json.dumps({"command": " ".join(["python"] + sys.argv), "git_commit": commit,
-                               "machine": "CPU re-prediction of " + measured["machine"] + " measurements",
-                               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                               "measured_in": path, "rows": rows}, indent=2) + "\n")
-
+    write_result(Path(path).stem + "-repredicted.json", {"measured_in": path, "rows": rows},
+                 machine="CPU re-prediction of " + measured["machine"] + " measurements")
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -14,10 +14,7 @@ import gc
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -32,6 +29,7 @@ from fastml.executor.optim import lr_at  # noqa: E402
 from fastml.executor.train import train  # noqa: E402
 from fastml.planner.planner import make_plan  # noqa: E402
 from fastml.spec import PRESETS, hf_config  # noqa: E402
+from record import write_result  # noqa: E402
 
 SEQ_LEN = 2048
 # shape -> (sequences per optimizer step, HF baseline settings, fastml knob pins to try)
@@ -163,18 +161,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), required=True)
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run; the first is warm-up")
-    parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    # The GPU machine gets a copy of the tree without .git: the caller passes the commit there.
-    commit = os.environ.get("GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                            text=True).stdout.strip()
     for shape in args.shape:
-        result = {"command": " ".join([Path(sys.executable).name] + sys.argv), "git_commit": commit or None,
-                  "machine": f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}",
-                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **bench(shape, args.steps)}
-        path = Path(args.out) / f"vs_hf-{shape}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
+        result = bench(shape, args.steps)
+        path = write_result(f"vs_hf-{shape}.json", result)
         print(f"{shape}: fastml best / HF best = {result['speedup_best_vs_best_hf']:.2f}x -> {path}", flush=True)
 
 

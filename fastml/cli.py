@@ -59,7 +59,6 @@ def cmd_explain(args: argparse.Namespace) -> None:
     from fastml.plan import load_plan
     from fastml.planner import report
     from fastml.planner.planner import predicted, replan
-    from fastml.planner.search import Problem
     from fastml.planner.simulate import chrome_trace
 
     plan = load_plan(args.plan)

@@ -5,14 +5,13 @@ import json
 import pytest
 
 from fastml.config import UserError
-from fastml.plan import Knobs, Plan, Training, load_plan, plan_from_dict, save_plan, with_overrides
+from fastml.plan import load_plan, plan_from_dict, save_plan, with_overrides
 from fastml.planner.planner import make_plan
+from fastml.spec import PRESETS, hf_config, resolve_model, spec_from_hf_config
 
 
 def cpu_plan(**kwargs):
     return make_plan(device="cpu", **kwargs).plan
-from fastml.spec import PRESETS, resolve_model, spec_from_hf_config, hf_config
-from fastml.config import to_dict
 
 
 def plan_dict() -> dict:

@@ -1,7 +1,6 @@
 """The training loop in-process: deterministic on a CPU, optimizer math, schedule."""
 
 import json
-import math
 
 import pytest
 import torch

@@ -1,0 +1,45 @@
+"""Every result file in benchmarks/results/ opens with what produced it: the command, the git commit, the
+machine and the date."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def write_result(filename: str, figures: dict, machine: str | None = None) -> Path:
+    result = {"command": " ".join([Path(sys.executable).name] + sys.argv), "git_commit": _commit(),
+              "machine": machine or this_machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              **figures}
+    path = RESULTS / filename
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def this_machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    return f"{platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
+
+
+def gpu_tag() -> str:
+    """A short name of this GPU for file names: 'h200' for 'NVIDIA H200'."""
+    import torch
+
+    return torch.cuda.get_device_name().split()[-1].lower()
+
+
+def _commit() -> str | None:
+    # The GPU machine gets a copy of the tree without .git: the caller passes the commit there.
+    return os.environ.get("GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                          text=True).stdout.strip() or None
