@@ -135,3 +135,13 @@ def test_a_plan_for_other_hardware_warns_or_is_refused(workdir):
     refused = fastml("run", "other.json", "--steps", "1", "--strict", cwd=workdir)
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
     assert "hardware.profile" in refused.stderr
+
+
+def test_a_training_checkpoint_exports_to_hf(workdir):
+    from fastml.executor.checkpoint import convert_to_hf, load_checkpoint, load_pretrained
+
+    checkpoint = Path(workdir, "ck-reference", f"step-{STEPS:08d}")
+    convert_to_hf(checkpoint, workdir / "hf")
+    _, state, _ = load_checkpoint(checkpoint)
+    loaded = load_pretrained(workdir / "hf").state_dict()
+    assert state.keys() == loaded.keys() and all((state[k] == loaded[k]).all() for k in state)
