@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from fastml import hwprofiles
 from fastml.config import from_dict
 from fastml.plan import Knobs
 from fastml.planner.hardware import load_machine
@@ -22,7 +23,7 @@ SEQ_LEN = 2048
 
 def main(path: str) -> None:
     measured = json.loads(Path(path).read_text())
-    machine = load_machine("h200", 1)
+    machine = load_machine(hwprofiles.for_device_name(measured["machine"].split(",")[0]), 1)
     rows = []
     for row in measured["rows"]:
         knobs = from_dict(Knobs, row["knobs"], "knobs")

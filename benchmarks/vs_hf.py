@@ -120,7 +120,7 @@ def run_fastml(shape: str, sequences: int, pins: list[str], steps: int) -> dict:
 def _figures(spec, sequences: int, step_time_s: float, peak_bytes: int) -> dict:
     """Steady-state figures: step time is the median over the steps after the first."""
     tokens_per_s = sequences * SEQ_LEN / step_time_s
-    peak = hwprofiles.peak_flops("h200", "bf16")
+    peak = hwprofiles.peak_flops(_profile(), "bf16")
     return {"step_time_s": step_time_s, "tokens_per_s": tokens_per_s,
             "mfu": spec.flops_per_token(SEQ_LEN) * tokens_per_s / peak, "peak_memory_bytes": peak_bytes}
 
@@ -154,7 +154,15 @@ def bench(shape: str, steps: int) -> dict:
             r["max_abs_loss_diff_vs_hf"] = max(abs(a - b) for a, b in zip(r["losses"], best_hf["losses"]))
     return {"shape": shape, "seq_len": SEQ_LEN, "tokens_per_step": sequences * SEQ_LEN, "hf": hf, "fastml": ours,
             "speedup_best_vs_best_hf": best["tokens_per_s"] / best_hf["tokens_per_s"],
-            "mfu_peak": "H200 dense bf16 989 TFLOP/s"}
+            "mfu_peak": f"{_profile()} dense bf16 {hwprofiles.peak_flops(_profile(), 'bf16') / 1e12:g} TFLOP/s"}
+
+
+def _profile() -> str:
+    """This GPU's shipped profile, whose dense peak MFU is measured against."""
+    profile = hwprofiles.for_device_name(torch.cuda.get_device_name())
+    if profile is None:
+        raise SystemExit(f"no shipped profile for {torch.cuda.get_device_name()}: MFU would have no peak")
+    return profile
 
 
 def main() -> None:

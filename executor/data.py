@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastml.config import fail
+from fastml.config import fail, first_line
 from fastml.executor.files import read_json_object, write_dir_atomically
 
 FORMAT = "fastml-tokens"
@@ -83,7 +83,7 @@ class HFTokenizer:
         try:
             self._tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises a bare Exception for every parse error
-            fail(f"tokenizer {path}", f"not a valid tokenizer.json ({_first_line(e)})")
+            fail(f"tokenizer {path}", f"not a valid tokenizer.json ({first_line(e)})")
         self.name = str(path.resolve())
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         if not vocab:
@@ -115,11 +115,6 @@ def load_tokenizer(path: str | Path | None) -> ByteTokenizer | HFTokenizer:
     if path is None or str(path) == ByteTokenizer.name:
         return ByteTokenizer()
     return HFTokenizer(path)
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
 
 
 # ---------------------------------------------------------------------------------------------------- prepare
@@ -249,7 +244,7 @@ def _read_parquet(path: Path, field: str) -> Iterator[str]:
     try:
         parquet_file = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-        fail(str(path), f"not a readable parquet file ({_first_line(e)})")
+        fail(str(path), f"not a readable parquet file ({first_line(e)})")
     schema = parquet_file.schema_arrow
     if field not in schema.names:
         fail(str(path), f"no column {field!r}; the columns are {', '.join(schema.names)}")
@@ -483,7 +478,7 @@ def read_header(path: Path) -> dict:
     except FileNotFoundError:
         fail("", f"data {path} has no {HEADER_FILE}; {PREPARE_HINT}")
     except (OSError, ValueError, RecursionError) as e:
-        fail("", f"data {path}: {HEADER_FILE} is not readable JSON ({_first_line(e)}); {PREPARE_HINT}")
+        fail("", f"data {path}: {HEADER_FILE} is not readable JSON ({first_line(e)}); {PREPARE_HINT}")
     problem = _header_problem(header)
     if problem:
         fail("", f"data {path}: {HEADER_FILE} is malformed: {problem}; {PREPARE_HINT}")

@@ -176,17 +176,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def build_model(spec: ModelSpec, device: torch.device | str = "meta") -> Transformer:
+def build_model(spec: ModelSpec) -> Transformer:
     """The model with its parameters on the meta device: shapes only, no memory."""
     with torch.device("meta"):
-        model = Transformer(spec)
-    return model if str(device) == "meta" else materialize(model, device, torch.float32)
+        return Transformer(spec)
 
 
 def materialize(model: Transformer, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> Transformer:
     """Allocates a meta model's parameters on `device` in `dtype` and initializes them from `seed`."""
+    model.to(dtype)  # still on meta: costs nothing, and memory is allocated once, in the final dtype
     model.to_empty(device=device)
-    model.to(dtype)
     generator = torch.Generator(device=device).manual_seed(seed)
     model.init_weights(generator)
     return model

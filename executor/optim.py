@@ -7,10 +7,8 @@ import math
 import torch
 from torch import nn
 
-from fastml.plan import Training
+from fastml.plan import OPTIMIZER_CHUNK_NUMEL, Training
 
-# fp32 gradients are made for this many parameter elements at a time, bounding the temporary memory (1 GiB).
-_CHUNK_NUMEL = 2**28
 
 
 class MasterWeightAdamW:
@@ -82,7 +80,7 @@ class MasterWeightAdamW:
                 continue
             chunk.append((p, master))
             numel += p.numel()
-            if numel >= _CHUNK_NUMEL:
+            if numel >= OPTIMIZER_CHUNK_NUMEL:  # bounds the temporary fp32 gradients
                 yield chunk
                 chunk, numel = [], 0
         if chunk:
@@ -90,10 +88,10 @@ class MasterWeightAdamW:
 
 
 def lr_at(step: int, training: Training) -> float:
-    """Linear warmup over warmup_steps, then cosine decay to lr * min_lr_ratio at the last step."""
+    """Linear warmup over warmup_steps, then cosine decay to lr * min_lr_ratio at the last step (steps - 1)."""
     if step < training.warmup_steps:
         return training.lr * (step + 1) / training.warmup_steps
-    decay_steps = max(1, training.steps - training.warmup_steps)
+    decay_steps = max(1, training.steps - 1 - training.warmup_steps)
     progress = min(1.0, (step - training.warmup_steps) / decay_steps)
     floor = training.lr * training.min_lr_ratio
     return floor + (training.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))

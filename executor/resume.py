@@ -47,20 +47,23 @@ def save(root: str | Path, model: Transformer, optimizer: MasterWeightAdamW, pla
     return path
 
 
-def newest_good(root: str | Path, report) -> Path | None:
-    """The newest checkpoint that is complete and intact; `report(message)` hears of each one passed over."""
+def restore_newest(root: str | Path, model: Transformer, optimizer: MasterWeightAdamW, plan: Plan,
+                   report) -> tuple[Path, Position] | None:
+    """Loads the newest complete and intact checkpoint into `model` and `optimizer`; `report(message)` hears of
+    each damaged one passed over. None when there is none."""
     for path in _checkpoints(root):
         try:
-            load_checkpoint(path)
-            return path
+            loaded = load_checkpoint(path)  # checks every file's checksum
         except UserError as e:
             report(f"skipping checkpoint {path}: {e}")
+            continue
+        return path, _restore(path, *loaded, model, optimizer, plan)
     return None
 
 
-def restore(path: Path, model: Transformer, optimizer: MasterWeightAdamW, plan: Plan) -> Position:
-    """Loads a checkpoint into `model` and `optimizer`; refuses one made for another model or batch."""
-    spec, state, meta = load_checkpoint(path)
+def _restore(path: Path, spec, state: dict, meta: dict, model: Transformer, optimizer: MasterWeightAdamW,
+             plan: Plan) -> Position:
+    """Refuses a checkpoint made for another model or batch, else loads it."""
     saved = meta.get("training", {})
     if spec != plan.model:
         raise UserError(f"{path}: this checkpoint is of another model ({spec.name}) than the plan's "

@@ -56,7 +56,10 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     model = build_training_model(plan, device)
     data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
     optimizer = MasterWeightAdamW(model, plan.training)
-    position = _resume(plan, model, optimizer, console) if resume else resume_lib.Position(0, 0)
+    checkpoint, position = _resume(plan, model, optimizer, console) if resume else (None, resume_lib.Position(0, 0))
+    if position.step >= plan.training.steps:
+        console.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
+        return {"steps": 0}
     micro = plan.knobs.micro_batch_size
     if position.sequences % micro:
         fail("knobs.micro_batch_size", f"{micro} does not divide the {position.sequences} sequences the checkpoint "
@@ -78,27 +81,27 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
             if bad_in_a_row >= max_nonfinite_steps:
                 raise TrainingStopped(
                     f"step {step + 1}: loss or gradient norm not finite {bad_in_a_row} steps in a row; stopped. "
-                    f"Last good checkpoint: {_newest(plan) or 'none'}", exit_code=3)
+                    f"Last good checkpoint: {checkpoint or 'none'}", exit_code=3)
             if _checkpoint_due(plan, step + 1) or stop.signal:
-                path = _save_checkpoint(plan, model, optimizer, position, keep_checkpoints, console)
+                checkpoint = _save_checkpoint(plan, model, optimizer, position, keep_checkpoints, console)
             if stop.signal:
-                raise TrainingStopped(_stopped_message(plan, step + 1, stop.signal, path), 128 + stop.signal)
+                raise TrainingStopped(_stopped_message(plan, step + 1, stop.signal, checkpoint), 128 + stop.signal)
     summary = meter.summary()
     print_summary(console, plan, summary)
     return summary
 
 
-def _resume(plan: Plan, model, optimizer, console: Console) -> resume_lib.Position:
+def _resume(plan: Plan, model, optimizer, console: Console) -> tuple[Path | None, resume_lib.Position]:
     root = plan.training.checkpoint_dir
     if not root:
         fail("--resume", "needs a checkpoint directory: --checkpoint-dir DIR or training.checkpoint_dir")
-    path = resume_lib.newest_good(root, lambda message: console.print(f"[yellow]warning:[/] {message}"))
-    if path is None:
+    found = resume_lib.restore_newest(root, model, optimizer, plan,
+                                      lambda message: console.print(f"[yellow]warning:[/] {message}"))
+    if found is None:
         console.print(f"no checkpoint in {root} yet: starting from step 0")
-        return resume_lib.Position(0, 0)
-    position = resume_lib.restore(path, model, optimizer, plan)
-    console.print(f"resumed from {path} (step {position.step})")
-    return position
+        return None, resume_lib.Position(0, 0)
+    console.print(f"resumed from {found[0]} (step {found[1].step})")
+    return found
 
 
 def _checkpoint_due(plan: Plan, steps_done: int) -> bool:
@@ -114,11 +117,6 @@ def _save_checkpoint(plan: Plan, model, optimizer, position, keep: int, console:
     path = resume_lib.save(plan.training.checkpoint_dir, model, optimizer, plan, position, keep)
     console.print(f"checkpoint {path}")
     return path
-
-
-def _newest(plan: Plan) -> Path | None:
-    root = plan.training.checkpoint_dir
-    return resume_lib.newest_good(root, lambda message: None) if root else None
 
 
 def _stopped_message(plan: Plan, step: int, signum: int, path: Path | None) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if not feasible:
         raise UserError("no feasible plan on any of " + ", ".join(hardware))
     hw, best, _ = min(feasible, key=lambda r: r[1].plan.predicted.usd_per_million_tokens if r[1].plan.predicted
-                      else 0)
+                      else math.inf)  # a CPU plan has no price
     save_plan(best.plan, args.output)
     if args.json:
         print(json.dumps(report.plan_json(best.plan, best.runners_up), indent=2))
@@ -64,7 +65,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
     plan = load_plan(args.plan)
     if plan.hardware.profile == "cpu":
         raise UserError(f"{args.plan}: a CPU plan has no simulated step to explain")
-    candidate, problem = replan(plan)
+    candidate, problem = replan(plan, args.hw)
     if not candidate.feasible:
         raise UserError(f"{args.plan}: these knobs do not fit in memory on {plan.hardware.profile} "
                         f"(GPU over by {candidate.gpu_over_bytes / 2**30:.1f} GiB, host over by "
@@ -228,6 +229,7 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("plan", help="a plan.json")
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.add_argument("--trace", metavar="FILE", help="write the simulated step as a Chrome/Perfetto trace")
+    explain.add_argument("--hw", help="the profile JSON file the plan was made with, when it is not a shipped one")
     explain.set_defaults(func=cmd_explain)
 
     prof = sub.add_parser("profile", help="detect the GPUs and their topology, and write a hardware profile")

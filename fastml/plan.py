@@ -28,6 +28,9 @@ EXECUTOR_ONLY_RUNS = {
     "cache_weights_on_host": False, "matmul_dtype": "bf16", "optimizer_dtype": "fp32", "master_dtype": "fp32",
     "comm": "nccl",
 }
+# The executor's optimizer makes fp32 gradients for at least this many elements at a time (executor/optim.py);
+# the planner counts that memory (planner/memory.py).
+OPTIMIZER_CHUNK_NUMEL = 2**28
 TIME_COMPONENTS = ("compute", "recompute", "exposed_comm", "exposed_offload", "optimizer", "other")
 # Upper bounds far above any real run: an absurd plan is refused at load, before it can hang or exhaust memory.
 MAX_STEPS = 10**9
@@ -214,16 +217,23 @@ def with_overrides(plan: Plan, assignments: list[str]) -> Plan:
     """Applies `section.field=value` assignments (values parsed as JSON, else taken as strings), re-validating."""
     data = to_dict(plan)
     for assignment in assignments:
-        key, sep, raw = assignment.partition("=")
-        parts = key.strip().split(".")
-        if not sep or len(parts) != 2 or parts[0] not in data or not isinstance(data[parts[0]], dict):
-            fail("--set", f"{show(assignment)} must look like SECTION.FIELD=VALUE, SECTION one of "
-                          f"{', '.join(k for k, v in data.items() if isinstance(v, dict))}")
-        value = _override_value(parts[0], parts[1], raw)
-        if parts[0] == "knobs" and parts[1] == "recompute" and isinstance(value, str):
-            value = [v for v in value.split(",") if v]
-        data[parts[0]][parts[1]] = value
+        section, name, value = parse_assignment(assignment)
+        data[section][name] = value
     return plan_from_dict(data)
+
+
+def parse_assignment(assignment: str) -> tuple[str, str, object]:
+    """`SECTION.FIELD=VALUE` as (section, field, value): the value parsed as JSON where it is JSON, and
+    `knobs.recompute=a,b` as a list. The value is checked later, with the plan it goes into."""
+    sections = [f.name for f in dataclasses.fields(Plan) if f.name not in ("version", "predicted")]
+    key, sep, raw = assignment.partition("=")
+    parts = key.strip().split(".")
+    if not sep or len(parts) != 2 or parts[0] not in sections:
+        fail("--set", f"{show(assignment)} must look like SECTION.FIELD=VALUE, SECTION one of {', '.join(sections)}")
+    value = _override_value(parts[0], parts[1], raw)
+    if parts == ["knobs", "recompute"] and isinstance(value, str):
+        value = [v for v in value.split(",") if v]
+    return parts[0], parts[1], value
 
 
 def _override_value(section: str, name: str, raw: str) -> object:

@@ -13,14 +13,15 @@ from dataclasses import dataclass
 
 from fastml.plan import Knobs
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import layer_activation_bytes
+from fastml.planner.memory import BF16_BYTES, layer_activation_bytes
 from fastml.spec import ModelSpec
 
-BF16_BYTES = 2
 ATTENTION_BACKWARD_FACTOR = 2.5
-# AdamW on fp32 masters per parameter: read the bf16 grad (2) and write and read it in fp32 (8); read and write
-# master, m and v (24); write the bf16 weight (2); executor/optim.py. With bf16 states and no master: 2+2+8+2.
-OPTIMIZER_BYTES_PER_PARAM = {"fp32": 36, "bf16": 14}
+# AdamW per parameter (executor/optim.py): read the bf16 gradient (2) and, with fp32 masters, write and read it in
+# fp32 (8), read and write the master (8) and write the bf16 weight (2); with bf16 masters (the weights themselves)
+# read and write the weight (4). Then read and write m and v: 16 bytes in fp32, 8 in bf16.
+MASTER_STEP_BYTES = {"fp32": 2 + 8 + 8 + 2, "bf16": 2 + 4}
+STATE_STEP_BYTES = {"fp32": 16, "bf16": 8}
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Cost
     layer_bytes = layer_params * BF16_BYTES
     on_gpu = 1 - knobs.offload_optimizer
     shard = machine.num_gpus if knobs.shard_optimizer else 1
-    optimizer = hbm(p * on_gpu / shard * OPTIMIZER_BYTES_PER_PARAM[knobs.master_dtype] + p * BF16_BYTES)
+    step_bytes = MASTER_STEP_BYTES[knobs.master_dtype] + STATE_STEP_BYTES[knobs.optimizer_dtype]
+    optimizer = hbm(p * on_gpu / shard * step_bytes + p * BF16_BYTES)
     layer_act = layer_activation_bytes(spec, knobs.recompute, t, BF16_BYTES, dtype)
     return Costs(
         layer_forward=forward, layer_backward=backward, layer_recompute=recompute, head_forward_backward=head,
@@ -119,8 +121,7 @@ def _attention_forward_s(spec: ModelSpec, micro_batch_size: int, seq_len: int, m
     # Flash attention runs all heads and sequences at once: as efficient as one GEMM of (tokens x heads) rows,
     # seq_len columns and head_dim depth.
     size = (micro_batch_size * seq_len * spec.num_heads * seq_len * spec.head_dim) ** (1 / 3)
-    return flops / (machine.gpu.peak_flops.get(dtype, machine.gpu.peak_flops["bf16"])
-                    * machine.gpu.gemm_efficiency_at(size))
+    return flops / (machine.gpu.peak_flops_for(dtype) * machine.gpu.gemm_efficiency_at(size))
 
 
 def _elementwise_elements(spec: ModelSpec, compiled: bool) -> float:

@@ -31,7 +31,13 @@ class Gpu:
     def gemm_seconds(self, m: int, n: int, k: int, dtype: str) -> float:
         """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this size
         (interpolated in log g; the curve is measured in bf16 and applied to fp8 too)."""
-        return 2.0 * m * n * k / (self.peak_flops[dtype] * self.gemm_efficiency_at((m * n * k) ** (1 / 3)))
+        return 2.0 * m * n * k / (self.peak_flops_for(dtype) * self.gemm_efficiency_at((m * n * k) ** (1 / 3)))
+
+    def peak_flops_for(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            fail("knobs.matmul_dtype", f"{dtype!r}: this GPU has no {dtype} tensor cores in its profile (it has "
+                                       f"{', '.join(self.peak_flops)})")
+        return self.peak_flops[dtype]
 
     def gemm_efficiency_at(self, g: float) -> float:
         sizes = [s for s, _ in self.gemm_efficiency]

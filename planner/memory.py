@@ -14,14 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastml.plan import MEMORY_CATEGORIES, Knobs
+from fastml.plan import MEMORY_CATEGORIES, OPTIMIZER_CHUNK_NUMEL, Knobs
 from fastml.spec import ModelSpec
 
 BF16_BYTES = 2
 FP32_BYTES = 4
-# The executor makes fp32 gradients for at least this many elements at once in its optimizer step
-# (executor/optim.py, _CHUNK_NUMEL).
-OPTIMIZER_CHUNK_NUMEL = 2**28
 # Host memory of one training process besides the tensors counted here (CUDA context, torch, data loader).
 PROCESS_HOST_BYTES = 2 * 2**30
 # Layers whose weights, gradients or activations travel between host and GPU are double-buffered on the GPU.

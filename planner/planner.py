@@ -9,7 +9,7 @@ import torch
 
 from fastml import hwprofiles
 from fastml.config import UserError, check_range, fail, from_dict
-from fastml.plan import Hardware, Knobs, Plan, Predicted, Training, with_overrides
+from fastml.plan import Hardware, Knobs, Plan, Predicted, Training, parse_assignment, with_overrides
 from fastml.planner.hardware import has_gpu, load_machine
 from fastml.planner.search import (HOST_USABLE_FRACTION, Candidate, Problem, evaluate, knob_space, make_knobs,
                                    pin, search, smallest_choice)
@@ -52,7 +52,7 @@ def make_plan(model: str = "tiny", seq_len: int | None = None, global_batch_toke
     machine = load_machine(hw, gpus, nodes, gpu_mem, host_mem)
     global_batch_tokens = global_batch_tokens or SEQUENCES_PER_STEP * seq_len * machine.num_gpus
     problem = Problem(spec, seq_len, _check_batch(global_batch_tokens, seq_len, machine.num_gpus), machine)
-    knob_pins, other = _split_overrides(overrides)
+    knob_pins, other = _split_overrides(overrides, problem.sequences_per_gpu)
     attempts = [False, True] if lower_precision is None else [lower_precision]
     for lower in attempts:
         space = pin(knob_space(problem, runnable_only=here, lower_precision=lower), knob_pins)
@@ -60,15 +60,19 @@ def make_plan(model: str = "tiny", seq_len: int | None = None, global_batch_toke
                         study_name=_study_name(problem, here, lower))
         feasible = [c for c in ranked if c.feasible]
         if feasible:
-            plans = [_assemble(problem, c, steps, data, here) for c in feasible[:4]]
+            plans = [_assemble(problem, c, steps, data) for c in feasible[:4]]
             return Planned(with_overrides(plans[0], other), plans[1:], lower)
     raise NoFeasiblePlan(infeasible_message(problem, space))
 
 
-def replan(plan: Plan) -> tuple[Candidate, Problem]:
-    """The memory and simulation of an existing plan's knobs, on the hardware it names (`fastml explain`)."""
+def replan(plan: Plan, hw: str | None = None) -> tuple[Candidate, Problem]:
+    """The memory and simulation of an existing plan's knobs, on the hardware it names or the profile file `hw`
+    (`fastml explain`)."""
     h = plan.hardware
-    machine = load_machine(h.profile, num_gpus=h.gpus_per_node, num_nodes=max(1, h.num_gpus // h.gpus_per_node),
+    if hw is None and h.profile not in hwprofiles.names():
+        fail("hardware.profile", f"{h.profile!r} is not a shipped profile; give the profile file the plan was made "
+                                 f"with: fastml explain PLAN --hw FILE")
+    machine = load_machine(hw or h.profile, num_gpus=h.gpus_per_node, num_nodes=max(1, h.num_gpus // h.gpus_per_node),
                            gpu_memory=h.gpu_memory_bytes or None, host_memory=h.host_memory_bytes or None)
     problem = Problem(plan.model, plan.training.seq_len, plan.training.global_batch_tokens, machine)
     return evaluate(problem, plan.knobs), problem
@@ -77,7 +81,7 @@ def replan(plan: Plan) -> tuple[Candidate, Problem]:
 def predicted(problem: Problem, candidate: Candidate) -> Predicted:
     sim, machine = candidate.simulation, problem.machine
     tokens_per_s = problem.global_batch_tokens / sim.step_time_s
-    peak = machine.gpu.peak_flops.get(candidate.knobs.matmul_dtype, machine.gpu.peak_flops["bf16"])
+    peak = machine.gpu.peak_flops_for(candidate.knobs.matmul_dtype)
     hours_per_million = 1e6 / tokens_per_s / 3600
     return Predicted(
         step_time_s=sim.step_time_s, tokens_per_s=tokens_per_s,
@@ -124,7 +128,7 @@ def _detect(device: str | None, gpus: int | None) -> tuple[str, int | None]:
     if profile is None:
         fail("--hw", f"no shipped profile for the GPU {name!r}; run `fastml profile -o my.json` and plan with "
                      f"--hw my.json, or pass --hw with the nearest of {', '.join(hwprofiles.names())}")
-    return profile, gpus or torch.cuda.device_count()
+    return profile, gpus or 1  # the executor trains on one device so far
 
 
 def _cpu_plan(spec: ModelSpec, seq_len: int, global_batch_tokens: int | None, steps: int, data: str,
@@ -132,17 +136,15 @@ def _cpu_plan(spec: ModelSpec, seq_len: int, global_batch_tokens: int | None, st
     """On a CPU there is no rate to simulate against: every sequence of a step goes into one micro-batch."""
     global_batch_tokens = _check_batch(global_batch_tokens or SEQUENCES_PER_STEP * seq_len, seq_len, 1)
     sequences = global_batch_tokens // seq_len
-    knob_pins, other = _split_overrides(overrides)
-    micro = int(knob_pins.pop("micro_batch_size", sequences))
-    if micro < 1 or sequences % micro:
-        fail("knobs.micro_batch_size", f"{micro} must divide the {sequences} sequences of a step")
+    knob_pins, other = _split_overrides(overrides, sequences)
+    micro = knob_pins.pop("micro_batch_size", sequences)
     knobs = Knobs(micro_batch_size=micro, grad_accum_steps=sequences // micro)
     plan = Plan(model=spec, hardware=Hardware(profile="cpu", fingerprint=hwprofiles.fingerprint("cpu")),
                 training=_training(spec, seq_len, global_batch_tokens, steps, data), knobs=knobs)
     return with_overrides(plan, [f"knobs.{k}={json.dumps(v)}" for k, v in knob_pins.items()] + other)
 
 
-def _assemble(problem: Problem, candidate: Candidate, steps: int, data: str, here: bool) -> Plan:
+def _assemble(problem: Problem, candidate: Candidate, steps: int, data: str) -> Plan:
     m = problem.machine
     hardware = Hardware(profile=m.profile, fingerprint=m.fingerprint, device="cuda", num_gpus=m.num_gpus,
                         gpus_per_node=m.gpus_per_node, gpu_memory_bytes=m.gpu.memory_bytes,
@@ -165,30 +167,21 @@ def _check_batch(global_batch_tokens: int, seq_len: int, num_gpus: int) -> int:
     return global_batch_tokens
 
 
-def _split_overrides(overrides) -> tuple[dict, list[str]]:
-    """knobs.* pins (values parsed as JSON) and the other SECTION.FIELD=VALUE assignments."""
+def _split_overrides(overrides, sequences_per_gpu: int) -> tuple[dict, list[str]]:
+    """knobs.* pins, checked, and the other SECTION.FIELD=VALUE assignments."""
     pins, other = {}, []
     for assignment in overrides:
-        key, _, raw = assignment.partition("=")
-        if key.strip().startswith("knobs."):
-            try:
-                value = json.loads(raw)
-            except ValueError:  # not JSON (or a number too long to read): the text itself
-                value = raw
-            name = key.strip().removeprefix("knobs.")
-            if name == "recompute" and isinstance(value, str):
-                value = [v for v in value.split(",") if v]
+        section, name, value = parse_assignment(assignment)
+        if section == "knobs":
             pins[name] = value
         else:
             other.append(assignment)
     if "grad_accum_steps" in pins:
         fail("knobs.grad_accum_steps", "follows from the batch and micro_batch_size; pin micro_batch_size instead")
-    _validate_pins(pins)
+    micro = from_dict(Knobs, pins, "knobs").micro_batch_size  # raises a UserError naming a bad knob
+    if sequences_per_gpu % micro:
+        fail("knobs.micro_batch_size", f"{micro} must divide the {sequences_per_gpu} sequences of a step (per GPU)")
     return pins, other
-
-
-def _validate_pins(pins: dict) -> None:
-    from_dict(Knobs, pins, "knobs")  # raises a UserError naming the knob
 
 
 def _storage(study: str | None) -> str | None:

@@ -181,7 +181,7 @@ def _write_detected(data: dict, topology: dict) -> list[str]:
     node["host_memory_bytes"] = topology["host"]["memory_bytes"]
     fields = ["name", "device_names", "gpu.memory_bytes", "node.gpus_per_node", "node.host_memory_bytes"]
     if len(gpus) > 1:
-        # A pair NVML cannot tell about counts as no P2P: the planner then routes collectives through the host.
+        # A pair NVML cannot tell about counts as no P2P: the safe assumption for a consumer box.
         pairs = [s for i, row in enumerate(topology["p2p"]) for j, s in enumerate(row) if i != j]
         gpu["p2p"] = all(s == "ok" for s in pairs)
         fields.append("gpu.p2p (P2P read OK between every pair)")

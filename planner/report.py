@@ -49,8 +49,8 @@ def print_breakdown(console: Console, plan: Plan) -> None:
     p = plan.predicted
     dtype = plan.knobs.matmul_dtype
     console.print(f"predicted: {p.step_time_s:.3f} s/step, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%} "
-                  f"(model FLOPs over the dense {dtype} peak), ${p.usd_per_million_tokens:.3f} and "
-                  f"{p.kwh_per_million_tokens:.3f} kWh (GPU power) per million tokens")
+                  f"(model FLOPs over the dense {dtype} peak), ${p.usd_per_million_tokens:.3g} and "
+                  f"{p.kwh_per_million_tokens:.3g} kWh (GPU power) per million tokens")
     time_table = Table(title="step time by component")
     time_table.add_column("component")
     time_table.add_column("seconds", justify="right")
@@ -74,13 +74,14 @@ def print_ranking(console: Console, rows: list[tuple[str, Plan | None, str]]) ->
     table = Table(title="hardware ranked by cost per million tokens")
     for column in ("hardware", "tokens/s", "MFU", "$/Mtok", "kWh/Mtok", "knobs"):
         table.add_column(column, justify="left" if column in ("hardware", "knobs") else "right")
-    feasible = sorted((r for r in rows if r[1] is not None), key=lambda r: r[1].predicted.usd_per_million_tokens)
-    for hw, plan, _ in feasible:
+    priced = sorted((r for r in rows if r[1] is not None and r[1].predicted),
+                    key=lambda r: r[1].predicted.usd_per_million_tokens)
+    for hw, plan, _ in priced:
         p = plan.predicted
-        table.add_row(hw, f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.usd_per_million_tokens:.3f}",
-                      f"{p.kwh_per_million_tokens:.3f}", knob_summary(plan.knobs))
-    for hw, _, note in (r for r in rows if r[1] is None):
-        table.add_row(hw, "-", "-", "-", "-", f"infeasible: {note}")
+        table.add_row(hw, f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.usd_per_million_tokens:.3g}",
+                      f"{p.kwh_per_million_tokens:.3g}", knob_summary(plan.knobs))
+    for hw, plan, note in (r for r in rows if r[1] is None or not r[1].predicted):
+        table.add_row(hw, "-", "-", "-", "-", f"infeasible: {note}" if plan is None else "no prediction on a CPU")
     console.print(table)
 
 

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass
 
 from fastml.config import fail
-from fastml.plan import EXECUTOR_ONLY_RUNS, Knobs
+from fastml.plan import Knobs
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import Memory, memory
 from fastml.planner.simulate import Simulation, simulate
@@ -220,6 +220,3 @@ def _decode(value):
     return tuple(v for v in value.split(",") if v) if isinstance(value, str) and value not in (
         "bf16", "fp8", "fp32", "nccl", "memcpy") else value
 
-
-def runnable_pins() -> dict:
-    return dict(EXECUTOR_ONLY_RUNS)

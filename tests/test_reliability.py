@@ -145,3 +145,9 @@ def test_a_training_checkpoint_exports_to_hf(workdir):
     _, state, _ = load_checkpoint(checkpoint)
     loaded = load_pretrained(workdir / "hf").state_dict()
     assert state.keys() == loaded.keys() and all((state[k] == loaded[k]).all() for k in state)
+
+
+def test_resuming_a_finished_run_trains_nothing(workdir):
+    result = run(workdir, "reference", "--resume")
+    assert result.returncode == 0, result.stderr
+    assert f"already at step {STEPS} of {STEPS}: nothing to train" in result.stderr.replace("\n", " ")

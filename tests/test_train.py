@@ -31,12 +31,12 @@ def test_accumulation_matches_one_big_micro_batch(tmp_path):
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
-    t = Training(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    t = Training(steps=101, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
     assert lr_at(0, t) == pytest.approx(0.1)
     assert lr_at(9, t) == pytest.approx(1.0)
     assert lr_at(10, t) == pytest.approx(1.0)
-    assert lr_at(55, t) == pytest.approx(0.55)
-    assert lr_at(100, t) == pytest.approx(0.1)
+    assert lr_at(55, t) == pytest.approx(0.55)  # halfway through the decay: halfway between lr and the floor
+    assert lr_at(100, t) == pytest.approx(0.1)  # the last step
     assert all(lr_at(s, t) >= lr_at(s + 1, t) for s in range(10, 100))
 
 
