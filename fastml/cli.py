@@ -192,10 +192,7 @@ def _one_line(message: str) -> str:
     return " ".join(message.splitlines())
 
 
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fastml", description="Plan and run memory- and communication-efficient LLM training.")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_plan_command(sub) -> None:
     plan = sub.add_parser("plan", help="search the fastest plan that fits and write it")
     plan.add_argument("--model", default="tiny", help="a preset name or an HF model directory (default: tiny)")
     plan.add_argument("--seq", type=int, help="sequence length (default: 256 for tiny, else 2048)")
@@ -206,7 +203,7 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("--hw", help="a profile (h200, h100-sxm, a100-80gb, l40s, rtx3090, rtx4090, rtx5090, "
                                    "rtx5060ti-16gb), a profile JSON file, or several names separated by commas to "
                                    "rank them (default: this machine)")
-    plan.add_argument("--gpus", type=int, help="GPUs per node (default: the profile's, or all detected)")
+    plan.add_argument("--gpus", type=int, help="GPUs per node (default: the profile's; for this machine, 1)")
     plan.add_argument("--nodes", type=int, help="nodes (default: 1)")
     plan.add_argument("--gpu-mem", help="cap the memory of each GPU, e.g. 16GiB")
     plan.add_argument("--host-mem", help="host memory per node, e.g. 256GiB (default: the profile's)")
@@ -225,17 +222,8 @@ def parser() -> argparse.ArgumentParser:
     plan.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default: plan.json)")
     plan.set_defaults(func=cmd_plan)
 
-    explain = sub.add_parser("explain", help="the cost breakdown of a plan, re-simulated")
-    explain.add_argument("plan", help="a plan.json")
-    explain.add_argument("--json", action="store_true", help="machine-readable output")
-    explain.add_argument("--trace", metavar="FILE", help="write the simulated step as a Chrome/Perfetto trace")
-    explain.add_argument("--hw", help="the profile JSON file the plan was made with, when it is not a shipped one")
-    explain.set_defaults(func=cmd_explain)
 
-    prof = sub.add_parser("profile", help="detect the GPUs and their topology, and write a hardware profile")
-    prof.add_argument("-o", "--output", default="hwprofile.json", help="where to write it (default: hwprofile.json)")
-    prof.set_defaults(func=cmd_profile)
-
+def _add_run_command(sub) -> None:
     run = sub.add_parser("run", help="train as a plan says")
     run.add_argument("plan", help="a plan.json")
     run.add_argument("--steps", type=int, help="optimizer steps (default: the plan's)")
@@ -254,6 +242,24 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--strict", action="store_true", help="refuse a plan made for other hardware (else: warn)")
     run.set_defaults(func=cmd_run)
 
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fastml", description="Plan and run memory- and communication-efficient LLM training.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    _add_plan_command(sub)
+    explain = sub.add_parser("explain", help="the cost breakdown of a plan, re-simulated")
+    explain.add_argument("plan", help="a plan.json")
+    explain.add_argument("--json", action="store_true", help="machine-readable output")
+    explain.add_argument("--trace", metavar="FILE", help="write the simulated step as a Chrome/Perfetto trace")
+    explain.add_argument("--hw", help="the profile JSON file the plan was made with, when it is not a shipped one")
+    explain.set_defaults(func=cmd_explain)
+
+    prof = sub.add_parser("profile", help="detect the GPUs and their topology, and write a hardware profile")
+    prof.add_argument("-o", "--output", default="hwprofile.json", help="where to write it (default: hwprofile.json)")
+    prof.set_defaults(func=cmd_profile)
+
+    _add_run_command(sub)
     prep = sub.add_parser("prepare", help="tokenize text, jsonl or parquet files into a training token file")
     prep.add_argument("--input", nargs="+", required=True, help="files or glob patterns ('docs/**/*.jsonl')")
     prep.add_argument("--tokenizer", help="an HF tokenizer.json (default: the built-in byte-level tokenizer)")

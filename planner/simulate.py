@@ -53,11 +53,39 @@ def simulate(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> S
                       memory_timeline=timeline)
 
 
-class _Builder:
-    """Adds ops in program order; each op depends on the ops named and, implicitly, on its resource."""
+def build_graph(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> nx.DiGraph:
+    step = _StepGraph(spec, seq_len, knobs, machine)
+    num_micro = min(knobs.grad_accum_steps, SIMULATED_MICRO_BATCHES)
+    for m in range(num_micro):
+        step.forward(m)
+        step.compute(f"head mb{m}", step.c.head_forward_backward, "compute")
+        step.backward(m, last=m == num_micro - 1)
+    step.optimizer_step()
+    return step.graph
 
-    def __init__(self):
+
+class _StepGraph:
+    """One optimizer step's ops, added in program order; each op depends on the ops named and, implicitly, on the
+    ops added before it to its resource."""
+
+    def __init__(self, spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine):
         self.graph = nx.DiGraph()
+        self.c = costs(spec, seq_len, knobs, machine)
+        self.knobs = knobs
+        self.num_layers = spec.num_layers
+        self.multi = machine.num_gpus > 1
+
+        def layers(fraction: float) -> set[int]:
+            return set(range(round(fraction * spec.num_layers)))
+        self.streamed = layers(knobs.offload_weights)
+        self.offloaded_acts = layers(knobs.offload_residuals)
+        self.offloaded_grads = layers(knobs.offload_gradients)
+        self.cpu_adam = layers(knobs.offload_optimizer)
+        self.offloaded_master = layers(knobs.offload_master) if knobs.master_dtype == "fp32" else set()
+        self.act_bytes = layer_activation_bytes(spec, knobs.recompute, knobs.micro_batch_size * seq_len, BF16_BYTES,
+                                                knobs.matmul_dtype)
+        self.compute_ops: list[str] = []  # the compute stream in program order, for prefetch distances
+        self.last_grad: dict[int, str] = {}  # per layer, the op after which its gradient is ready for the optimizer
 
     def add(self, name: str, resource: str, duration_s: float, category: str, deps=(), **attrs) -> str:
         self.graph.add_node(name, resource=resource, duration=duration_s, category=category, **attrs)
@@ -66,84 +94,79 @@ class _Builder:
                 self.graph.add_edge(dep, name)
         return name
 
+    def compute(self, name: str, duration_s: float, category: str, deps=(), **attrs) -> str:
+        previous = self.compute_ops[-1] if self.compute_ops else None
+        self.compute_ops.append(self.add(name, "compute", duration_s, category, [previous, *deps], **attrs))
+        return name
 
-def build_graph(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> nx.DiGraph:
-    c = costs(spec, seq_len, knobs, machine)
-    b = _Builder()
-    n_layers = spec.num_layers
-    streamed = set(range(round(knobs.offload_weights * n_layers)))
-    offloaded_acts = set(range(round(knobs.offload_residuals * n_layers)))
-    offloaded_grads = set(range(round(knobs.offload_gradients * n_layers)))
-    cpu_adam = set(range(round(knobs.offload_optimizer * n_layers)))
-    offloaded_master = set(range(round(knobs.offload_master * n_layers))) if knobs.master_dtype == "fp32" else set()
-    act_bytes = layer_activation_bytes(spec, knobs.recompute, knobs.micro_batch_size * seq_len, BF16_BYTES,
-                                       knobs.matmul_dtype)
-    num_micro = min(knobs.grad_accum_steps, SIMULATED_MICRO_BATCHES)
-    multi = machine.num_gpus > 1
-    compute_ops: list[str] = []  # the compute stream in program order, for prefetch distances
-    last_grad_ops: dict[int, str] = {}
+    def prefetch_slot(self) -> str | None:
+        """A double buffer frees when the compute op two back is done."""
+        return self.compute_ops[-2] if len(self.compute_ops) >= 2 else None
 
-    def compute(name, duration, category, deps=(), **attrs):
-        op = b.add(name, "compute", duration, category, [compute_ops[-1] if compute_ops else None, *deps], **attrs)
-        compute_ops.append(op)
-        return op
-
-    def prefetch_slot():  # a double buffer frees when the compute op two back is done
-        return compute_ops[-2] if len(compute_ops) >= 2 else None
-
-    def fetch_weights(layer, tag, backward):
-        if layer in streamed or (backward and knobs.shard_weights and knobs.cache_weights_on_host):
-            return b.add(f"h2d weights L{layer} {tag}", "h2d", c.layer_weights_h2d, "offload", [prefetch_slot()])
-        if knobs.shard_weights and multi:
-            return b.add(f"gather weights L{layer} {tag}", "comm", c.layer_weight_gather, "comm", [prefetch_slot()])
+    def fetch_weights(self, layer: int, tag: str, backward: bool) -> str | None:
+        k, c = self.knobs, self.c
+        if layer in self.streamed or (backward and k.shard_weights and k.cache_weights_on_host):
+            return self.add(f"h2d weights L{layer} {tag}", "h2d", c.layer_weights_h2d, "offload",
+                            [self.prefetch_slot()])
+        if k.shard_weights and self.multi:
+            return self.add(f"gather weights L{layer} {tag}", "comm", c.layer_weight_gather, "comm",
+                            [self.prefetch_slot()])
         return None
 
-    for m in range(num_micro):
-        for layer in range(n_layers):
-            ready = fetch_weights(layer, f"mb{m} fwd", backward=False)
-            fwd = compute(f"fwd L{layer} mb{m}", c.layer_forward, "compute", [ready],
-                          alloc=(f"act {m} {layer}", act_bytes))
-            if layer in offloaded_acts:
-                b.add(f"d2h acts L{layer} mb{m}", "d2h", c.layer_activations_transfer, "offload", [fwd],
-                      free=f"act {m} {layer}")
-        compute(f"head mb{m}", c.head_forward_backward, "compute")
-        for layer in reversed(range(n_layers)):
-            deps = [fetch_weights(layer, f"mb{m} bwd", backward=True)]
-            if layer in offloaded_acts:
-                deps.append(b.add(f"h2d acts L{layer} mb{m}", "h2d", c.layer_activations_transfer, "offload",
-                                  [f"d2h acts L{layer} mb{m}", prefetch_slot()], alloc=(f"act {m} {layer}", act_bytes)))
-            if knobs.recompute:
-                compute(f"recompute L{layer} mb{m}", c.layer_recompute, "recompute", deps)
+    def forward(self, m: int) -> None:
+        for layer in range(self.num_layers):
+            ready = self.fetch_weights(layer, f"mb{m} fwd", backward=False)
+            fwd = self.compute(f"fwd L{layer} mb{m}", self.c.layer_forward, "compute", [ready],
+                               alloc=(f"act {m} {layer}", self.act_bytes))
+            if layer in self.offloaded_acts:
+                self.add(f"d2h acts L{layer} mb{m}", "d2h", self.c.layer_activations_transfer, "offload", [fwd],
+                         free=f"act {m} {layer}")
+
+    def backward(self, m: int, last: bool) -> None:
+        c = self.c
+        for layer in reversed(range(self.num_layers)):
+            deps = [self.fetch_weights(layer, f"mb{m} bwd", backward=True)]
+            if layer in self.offloaded_acts:
+                deps.append(self.add(f"h2d acts L{layer} mb{m}", "h2d", c.layer_activations_transfer, "offload",
+                                     [f"d2h acts L{layer} mb{m}", self.prefetch_slot()],
+                                     alloc=(f"act {m} {layer}", self.act_bytes)))
+            if self.knobs.recompute:
+                self.compute(f"recompute L{layer} mb{m}", c.layer_recompute, "recompute", deps)
                 deps = []
-            accumulate = c.grad_accumulate / n_layers if m > 0 and layer not in offloaded_grads else 0.0
-            bwd = compute(f"bwd L{layer} mb{m}", c.layer_backward + accumulate, "compute", deps,
-                          free=f"act {m} {layer}", micro_batch=m)
-            grad = bwd
-            if multi and (knobs.shard_gradients or m == num_micro - 1):
-                grad = b.add(f"reduce grads L{layer} mb{m}", "comm", c.layer_grad_reduce, "comm", [bwd])
-            if layer in offloaded_grads:
-                grad = b.add(f"d2h grads L{layer} mb{m}", "d2h", c.layer_grads_d2h, "offload", [grad])
-            last_grad_ops[layer] = grad
-    # The optimizer step runs on the CPU for layers whose Adam states live there, on the GPU for the others;
-    # master weights kept on the other side cross PCIe both ways.
-    gpu_steps_with_host_master = offloaded_master - cpu_adam
-    fetch = [b.add(f"h2d master L{layer}", "h2d", c.layer_master_transfer, "offload", [last_grad_ops[layer]])
-             for layer in sorted(gpu_steps_with_host_master)]
-    optimizer = compute("optimizer (GPU)", c.gpu_optimizer, "optimizer", [*last_grad_ops.values(), *fetch])
-    for layer in sorted(gpu_steps_with_host_master):
-        b.add(f"d2h master L{layer}", "d2h", c.layer_master_transfer, "offload", [optimizer])
-    for layer in sorted(cpu_adam):
-        deps = [last_grad_ops[layer]]
-        if layer not in offloaded_master:
-            deps.append(b.add(f"d2h master L{layer}", "d2h", c.layer_master_transfer, "offload", deps))
-        step = b.add(f"cpu adam L{layer}", "cpu", c.cpu_optimizer_layer, "optimizer", deps)
-        if layer not in offloaded_master:
-            b.add(f"h2d master L{layer}", "h2d", c.layer_master_transfer, "offload", [step])
-        if layer not in streamed:  # the updated bf16 weights go back to their GPU copy
-            b.add(f"h2d new weights L{layer}", "h2d", c.layer_weights_h2d, "offload", [step])
-    if multi and knobs.shard_optimizer and not knobs.shard_weights:
-        b.add("gather updated weights", "comm", c.step_weight_gather, "comm", [optimizer])
-    return b.graph
+            accumulate = c.grad_accumulate / self.num_layers if m > 0 and layer not in self.offloaded_grads else 0.0
+            grad = self.compute(f"bwd L{layer} mb{m}", c.layer_backward + accumulate, "compute", deps,
+                                free=f"act {m} {layer}", micro_batch=m)
+            if self.multi and (self.knobs.shard_gradients or last):
+                grad = self.add(f"reduce grads L{layer} mb{m}", "comm", c.layer_grad_reduce, "comm", [grad])
+            if layer in self.offloaded_grads:
+                grad = self.add(f"d2h grads L{layer} mb{m}", "d2h", c.layer_grads_d2h, "offload", [grad])
+            self.last_grad[layer] = grad
+
+    def optimizer_step(self) -> None:
+        """On the CPU for layers whose Adam states live there, on the GPU for the others; master weights kept on
+        the other side cross PCIe both ways."""
+        c = self.c
+        gpu_steps_with_host_master = self.offloaded_master - self.cpu_adam
+        fetch = [self.add(f"h2d master L{layer}", "h2d", c.layer_master_transfer, "offload", [self.last_grad[layer]])
+                 for layer in sorted(gpu_steps_with_host_master)]
+        optimizer = self.compute("optimizer (GPU)", c.gpu_optimizer, "optimizer", [*self.last_grad.values(), *fetch])
+        for layer in sorted(gpu_steps_with_host_master):
+            self.add(f"d2h master L{layer}", "d2h", c.layer_master_transfer, "offload", [optimizer])
+        for layer in sorted(self.cpu_adam):
+            self.cpu_adam_step(layer)
+        if self.multi and self.knobs.shard_optimizer and not self.knobs.shard_weights:
+            self.add("gather updated weights", "comm", c.step_weight_gather, "comm", [optimizer])
+
+    def cpu_adam_step(self, layer: int) -> None:
+        c = self.c
+        deps = [self.last_grad[layer]]
+        if layer not in self.offloaded_master:
+            deps.append(self.add(f"d2h master L{layer}", "d2h", c.layer_master_transfer, "offload", deps))
+        step = self.add(f"cpu adam L{layer}", "cpu", c.cpu_optimizer_layer, "optimizer", deps)
+        if layer not in self.offloaded_master:
+            self.add(f"h2d master L{layer}", "h2d", c.layer_master_transfer, "offload", [step])
+        if layer not in self.streamed:  # the updated bf16 weights go back to their GPU copy
+            self.add(f"h2d new weights L{layer}", "h2d", c.layer_weights_h2d, "offload", [step])
 
 
 def _schedule(graph: nx.DiGraph) -> None:
