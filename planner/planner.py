@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
@@ -138,10 +137,11 @@ def _cpu_plan(spec: ModelSpec, seq_len: int, global_batch_tokens: int | None, st
     sequences = global_batch_tokens // seq_len
     knob_pins, other = _split_overrides(overrides, sequences)
     micro = knob_pins.pop("micro_batch_size", sequences)
-    knobs = Knobs(micro_batch_size=micro, grad_accum_steps=sequences // micro)
+    knobs = from_dict(Knobs, {**knob_pins, "micro_batch_size": micro, "grad_accum_steps": sequences // micro},
+                      "knobs")
     plan = Plan(model=spec, hardware=Hardware(profile="cpu", fingerprint=hwprofiles.fingerprint("cpu")),
                 training=_training(spec, seq_len, global_batch_tokens, steps, data), knobs=knobs)
-    return with_overrides(plan, [f"knobs.{k}={json.dumps(v)}" for k, v in knob_pins.items()] + other)
+    return with_overrides(plan, other)
 
 
 def _assemble(problem: Problem, candidate: Candidate, steps: int, data: str) -> Plan:
