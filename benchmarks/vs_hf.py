@@ -22,7 +22,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from fastml import hwprofiles  # noqa: E402
-from fastml.executor.checkpoint import fastml_to_hf  # noqa: E402
+from fastml.executor.hf import fastml_to_hf  # noqa: E402
 from fastml.executor.data import TokenData  # noqa: E402
 from fastml.executor.model import build_model, materialize  # noqa: E402
 from fastml.executor.optim import lr_at  # noqa: E402

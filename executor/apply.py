@@ -9,16 +9,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastml.config import fail
-from fastml.plan import EXECUTOR_ONLY_RUNS, Knobs
+from fastml.plan import KNOBS, Knobs
 from fastml.executor.model import Transformer
 
 
 def check_supported(knobs: Knobs) -> None:
-    for name, supported in EXECUTOR_ONLY_RUNS.items():
-        if getattr(knobs, name) != supported:
+    for name, info in KNOBS.items():
+        runs = info.executor_runs
+        if runs is not None and getattr(knobs, name) not in runs:
             fail(f"knobs.{name}", f"{getattr(knobs, name)!r} is not supported by this executor yet "
-                                  f"(only {supported!r}); plan for this machine (`fastml plan` without --hw) or pin "
-                                  f"--set knobs.{name}={supported!r}")
+                                  f"(only {' or '.join(map(repr, runs))}); plan for this machine (`fastml plan` "
+                                  f"without --hw) or pin --set knobs.{name}={runs[0]!r}")
 
 
 def apply_plan(model: Transformer, knobs: Knobs) -> Transformer:

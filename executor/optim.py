@@ -7,8 +7,10 @@ import math
 import torch
 from torch import nn
 
-from fastml.plan import OPTIMIZER_CHUNK_NUMEL, Training
+from fastml.plan import Training
 
+# Bounds the temporary fp32 gradients (to be replaced by one parameter group at a time).
+OPTIMIZER_CHUNK_NUMEL = 2**28
 
 
 class MasterWeightAdamW:

@@ -22,7 +22,7 @@ from fastml import hwprofiles
 from fastml.config import check_range, fail
 from fastml.plan import Plan
 from fastml.executor import faults
-from fastml.executor import resume as resume_lib
+from fastml.executor import snapshot
 from fastml.executor.apply import apply_plan
 from fastml.executor.data import TokenData
 from fastml.executor.model import Transformer, build_model, materialize
@@ -56,7 +56,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     model = build_training_model(plan, device)
     data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
     optimizer = MasterWeightAdamW(model, plan.training)
-    checkpoint, position = _resume(plan, model, optimizer, console) if resume else (None, resume_lib.Position(0, 0))
+    checkpoint, position = _resume(plan, model, optimizer, console) if resume else (None, snapshot.Position(0, 0))
     if position.step >= plan.training.steps:
         console.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
         return {"steps": 0}
@@ -72,7 +72,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         bad_in_a_row = 0
         for step in range(position.step, plan.training.steps):
             record = meter.measure(train_step(model, optimizer, batches, plan, step, device))
-            position = resume_lib.Position(step + 1, position.sequences + micro * plan.knobs.grad_accum_steps)
+            position = snapshot.Position(step + 1, position.sequences + micro * plan.knobs.grad_accum_steps)
             bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0
             if log:
                 log.write(json.dumps(record) + "\n")
@@ -91,15 +91,15 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     return summary
 
 
-def _resume(plan: Plan, model, optimizer, console: Console) -> tuple[Path | None, resume_lib.Position]:
+def _resume(plan: Plan, model, optimizer, console: Console) -> tuple[Path | None, snapshot.Position]:
     root = plan.training.checkpoint_dir
     if not root:
         fail("--resume", "needs a checkpoint directory: --checkpoint-dir DIR or training.checkpoint_dir")
-    found = resume_lib.restore_newest(root, model, optimizer, plan,
+    found = snapshot.restore_newest(root, model, optimizer, plan,
                                       lambda message: console.print(f"[yellow]warning:[/] {message}"))
     if found is None:
         console.print(f"no checkpoint in {root} yet: starting from step 0")
-        return None, resume_lib.Position(0, 0)
+        return None, snapshot.Position(0, 0)
     console.print(f"resumed from {found[0]} (step {found[1].step})")
     return found
 
@@ -114,7 +114,7 @@ def _checkpoint_due(plan: Plan, steps_done: int) -> bool:
 def _save_checkpoint(plan: Plan, model, optimizer, position, keep: int, console: Console) -> Path | None:
     if not plan.training.checkpoint_dir:
         return None
-    path = resume_lib.save(plan.training.checkpoint_dir, model, optimizer, plan, position, keep)
+    path = snapshot.save(plan.training.checkpoint_dir, model, optimizer, plan, position, keep)
     console.print(f"checkpoint {path}")
     return path
 

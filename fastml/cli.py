@@ -132,7 +132,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from fastml.executor.checkpoint import convert_from_hf, convert_to_hf
+    from fastml.executor.hf import convert_from_hf, convert_to_hf
 
     if bool(args.from_hf) == bool(args.to_hf):
         raise UserError("convert: give either --from-hf DIR -o OUT, or CHECKPOINT --to-hf DIR")

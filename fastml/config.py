@@ -52,6 +52,8 @@ def show(value: Any, max_chars: int = 60) -> str:
 def read_json(path: str | Path, what: str, max_bytes: int = 2**24) -> Any:
     """The JSON value in a user's file, which should be `what` ("a plan"): an unreadable, oversized, non-UTF-8,
     malformed or too deeply nested file is a one-line UserError naming the file."""
+    if Path(path).exists() and not Path(path).is_file():  # a FIFO or a device would block or never end
+        fail(str(path), f"is not a regular file, so not {what}")
     try:
         with open(path, "rb") as f:
             raw = f.read(max_bytes + 1)  # bounded: a mistaken path may name gigabytes

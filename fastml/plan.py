@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,17 +21,6 @@ PLAN_VERSION = 1
 RECOMPUTE_CHOICES = ("norm", "swiglu", "ffn", "qkv", "attention", "block")
 MEMORY_CATEGORIES = ("weights", "master_weights", "gradients", "optimizer_states", "activations", "workspace",
                      "comm_buffers")
-# Knobs the executor cannot run yet at any value but this one. The executor refuses other values; the planner
-# leaves them out of the search when the plan is meant to run here and now.
-EXECUTOR_ONLY_RUNS = {
-    "offload_optimizer": 0.0, "offload_master": 0.0, "offload_gradients": 0.0, "offload_residuals": 0.0,
-    "offload_weights": 0.0, "shard_optimizer": False, "shard_gradients": False, "shard_weights": False,
-    "cache_weights_on_host": False, "matmul_dtype": "bf16", "optimizer_dtype": "fp32", "master_dtype": "fp32",
-    "comm": "nccl",
-}
-# The executor's optimizer makes fp32 gradients for at least this many elements at a time (executor/optim.py);
-# the planner counts that memory (planner/memory.py).
-OPTIMIZER_CHUNK_NUMEL = 2**28
 TIME_COMPONENTS = ("compute", "recompute", "exposed_comm", "exposed_offload", "optimizer", "other")
 # Upper bounds far above any real run: an absurd plan is refused at load, before it can hang or exhaust memory.
 MAX_STEPS = 10**9
@@ -123,9 +113,15 @@ class Knobs:
     shard_gradients: bool = False
     shard_weights: bool = False
     cache_weights_on_host: bool = False
-    matmul_dtype: Literal["bf16", "fp8"] = "bf16"
+    param_dtype: Literal["bf16", "fp32"] = "bf16"
+    """The dtype of the weights in the model (and of their gradients)."""
+    matmul_dtype: Literal["fp32", "bf16", "fp8"] = "bf16"
+    """The dtype the linear layers compute in: fp32 only with fp32 parameters (CPU training), fp8 with bf16 ones."""
     optimizer_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Adam's m and v."""
     master_dtype: Literal["fp32", "bf16"] = "fp32"
+    """The weights the optimizer updates: fp32 copies of bf16 parameters, or the parameters themselves ("bf16",
+    with stochastic rounding). With fp32 parameters the parameters are the masters."""
     comm: Literal["nccl", "memcpy"] = "nccl"
     lm_head_chunks: int = 1
     """The LM head and loss run over this many slices of the tokens, so the full logits never exist at once."""
@@ -140,9 +136,76 @@ class Knobs:
                 fail(f"knobs.recompute[{i}]", f"{part!r} is not allowed; choose from {', '.join(RECOMPUTE_CHOICES)}")
         if len(set(self.recompute)) != len(self.recompute):
             fail("knobs.recompute", "lists a part twice")
-        for name in ("offload_optimizer", "offload_master", "offload_gradients", "offload_residuals",
-                     "offload_weights"):
+        for name in knob_names("offload"):
             check_range(f"knobs.{name}", getattr(self, name), 0.0, 1.0)
+        if (self.param_dtype == "fp32") != (self.matmul_dtype == "fp32"):
+            fail("knobs.matmul_dtype", f"{self.matmul_dtype!r} with param_dtype {self.param_dtype!r}: fp32 matmuls "
+                                       "go with fp32 parameters and only with them")
+        if self.param_dtype == "fp32" and self.master_dtype != "fp32":
+            fail("knobs.master_dtype", "fp32 parameters are their own fp32 masters; master_dtype must be 'fp32'")
+
+
+@dataclass(frozen=True)
+class KnobInfo:
+    """What the planner and executor need to know of one knob."""
+
+    kind: Literal["batch", "recompute", "speed", "offload", "shard", "precision", "comm"]
+    choices: tuple = ()
+    """The values the planner searches; () where it derives them from the problem (micro-batch, accumulation)."""
+    executor_runs: tuple | None = None
+    """The values this executor runs; None for every value. Plans for this machine keep to them."""
+    lower_precision: bool = False
+    """Searched only where lower precision is allowed (--lower-precision, or nothing fits without it)."""
+    multi_gpu: bool = False
+    """Searched only for several GPUs."""
+
+
+FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+# The one registry of knobs: the search space, the executor's support check, tests and benchmarks read it.
+# Recompute sets worth searching: "norm" and "qkv" alone free (almost) nothing in this model (planner/memory.py).
+KNOBS: dict[str, KnobInfo] = {
+    "micro_batch_size": KnobInfo("batch"),
+    "grad_accum_steps": KnobInfo("batch"),
+    "recompute": KnobInfo("recompute", ((), ("swiglu",), ("attention",), ("swiglu", "attention"), ("ffn",),
+                                        ("ffn", "attention"), ("block",))),
+    "lm_head_chunks": KnobInfo("speed", (1, 2, 4, 8, 16)),
+    "compile": KnobInfo("speed", (False, True)),
+    **{name: KnobInfo("offload", FRACTIONS, executor_runs=(0.0,)) for name in (
+        "offload_optimizer", "offload_master", "offload_gradients", "offload_residuals", "offload_weights")},
+    **{name: KnobInfo("shard", (False, True), executor_runs=(False,), multi_gpu=True) for name in (
+        "shard_optimizer", "shard_gradients", "shard_weights", "cache_weights_on_host")},
+    "param_dtype": KnobInfo("precision", ("bf16",)),
+    "matmul_dtype": KnobInfo("precision", ("bf16", "fp8"), executor_runs=("fp32", "bf16"), lower_precision=True),
+    "optimizer_dtype": KnobInfo("precision", ("fp32", "bf16"), executor_runs=("fp32",), lower_precision=True),
+    "master_dtype": KnobInfo("precision", ("fp32", "bf16"), executor_runs=("fp32",), lower_precision=True),
+    "comm": KnobInfo("comm", ("nccl", "memcpy"), executor_runs=("nccl",), multi_gpu=True),
+}
+
+
+def describe_knobs(knobs: Knobs) -> str:
+    """The knobs in a line: the micro-batch and accumulation, then every knob that differs from its default."""
+    parts = [f"mb {knobs.micro_batch_size} x {knobs.grad_accum_steps}"]
+    for f in dataclasses.fields(Knobs):
+        value = getattr(knobs, f.name)
+        if KNOBS[f.name].kind != "batch" and value != f.default:
+            parts.append(f"{f.name}={','.join(value) if isinstance(value, tuple) else value}")
+    return "  ".join(parts)
+
+
+def knob_names(kind: str) -> tuple[str, ...]:
+    return tuple(name for name, info in KNOBS.items() if info.kind == kind)
+
+
+def pinned(**values) -> list[str]:
+    """`--set` assignments that pin every searched knob but the precision ones (the planner's choice for the device)
+    to `values` where given, else to the knob's default: a plan made with them is the one named (tests, benchmarks)."""
+    unknown = set(values) - set(KNOBS)
+    if unknown:
+        raise ValueError(f"not knobs: {', '.join(sorted(unknown))}")
+    defaults = {f.name: f.default for f in dataclasses.fields(Knobs)}
+    return [f"knobs.{name}={json.dumps(to_dict(values.get(name, defaults[name])))}" for name, info in KNOBS.items()
+            if name in values or info.kind not in ("batch", "precision")] + (
+        [] if "micro_batch_size" in values else ["knobs.micro_batch_size=1"])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,5 +308,6 @@ def _override_value(section: str, name: str, raw: str) -> object:
     section_type = typing.get_type_hints(Plan).get(section)
     section_type = next((t for t in typing.get_args(section_type) if t is not type(None)), section_type)
     hint = typing.get_type_hints(section_type).get(name) if dataclasses.is_dataclass(section_type) else None
-    takes_text = hint is str or str in typing.get_args(hint)  # str, or str | None
+    takes_text = hint is str or (typing.get_origin(hint) in (typing.Union, types.UnionType)
+                                 and str in typing.get_args(hint))  # str, or str | None; not a tuple of str
     return raw if takes_text and value is not None and not isinstance(value, str) else value

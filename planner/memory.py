@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastml.plan import MEMORY_CATEGORIES, OPTIMIZER_CHUNK_NUMEL, Knobs
+from fastml.plan import MEMORY_CATEGORIES, Knobs
 from fastml.spec import ModelSpec
 
 BF16_BYTES = 2
@@ -141,9 +141,11 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     backward_workspace = loss_workspace_bytes(spec, tokens, knobs.lm_head_chunks)
     if knobs.matmul_dtype == "fp8":
         backward_workspace += spec.layer_matmul_params()  # one layer's weights cast to fp8
-    largest_param = spec.vocab_size * spec.hidden_size
+    # The optimizer steps one parameter group at a time (executor/optim.py: a block, the embedding or the LM head),
+    # making fp32 gradients for that group only.
+    largest_group = max(layer_params, spec.vocab_size * spec.hidden_size)
     gpu_steps = knobs.master_dtype == "fp32" and knobs.offload_optimizer < 1  # else no fp32 gradients on the GPU
-    optimizer_workspace = FP32_BYTES * max(OPTIMIZER_CHUNK_NUMEL, largest_param) if gpu_steps else 0
+    optimizer_workspace = FP32_BYTES * largest_group if gpu_steps else 0
     # The optimizer runs after the backward pass has freed the activations: the larger phase sets the peak.
     if optimizer_workspace > gpu["activations"] + backward_workspace:
         gpu["activations"], backward_workspace = 0.0, optimizer_workspace

@@ -3,26 +3,13 @@ ranking of several machines."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from rich.console import Console
 from rich.table import Table
 
-from fastml.plan import Knobs, Plan
+from fastml.plan import Plan, describe_knobs
 from fastml.config import to_dict
 
 GIB = 2**30
-
-
-def knob_summary(knobs: Knobs) -> str:
-    """The knobs that differ from their defaults, in a line."""
-    defaults = Knobs()
-    parts = [f"mb {knobs.micro_batch_size} x {knobs.grad_accum_steps}"]
-    for f in dataclasses.fields(Knobs):
-        value = getattr(knobs, f.name)
-        if f.name not in ("micro_batch_size", "grad_accum_steps") and value != getattr(defaults, f.name):
-            parts.append(f"{f.name}={','.join(value) if isinstance(value, tuple) else value}")
-    return "  ".join(parts)
 
 
 def print_plan(console: Console, plan: Plan, runners_up: list[Plan] = ()) -> None:
@@ -30,7 +17,7 @@ def print_plan(console: Console, plan: Plan, runners_up: list[Plan] = ()) -> Non
     console.print(f"[bold]{plan.model.name}[/] ({plan.model.num_params() / 1e9:.2f}B parameters), seq "
                   f"{plan.training.seq_len}, {plan.training.global_batch_tokens:,} tokens/step on {h.num_gpus} x "
                   f"{h.profile or h.device}")
-    console.print(f"knobs: {knob_summary(plan.knobs)}")
+    console.print(f"knobs: {describe_knobs(plan.knobs)}")
     if plan.predicted is None:
         console.print("no prediction: the CPU profile has no rates to simulate against")
         return
@@ -41,7 +28,7 @@ def print_plan(console: Console, plan: Plan, runners_up: list[Plan] = ()) -> Non
             table.add_column(column, justify="left" if column == "knobs" else "right")
         for p in [plan, *runners_up]:
             table.add_row(f"{p.predicted.tokens_per_s:,.0f}", f"{p.predicted.step_time_s:.3f} s",
-                          f"{p.predicted.peak_memory_bytes / GIB:.1f} GiB", knob_summary(p.knobs))
+                          f"{p.predicted.peak_memory_bytes / GIB:.1f} GiB", describe_knobs(p.knobs))
         console.print(table)
 
 
@@ -79,7 +66,7 @@ def print_ranking(console: Console, rows: list[tuple[str, Plan | None, str]]) ->
     for hw, plan, _ in priced:
         p = plan.predicted
         table.add_row(hw, f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.usd_per_million_tokens:.3g}",
-                      f"{p.kwh_per_million_tokens:.3g}", knob_summary(plan.knobs))
+                      f"{p.kwh_per_million_tokens:.3g}", describe_knobs(plan.knobs))
     for hw, plan, note in (r for r in rows if r[1] is None or not r[1].predicted):
         table.add_row(hw, "-", "-", "-", "-", f"infeasible: {note}" if plan is None else "no prediction on a CPU")
     console.print(table)

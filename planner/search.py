@@ -13,17 +13,12 @@ import warnings
 from dataclasses import dataclass
 
 from fastml.config import fail
-from fastml.plan import Knobs
+from fastml.plan import KNOBS, Knobs
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import Memory, memory
 from fastml.planner.simulate import Simulation, simulate
 from fastml.spec import ModelSpec
 
-# Recompute sets worth searching; "norm" and "qkv" alone free (almost) nothing in this model (memory.py).
-RECOMPUTE_OPTIONS = ((), ("swiglu",), ("attention",), ("swiglu", "attention"), ("ffn",), ("ffn", "attention"),
-                     ("block",))
-FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
-LM_HEAD_CHUNKS = (1, 2, 4, 8, 16)
 MAX_MICRO_BATCH = 64
 # Memory kept back from the plan: the CUDA context and allocator slack on the GPU, the OS and page cache on the
 # host.
@@ -65,22 +60,21 @@ class Problem:
 
 
 def knob_space(problem: Problem, runnable_only: bool, lower_precision: bool) -> dict[str, tuple]:
-    """The choices of each knob; a knob with one choice is fixed."""
+    """The choices of each knob (fastml.plan.KNOBS); a knob with one choice is fixed. `runnable_only` keeps to the
+    values this executor runs."""
     sequences = problem.sequences_per_gpu
-    space = {
-        "micro_batch_size": tuple(m for m in range(1, min(sequences, MAX_MICRO_BATCH) + 1) if sequences % m == 0
-                                  and (m & (m - 1) == 0 or m == sequences)),
-        "recompute": RECOMPUTE_OPTIONS, "lm_head_chunks": LM_HEAD_CHUNKS, "compile": (False, True),
-    }
-    if not runnable_only:
-        space.update({name: FRACTIONS for name in ("offload_optimizer", "offload_master", "offload_gradients",
-                                                    "offload_residuals", "offload_weights")})
-        if lower_precision:
-            space["matmul_dtype"] = ("bf16", "fp8") if "fp8" in problem.machine.gpu.peak_flops else ("bf16",)
-            space["optimizer_dtype"] = space["master_dtype"] = ("fp32", "bf16")
-        if problem.machine.num_gpus > 1:
-            space.update(shard_optimizer=(False, True), shard_gradients=(False, True), shard_weights=(False, True),
-                         cache_weights_on_host=(False, True), comm=("nccl", "memcpy"))
+    space = {"micro_batch_size": tuple(m for m in range(1, min(sequences, MAX_MICRO_BATCH) + 1) if sequences % m == 0
+                                       and (m & (m - 1) == 0 or m == sequences))}
+    for name, info in KNOBS.items():
+        choices = info.choices
+        if runnable_only and info.executor_runs is not None:
+            choices = tuple(c for c in choices if c in info.executor_runs)
+        if name == "matmul_dtype":
+            choices = tuple(c for c in choices if c in problem.machine.gpu.peak_flops)
+        searched = len(choices) > 1 and (lower_precision or not info.lower_precision) and (
+            problem.machine.num_gpus > 1 or not info.multi_gpu)
+        if searched:
+            space[name] = choices
     return space
 
 
@@ -154,7 +148,7 @@ def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: 
             study.enqueue_trial({n: _encode(getattr(candidate.knobs, n)) for n in space}, skip_if_exists=True)
 
     def objective(trial) -> float:
-        choice = {name: _decode(trial.suggest_categorical(name, options)) for name, options in encoded.items()}
+        choice = {name: _decode(name, trial.suggest_categorical(name, options)) for name, options in encoded.items()}
         knobs = make_knobs(problem, choice)
         if knobs not in seen:
             seen[knobs] = evaluate(problem, knobs)
@@ -165,19 +159,19 @@ def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: 
     study.optimize(objective, n_trials=num_trials)
     for trial in study.trials:  # trials of an earlier session of a resumed study
         if trial.params and set(trial.params) == set(encoded):
-            knobs = make_knobs(problem, {n: _decode(v) for n, v in trial.params.items()})
+            knobs = make_knobs(problem, {n: _decode(n, v) for n, v in trial.params.items()})
             seen.setdefault(knobs, None)
     ranked = [c or evaluate(problem, k) for k, c in seen.items()]
     return sorted(ranked, key=lambda c: -tokens_per_s(problem, c))
 
 
-CORE_KNOBS = ("micro_batch_size", "recompute", "lm_head_chunks", "compile")
 
 
 def _core_leaders(problem: Problem, space: dict[str, tuple], count: int = 5) -> list[Candidate]:
     """The best few plans that offload, shard and lower nothing (every other knob at its first choice), found
     exhaustively: a cheap, strong start for the sampler, which would seldom draw all those knobs at zero."""
-    core = {n: (c if n in CORE_KNOBS else c[:1]) for n, c in space.items()}
+    core = {n: (c if n == "micro_batch_size" or KNOBS[n].kind in ("recompute", "speed") else c[:1])
+            for n, c in space.items()}
     if space_size(core) > 2000:
         return []
     return [c for c in exhaustive(problem, core)[:count] if c.feasible]
@@ -216,7 +210,6 @@ def _encode(value):
     return ",".join(value) if isinstance(value, tuple) else value
 
 
-def _decode(value):
-    return tuple(v for v in value.split(",") if v) if isinstance(value, str) and value not in (
-        "bf16", "fp8", "fp32", "nccl", "memcpy") else value
+def _decode(name: str, value):
+    return tuple(v for v in value.split(",") if v) if name == "recompute" else value
 

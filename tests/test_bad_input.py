@@ -7,6 +7,7 @@ must end in a valid `Plan` or a one-line `UserError`; any other exception is a b
 import copy
 import functools
 import json
+import os
 import math
 import subprocess
 import sys
@@ -128,7 +129,7 @@ def test_pathological_json_is_a_user_error(tmp_path, text, match):
 
 
 def test_unreadable_plan_paths(tmp_path):
-    with pytest.raises(UserError, match="cannot read a plan"):
+    with pytest.raises(UserError, match="is not a regular file, so not a plan"):
         load_plan(tmp_path)  # a directory
     (tmp_path / "latin1.json").write_bytes(b'{"model": "caf\xe9"}')
     with pytest.raises(UserError, match="not UTF-8"):
@@ -137,6 +138,13 @@ def test_unreadable_plan_paths(tmp_path):
         f.truncate(MAX_PLAN_FILE_BYTES + 1)  # sparse: costs no disk
     with pytest.raises(UserError, match="too large to be a plan"):
         load_plan(tmp_path / "huge.json")
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    """Reading a FIFO nobody writes to would block forever: it is refused before it is opened."""
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UserError, match="fifo: is not a regular file, so not a plan"):
+        load_plan(tmp_path / "fifo")
 
 
 @pytest.mark.parametrize("section, key, value, match", [

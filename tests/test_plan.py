@@ -5,7 +5,7 @@ import json
 import pytest
 
 from fastml.config import UserError
-from fastml.plan import load_plan, plan_from_dict, save_plan, with_overrides
+from fastml.plan import KNOBS, Plan, Training, load_plan, pinned, plan_from_dict, save_plan, with_overrides
 from fastml.planner.planner import make_plan
 from fastml.spec import PRESETS, hf_config, resolve_model, spec_from_hf_config
 
@@ -29,7 +29,7 @@ def test_default_plan_round_trips_through_json(tmp_path):
 
 @pytest.mark.parametrize("path, value, match", [
     (("knobs", "bogus"), 1, r"knobs\.bogus: unknown key; allowed keys are micro_batch_size"),
-    (("knobs", "matmul_dtype"), "fp16", r"knobs\.matmul_dtype: 'fp16' is not allowed; choose one of 'bf16', 'fp8'"),
+    (("knobs", "matmul_dtype"), "fp16", r"knobs\.matmul_dtype: 'fp16' is not allowed; choose one of 'fp32', 'bf16', 'fp8'"),
     (("knobs", "recompute"), ["block", "mlp"], r"knobs\.recompute\[1\]: 'mlp' is not allowed"),
     (("knobs", "micro_batch_size"), 0, r"knobs\.micro_batch_size: 0 is outside"),
     (("knobs", "offload_weights"), 1.5, r"knobs\.offload_weights: 1\.5 is outside the allowed range \[0\.0, 1\.0\]"),
@@ -78,6 +78,27 @@ def test_overrides_are_validated():
         with_overrides(plan, ["lr=0.01"])
     with pytest.raises(UserError, match="knobs.compile: expected bool"):
         with_overrides(plan, ["knobs.compile=yes"])
+
+
+@pytest.mark.parametrize("value, parts", [("[]", ()), ('["block","norm"]', ("block", "norm")),
+                                          ("block,norm", ("block", "norm")), ("block", ("block",)), ("", ())])
+def test_recompute_overrides_take_json_lists_and_commas(value, parts):
+    """`--set knobs.recompute=...` as a JSON list or as comma-separated names (a JSON list was once kept as text)."""
+    plan = Plan(model=resolve_model("tiny"), training=Training(global_batch_tokens=256))
+    assert with_overrides(plan, [f"knobs.recompute={value}"]).knobs.recompute == parts
+
+
+def test_text_fields_keep_text_that_looks_like_json():
+    plan = Plan(model=resolve_model("tiny"), training=Training(global_batch_tokens=256))
+    assert with_overrides(plan, ["training.data=123"]).training.data == "123"
+    assert with_overrides(plan, ["training.checkpoint_dir=null"]).training.checkpoint_dir is None
+
+
+def test_pinned_pins_every_searched_knob():
+    plan = with_overrides(Plan(model=resolve_model("tiny"), training=Training(global_batch_tokens=256)), pinned(recompute=("block",), compile=True))
+    assert plan.knobs.recompute == ("block",) and plan.knobs.compile and plan.knobs.micro_batch_size == 1
+    assert {a.partition("=")[0] for a in pinned()} >= {f"knobs.{n}" for n, i in KNOBS.items()
+                                                      if i.kind not in ("batch", "precision")}
 
 
 def test_pinned_micro_batch_derives_accumulation():

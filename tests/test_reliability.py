@@ -138,7 +138,7 @@ def test_a_plan_for_other_hardware_warns_or_is_refused(workdir):
 
 
 def test_a_training_checkpoint_exports_to_hf(workdir):
-    from fastml.executor.checkpoint import convert_to_hf, load_checkpoint, load_pretrained
+    from fastml.executor.hf import convert_to_hf, load_checkpoint, load_pretrained
 
     checkpoint = Path(workdir, "ck-reference", f"step-{STEPS:08d}")
     convert_to_hf(checkpoint, workdir / "hf")

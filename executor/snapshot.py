@@ -17,7 +17,7 @@ import torch
 from fastml.config import UserError, to_dict
 from fastml.plan import Plan
 from fastml.executor import faults
-from fastml.executor.checkpoint import load_checkpoint, load_tensor_file, save_checkpoint
+from fastml.executor.hf import load_checkpoint, load_tensor_file, save_checkpoint
 from fastml.executor.model import Transformer
 from fastml.executor.optim import MasterWeightAdamW
 

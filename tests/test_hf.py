@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fastml.config import UserError
-from fastml.executor.checkpoint import (convert_from_hf, convert_to_hf, fastml_to_hf, hf_to_fastml,
+from fastml.executor.hf import (convert_from_hf, convert_to_hf, fastml_to_hf, hf_to_fastml,
                                         load_checkpoint, load_pretrained, read_hf_tensors, save_checkpoint, save_hf)
 from fastml.executor.model import build_model, materialize, rotary_tables
 from fastml.spec import PRESETS
