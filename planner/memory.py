@@ -1,13 +1,15 @@
 """Bytes of one training step, by category, on one GPU and in the host memory of one node.
 
 Counts follow the exact tensors fastml's executor keeps (executor/model.py, executor/optim.py), for every knob of
-the plan, including knobs the executor does not run yet. Sources:
+the plan, including knobs the executor does not run yet, in the dtypes the knobs name. Sources:
 - model states: mixed-precision Adam keeps bf16 weights (2 B) and gradients (2 B), fp32 master weights (4 B) and
   Adam m and v (4 B each) per parameter: 16 B, of which ZeRO stages 1/2/3 shard the last 12, then the gradients,
-  then the weights over the data-parallel GPUs (Rajbhandari et al. 2020, "ZeRO", section 3.1 and figure 1);
+  then the weights over the data-parallel GPUs (Rajbhandari et al. 2020, "ZeRO", section 3.1 and figure 1); fp32
+  parameters (CPU training) are their own masters: 4 + 4 + 8 = 16 B too, none of it master copies;
 - activations: the tensors autograd saves per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation",
-  section 4.1, recounted for our model: fused qkv, SwiGLU, grouped-query attention, flash attention that keeps
-  only its output and log-sum-exp instead of the s x s score matrix).
+  section 4.1, recounted for our model: fused qkv, SwiGLU, grouped-query attention, a fused attention kernel that
+  keeps only its output and log-sum-exp instead of the s x s score matrix). tests/test_planner_vs_model.py measures
+  them with saved-tensor hooks: exact on CPU in fp32, and on an H200 in bf16 (2026-11-30) exact but for 16 bytes.
 """
 
 from __future__ import annotations

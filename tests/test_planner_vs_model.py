@@ -242,36 +242,47 @@ def test_parameter_bytes_follow_the_param_dtype(name, knobs, dtype):
 # ---------------------------------------------------------------------------------------------------- GPU
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real bf16 kernels)")
-@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-0.5b", "qwen3-8b"])
-@pytest.mark.parametrize("parts", KNOBS["recompute"].choices, ids=lambda p: "+".join(p) or "none")
-def test_on_cuda_saved_bytes_and_flash_attention_flops_match_the_planner(name, parts):
-    """bf16 on CUDA, as a GPU run trains: fused rms_norm, flash attention. The saved bytes are checked twice: by
-    the hooks, and by the allocator (what the forward pass leaves allocated besides its output)."""
+def cuda_block(name: str, parts: tuple[str, ...]):
     spec = dataclasses.replace(PRESETS[name], num_layers=1)
     with torch.device("cuda"):
         model = Transformer(spec).to(torch.bfloat16)
     apply_recompute(model, parts)
-    block, inputs = model.blocks[0], block_inputs(spec, "cuda", torch.bfloat16)
+    return model.blocks[0], block_inputs(spec, "cuda", torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real bf16 kernels)")
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-0.5b", "qwen3-8b", "llama-2-7b"])
+@pytest.mark.parametrize("parts", KNOBS["recompute"].choices, ids=lambda p: "+".join(p) or "none")
+def test_on_cuda_saved_bytes_match_the_planner(name, parts):
+    """bf16 on CUDA, as a GPU run trains: fused rms_norm, fused attention (cuDNN's on an H200 with torch 2.11).
+    Measured there on 2026-11-30: equal to the planner's count but for 16 bytes, the attention kernel's random
+    seed and offset (two int64 scalars)."""
+    block, inputs = cuda_block(name, parts)
     kept = block_saved_bytes(block, inputs)
-    planned = layer_activation_bytes(spec, Knobs(recompute=parts), BATCH * SEQ)
-    assert sum(n for n, _, _ in kept.values()) == planned, kept
-    before = torch.cuda.memory_allocated()
-    out = block(*inputs)
-    allocated = torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes()
-    x_bytes = inputs[0].untyped_storage().nbytes()  # allocated before: the block's input
-    assert allocated == pytest.approx(planned - x_bytes, rel=0.02, abs=2 * 2**20)
+    planned = layer_activation_bytes(PRESETS[name], Knobs(recompute=parts), BATCH * SEQ)
+    assert sum(n for n, _, _ in kept.values()) == pytest.approx(planned, abs=64), kept
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real attention kernels)")
+@pytest.mark.parametrize("parts", [(), ("attention",)], ids=["none", "attention"])
+def test_on_cuda_attention_flops_match_the_planner(parts):
+    """The fused attention kernels' FLOPs (full square, as the counter counts them: twice the causal count), with
+    a backward 2.5 times the forward, and the forward once more when attention is recomputed. Multi-head
+    attention (llama-2-7b): torch 2.11's counter rejects grouped-query shapes in the backward formula."""
+    block, inputs = cuda_block("llama-2-7b", parts)
     with FlopCounterMode(display=False) as counter:
         block(*inputs).sum().backward()
-    flops = layer_flops(spec, BATCH, SEQ)
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     attention = sum(n for op, n in counts.items() if "scaled_dot_product" in op)
-    recomputed = flops["forward.attention"] if "attention" in parts or "block" in parts else 0
+    flops = layer_flops(PRESETS["llama-2-7b"], BATCH, SEQ)
+    recomputed = flops["forward.attention"] if parts else 0
     assert attention / 2 == flops["forward.attention"] + flops["backward.attention"] + recomputed, counts
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real allocator)")
 def test_on_cuda_the_loss_peaks_at_the_planned_workspace():
+    """Measured on an H200 (2026-11-30): 12 bytes per logit and 1 KiB, during log-softmax's backward; the
+    gradients of the hidden states and the LM head come later and are counted as gradients."""
     spec = PRESETS["llama-3.2-1b"]
     rows = 512
     hidden = torch.randn(rows, spec.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -283,5 +294,4 @@ def test_on_cuda_the_loss_peaks_at_the_planned_workspace():
     _lm_loss_sum(hidden, weight, targets).backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    gradients = (rows * spec.hidden_size + weight.numel()) * 2  # hidden.grad, weight.grad: counted elsewhere
-    assert peak - gradients == pytest.approx(loss_workspace_bytes(spec, Knobs(), rows), rel=0.05)
+    assert peak == pytest.approx(loss_workspace_bytes(spec, Knobs(), rows), rel=0.01)
