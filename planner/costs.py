@@ -1,10 +1,13 @@
 """Durations of the operations of a training step on one GPU: compute as a roofline over the profile's measured
 GEMM efficiency curve and memory bandwidth, transfers and collectives as bytes over the profile's rates.
 
-Sources: FLOPs of a matmul, 2mnk, and of causal attention, 2·s²·d per head forward with backward 2.5 times
-the forward (Dao 2023, "FlashAttention-2", section 4.1: backward does 5 matmuls against forward's 2); collectives
-as ring algorithms, time = α + bytes·(n-1)/n / bus bandwidth for reduce-scatter and all-gather and twice that for
-all-reduce (NCCL's bus-bandwidth convention, nccl-tests doc/PERFORMANCE.md).
+Sources: FLOPs of a matmul, 2mnk, over the block's linear shapes in fastml/spec.py, and of causal attention,
+2·s²·d per head forward with backward 2.5 times the forward (Dao 2023, "FlashAttention-2", section 4.1: backward
+does 5 matmuls against forward's 2); both counted by torch.utils.flop_counter on the executor's model in
+tests/test_planner_vs_model.py. Bytes in the dtypes the knobs name (memory.py). Collectives as ring algorithms,
+time = α + bytes·(n-1)/n / bus bandwidth for reduce-scatter and all-gather and twice that for all-reduce (NCCL's
+bus-bandwidth convention, nccl-tests doc/PERFORMANCE.md), the bus bandwidth bounded by the link between GPUs
+(NVLink, PCIe peer to peer, or host memory without P2P).
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from fastml.plan import MEMORY_CATEGORIES, Knobs
 from fastml.spec import ModelSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
-BF16_BYTES = DTYPE_BYTES["bf16"]
 FP32_BYTES = DTYPE_BYTES["fp32"]
 # Host memory of one training process besides the tensors counted here (CUDA context, torch, data loader).
 PROCESS_HOST_BYTES = 2 * 2**30

@@ -180,6 +180,24 @@ def test_block_recompute_keeps_the_input():
         "block.input": PRESETS["tiny"].hidden_size * 2}
 
 
+@pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b", "qwen3-8b"])
+def test_whole_model_activations_match_memory(name):
+    """The whole model's forward pass, loss included, fp32 on the CPU: the blocks and the head as `memory` counts
+    them, the log-probabilities the loss keeps (part of its workspace), and what the planner leaves out as too
+    small to matter: the token ids (int64), the rotary tables and the loss's 4-byte weight total."""
+    spec, knobs = PRESETS[name], dataclasses.replace(CPU_KNOBS, micro_batch_size=BATCH)
+    with FakeTensorMode():
+        with torch.device("cpu"):
+            model = Transformer(spec)
+        tokens = torch.randint(0, spec.vocab_size, (BATCH, SEQ))
+        kept = saved_bytes(lambda t: model.loss(t, t), [tokens], list(model.parameters()))
+    num_tokens = BATCH * SEQ
+    log_probs = loss_tensor_bytes(knobs)["log_probs"] * num_tokens * spec.vocab_size
+    uncounted = 8 * num_tokens + 2 * SEQ * spec.head_dim * 4 + 4
+    planned = memory(spec, SEQ, knobs, num_gpus=1, gpus_per_node=1, device="cpu").gpu["activations"]
+    assert sum(n for n, _, _ in kept.values()) == planned + log_probs + uncounted
+
+
 # ---------------------------------------------------------------------------------------------------- loss
 
 
