@@ -65,9 +65,23 @@ def saved_bytes_per_token(spec: ModelSpec, knobs: Knobs, device: str = "cuda") -
     once per storage: a view keeps its whole base), for the knobs' recompute parts and dtypes, on `device`.
 
     Measured against the executor's model with saved-tensor hooks in tests/test_planner_vs_model.py."""
-    h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
     if "block" in knobs.recompute:
-        return {"block.input": h * activation_bytes(knobs)}
+        return {"block.input": spec.hidden_size * activation_bytes(knobs)}
+    saved = {name: n * activation_bytes(knobs) for name, n in _saved_activations(spec, knobs.recompute).items()}
+    if "attention" not in knobs.recompute:
+        saved["sdpa.lse"] = spec.num_heads * FP32_BYTES  # the log-sum-exp of each head's softmax
+    if "norm" not in knobs.recompute:  # a recomputed norm keeps its input only
+        saved |= _norm_statistics(spec, device)
+    if knobs.matmul_dtype == "fp8":  # not run yet: matmul inputs kept in fp8 for the backward pass
+        for name in ("qkv.input", "gate_up.input", "down.input"):
+            if name in saved:
+                saved[name] *= DTYPE_BYTES["fp8"] / activation_bytes(knobs)
+    return saved
+
+
+def _saved_activations(spec: ModelSpec, recompute: tuple[str, ...]) -> dict[str, int]:
+    """The activation-dtype tensors one block keeps, in elements per token."""
+    h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
     saved = {
         "attn_norm.input": h, "qkv.input": h,  # the norm's output is the matmul's input
         "qkv.output": q + 2 * kv,  # v is a view of it and SDPA keeps v, so the whole buffer stays
@@ -79,34 +93,33 @@ def saved_bytes_per_token(spec: ModelSpec, knobs: Knobs, device: str = "cuda") -
         "gate_up.output": 2 * f,  # silu keeps the gate half, the product the up half
         "silu.output": f, "down.input": f,
     }
-    norms = {"attn_norm": (h, 1), "ffn_norm": (h, 1)}
-    if spec.qk_norm:  # over q's and k's heads; their inputs are views of the qkv buffer, counted above
-        norms["qk_norm"] = (q + kv, spec.num_heads + spec.num_kv_heads)
-    if "attention" in knobs.recompute:  # keeps its inputs (q, k, v) and output, drops the rotated copies
+    if "attention" in recompute:  # keeps its inputs (q, k, v) and output, drops the rotated copies
         saved.pop("rope.output")
         if spec.qk_norm:
             saved["qk_norm.output"] = q + kv
-    if "swiglu" in knobs.recompute:
+    if "swiglu" in recompute:
         saved.pop("silu.output")
-    if "ffn" in knobs.recompute:  # keeps its input only (= gate_up.input)
+    if "ffn" in recompute:  # keeps its input only (= gate_up.input)
         for name in ("gate_up.output", "silu.output", "down.input"):
             saved.pop(name, None)
-    saved = {name: elements * activation_bytes(knobs) for name, elements in saved.items()}
-    if "attention" not in knobs.recompute:
-        saved["sdpa.lse"] = spec.num_heads * FP32_BYTES  # the log-sum-exp of each head's softmax
-    # F.rms_norm keeps its input (counted above) and the fp32 inverse RMS of each row. On CPU torch 2.13 runs the
-    # composite rms_norm, whose multiplication by the weight also keeps the normalized input (in fp32) for the
-    # weight's gradient; CUDA's fused kernel does not (both measured in tests/test_planner_vs_model.py).
-    if "norm" not in knobs.recompute:  # a recomputed norm keeps its input only
-        for name, (width, rows) in norms.items():
-            saved[f"{name}.rstd"] = rows * FP32_BYTES
-            if device == "cpu":
-                saved[f"{name}.normalized"] = width * FP32_BYTES
-    if knobs.matmul_dtype == "fp8":  # not run yet: matmul inputs kept in fp8 for the backward pass
-        for name in ("qkv.input", "gate_up.input", "down.input"):
-            if name in saved:
-                saved[name] *= DTYPE_BYTES["fp8"] / activation_bytes(knobs)
     # "qkv" keeps the projection's input, which the matmul keeps anyway: it saves nothing in this model.
+    return saved
+
+
+def _norm_statistics(spec: ModelSpec, device: str) -> dict[str, int]:
+    """F.rms_norm keeps its input (counted with the activations) and the fp32 inverse RMS of each row. On CPU torch
+    runs the composite rms_norm, whose multiplication by the weight also keeps the normalized input in fp32 for the
+    weight's gradient; CUDA's fused kernel does not (both measured in tests/test_planner_vs_model.py). The qk-norms
+    normalize each head of q and k; their inputs are views of the qkv buffer."""
+    h, heads = spec.hidden_size, spec.num_heads + spec.num_kv_heads
+    norms = {"attn_norm": (h, 1), "ffn_norm": (h, 1)}
+    if spec.qk_norm:
+        norms["qk_norm"] = (spec.q_size + spec.kv_size, heads)
+    saved = {}
+    for name, (width, rows) in norms.items():
+        saved[f"{name}.rstd"] = rows * FP32_BYTES
+        if device == "cpu":
+            saved[f"{name}.normalized"] = width * FP32_BYTES
     return saved
 
 
