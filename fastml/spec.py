@@ -74,10 +74,26 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def block_linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out_features, in_features) of one block's linear layers, by the executor's module name (attn.qkv,
+        attn.out, ffn.gate_up, ffn.down): q, k and v are one matmul, and so are gate and up."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        return {"qkv": (self.q_size + 2 * self.kv_size, h), "out": (h, self.q_size), "gate_up": (2 * f, h),
+                "down": (h, f)}
+
+    def lm_head_shape(self) -> tuple[int, int]:
+        """(out_features, in_features) of the LM head (the embedding matrix itself when tied)."""
+        return self.vocab_size, self.hidden_size
+
     def layer_matmul_params(self) -> int:
-        """Weights of one block's matmuls: fused qkv, output projection, fused gate+up, down."""
-        h = self.hidden_size
-        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.ffn_hidden_size
+        """Weights of one block's matmuls."""
+        return sum(n * k for n, k in self.block_linear_shapes().values())
+
+    def attention_forward_flops_per_token(self, seq_len: int) -> float:
+        """FLOPs of one block's causal attention forward, per token of a sequence of `seq_len`: q·kᵀ and p·v are
+        each 2·seq_len·head_dim per head and token over the full square, halved because the causal mask leaves
+        out the upper triangle (flash attention skips those tiles)."""
+        return 2.0 * seq_len * self.q_size
 
     def layer_params(self) -> int:
         bias = self.q_size + 2 * self.kv_size if self.qkv_bias else 0
@@ -92,12 +108,13 @@ class ModelSpec:
 
     def num_matmul_params(self) -> int:
         """N_matmul of DESIGN.md: all matmul weights including the LM head, excluding the input embedding."""
-        return self.num_layers * self.layer_matmul_params() + self.vocab_size * self.hidden_size
+        vocab, hidden = self.lm_head_shape()
+        return self.num_layers * self.layer_matmul_params() + vocab * hidden
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per trained token: 6·N_matmul + 6·L·h·s (PaLM, Chowdhery et al. 2022, appendix B,
         halved attention term for causal masking; DESIGN.md "Definitions"). Recompute is not counted."""
-        return 6.0 * self.num_matmul_params() + 6.0 * self.num_layers * self.q_size * seq_len
+        return 6.0 * self.num_matmul_params() + 3 * self.num_layers * self.attention_forward_flops_per_token(seq_len)
 
 
 def _spec(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, **extra) -> ModelSpec:

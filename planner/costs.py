@@ -1,10 +1,13 @@
 """Durations of the operations of a training step on one GPU: compute as a roofline over the profile's measured
 GEMM efficiency curve and memory bandwidth, transfers and collectives as bytes over the profile's rates.
 
-Sources: FLOPs of a matmul, 2mnk, and of causal attention, 2·s²·d per head forward with backward 2.5 times
-the forward (Dao 2023, "FlashAttention-2", section 4.1: backward does 5 matmuls against forward's 2); collectives
-as ring algorithms, time = α + bytes·(n-1)/n / bus bandwidth for reduce-scatter and all-gather and twice that for
-all-reduce (NCCL's bus-bandwidth convention, nccl-tests doc/PERFORMANCE.md).
+Sources: FLOPs of a matmul, 2mnk, over the block's linear shapes in fastml/spec.py, and of causal attention,
+2·s²·d per head forward with backward 2.5 times the forward (Dao 2023, "FlashAttention-2", section 4.1: backward
+does 5 matmuls against forward's 2); both counted by torch.utils.flop_counter on the executor's model in
+tests/test_planner_vs_model.py. Bytes in the dtypes the knobs name (memory.py). Collectives as ring algorithms,
+time = α + bytes·(n-1)/n / bus bandwidth for reduce-scatter and all-gather and twice that for all-reduce (NCCL's
+bus-bandwidth convention, nccl-tests doc/PERFORMANCE.md), the bus bandwidth bounded by the link between GPUs
+(NVLink, PCIe peer to peer, or host memory without P2P).
 """
 
 from __future__ import annotations
@@ -13,15 +16,13 @@ from dataclasses import dataclass
 
 from fastml.plan import Knobs
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import BF16_BYTES, layer_activation_bytes
+from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, has_fp32_masters,
+                                   layer_activation_bytes, loss_tensor_bytes, param_bytes)
 from fastml.spec import ModelSpec
 
+# Flash attention's backward does 5 matmuls of the forward's size against the forward's 2 (FlashAttention-2,
+# section 4.1; torch.utils.flop_counter counts its kernels the same way).
 ATTENTION_BACKWARD_FACTOR = 2.5
-# AdamW per parameter (executor/optim.py): read the bf16 gradient (2) and, with fp32 masters, write and read it in
-# fp32 (8), read and write the master (8) and write the bf16 weight (2); with bf16 masters (the weights themselves)
-# read and write the weight (4). Then read and write m and v: 16 bytes in fp32, 8 in bf16.
-MASTER_STEP_BYTES = {"fp32": 2 + 8 + 8 + 2, "bf16": 2 + 4}
-STATE_STEP_BYTES = {"fp32": 16, "bf16": 8}
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Costs:
     layer_recompute: float
     head_forward_backward: float
     grad_accumulate: float
-    """Adding a micro-batch's bf16 gradients to the accumulated ones (all micro-batches after the first)."""
+    """Adding a micro-batch's gradients to the accumulated ones (all micro-batches after the first)."""
     gpu_optimizer: float
     """The optimizer step of the parameters that stay on the GPU, and gradient clipping."""
     cpu_optimizer_layer: float
@@ -51,48 +52,91 @@ class Costs:
     """All-gather of the updated weights after a sharded optimizer step (ZeRO 1/2 without weight sharding)."""
 
 
+def layer_gemms(spec: ModelSpec, tokens: int) -> dict[str, tuple[int, int, int]]:
+    """(m, n, k) of each forward matmul of one block over `tokens` tokens: the block's linear layers of
+    `ModelSpec.block_linear_shapes`. The backward pass does two of each size (input and weight gradients)."""
+    return {name: (tokens, n, k) for name, (n, k) in spec.block_linear_shapes().items()}
+
+
+def gemm_flops(m: int, n: int, k: int) -> float:
+    return 2.0 * m * n * k
+
+
+def layer_flops(spec: ModelSpec, micro_batch_size: int, seq_len: int) -> dict[str, float]:
+    """FLOPs of one block over one micro-batch, by pass and kind, as `costs` charges them (recompute aside)."""
+    gemm = sum(gemm_flops(*shape) for shape in layer_gemms(spec, micro_batch_size * seq_len).values())
+    attention = micro_batch_size * seq_len * spec.attention_forward_flops_per_token(seq_len)
+    return {"forward.gemm": gemm, "forward.attention": attention,
+            "backward.gemm": 2 * gemm, "backward.attention": ATTENTION_BACKWARD_FACTOR * attention}
+
+
+def head_gemm_passes(num_chunks: int) -> int:
+    """LM-head matmuls of the forward's size: forward, input and weight gradients, and with chunks the forward
+    again (the chunks are recomputed in the backward pass, executor/model.py)."""
+    return 3 + (num_chunks > 1)
+
+
+def head_flops(spec: ModelSpec, tokens: int, num_chunks: int) -> float:
+    return head_gemm_passes(num_chunks) * gemm_flops(tokens, *spec.lm_head_shape())
+
+
+def optimizer_step_bytes(knobs: Knobs) -> int:
+    """Bytes AdamW reads and writes per parameter (executor/optim.py). With fp32 masters: read the gradient, write
+    and read its fp32 copy, read and write the master, write the rounded weight; else the parameter is its own
+    master: read the gradient, read and write the weight. Then read and write m and v."""
+    weight = param_bytes(knobs)
+    if has_fp32_masters(knobs):
+        moved = weight + 2 * FP32_BYTES + 2 * FP32_BYTES + weight
+    else:
+        moved = weight + 2 * weight
+    return moved + 2 * 2 * DTYPE_BYTES[knobs.optimizer_dtype]
+
+
 def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Costs:
     gpu = machine.gpu
     t = knobs.micro_batch_size * seq_len
     dtype = knobs.matmul_dtype
 
-    def gemms(*shapes) -> float:
-        return sum(gpu.gemm_seconds(t, n, k, dtype) for n, k in shapes)
+    def gemms(*names: str) -> float:
+        shapes = layer_gemms(spec, t)
+        return sum(gpu.gemm_seconds(*shapes[name], dtype) for name in names)
 
     def hbm(num_bytes: float) -> float:
         return num_bytes / gpu.hbm_bytes_per_s
 
-    h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
-    qkv, out, gate_up, down = (q + 2 * kv, h), (h, q), (2 * f, h), (h, f)
-    attention = _attention_forward_s(spec, knobs.micro_batch_size, seq_len, machine, dtype)
-    elementwise = hbm(_elementwise_elements(spec, knobs.compile) * t * BF16_BYTES)
-    forward = gemms(qkv, out, gate_up, down) + attention + elementwise
-    backward = 2 * gemms(qkv, out, gate_up, down) + ATTENTION_BACKWARD_FACTOR * attention + 2 * elementwise
-    recompute = _recompute_s(knobs.recompute, forward, gemms(gate_up, down), gemms(qkv), attention, elementwise)
-    head = 3 * gemms((spec.vocab_size, h)) + (gemms((spec.vocab_size, h)) if knobs.lm_head_chunks > 1 else 0)
-    head += hbm(20 * t * spec.vocab_size)  # bf16 and fp32 logits, log-softmax, their gradients
+    flops = layer_flops(spec, knobs.micro_batch_size, seq_len)
+    attention = _attention_s(flops["forward.attention"], spec, knobs.micro_batch_size, seq_len, machine, dtype)
+    elementwise = hbm(_elementwise_elements(spec, knobs.compile) * t * activation_bytes(knobs))
+    block = gemms("qkv", "out", "gate_up", "down")
+    forward = block + attention + elementwise
+    backward = 2 * block + ATTENTION_BACKWARD_FACTOR * attention + 2 * elementwise
+    recompute = _recompute_s(knobs.recompute, forward, gemms("gate_up", "down"), gemms("qkv"), attention,
+                             elementwise)
+    head = head_gemm_passes(knobs.lm_head_chunks) * gpu.gemm_seconds(t, *spec.lm_head_shape(), dtype)
+    # Every (tokens x vocab) tensor of the loss is written once and read once (memory.loss_tensor_bytes).
+    head += hbm(2 * sum(loss_tensor_bytes(knobs).values()) * t * spec.vocab_size)
 
     p = spec.num_params()
     layer_params = spec.layer_params()
-    layer_bytes = layer_params * BF16_BYTES
+    layer_bytes = layer_params * param_bytes(knobs)
     on_gpu = 1 - knobs.offload_optimizer
     shard = machine.num_gpus if knobs.shard_optimizer else 1
-    step_bytes = MASTER_STEP_BYTES[knobs.master_dtype] + STATE_STEP_BYTES[knobs.optimizer_dtype]
-    optimizer = hbm(p * on_gpu / shard * step_bytes + p * BF16_BYTES)
-    layer_act = layer_activation_bytes(spec, knobs.recompute, t, BF16_BYTES, dtype)
+    # The step, and gradient clipping's read of every gradient.
+    optimizer = hbm(p * on_gpu / shard * optimizer_step_bytes(knobs) + p * param_bytes(knobs))
+    layer_act = layer_activation_bytes(spec, knobs, t)
     return Costs(
         layer_forward=forward, layer_backward=backward, layer_recompute=recompute, head_forward_backward=head,
-        grad_accumulate=hbm(2 * p * BF16_BYTES / (machine.num_gpus if knobs.shard_gradients else 1)),
+        grad_accumulate=hbm(2 * p * param_bytes(knobs) / (machine.num_gpus if knobs.shard_gradients else 1)),
         gpu_optimizer=optimizer,
         cpu_optimizer_layer=layer_params / shard / machine.node.cpu_adam_params_per_s,
         layer_weights_h2d=layer_bytes / machine.h2d_bytes_per_s(),
-        layer_master_transfer=layer_params * 4 / shard / machine.h2d_bytes_per_s(),
+        layer_master_transfer=layer_params * FP32_BYTES / shard / machine.h2d_bytes_per_s(),
         layer_grads_d2h=layer_bytes / machine.d2h_bytes_per_s(),
         layer_activations_transfer=layer_act / machine.d2h_bytes_per_s(),
         layer_weight_gather=collective_s("all_gather", layer_bytes, machine, knobs.comm),
         layer_grad_reduce=collective_s("reduce_scatter" if knobs.shard_gradients else "all_reduce", layer_bytes,
                                        machine, knobs.comm),
-        step_weight_gather=collective_s("all_gather", p * BF16_BYTES, machine, knobs.comm),
+        step_weight_gather=collective_s("all_gather", p * param_bytes(knobs), machine, knobs.comm),
     )
 
 
@@ -109,15 +153,27 @@ def collective_s(kind: str, num_bytes: float, machine: Machine, comm: str) -> fl
         host_reduce = moved / machine.node.host_copy_bytes_per_s if kind != "all_gather" else 0.0
         return machine.collective_latency_s + max(moved / machine.d2h_bytes_per_s(),
                                                   moved / machine.h2d_bytes_per_s(), host_reduce)
-    bandwidth = machine.bus_bytes_per_s[kind]
+    bandwidth = min(machine.bus_bytes_per_s[kind], link_bytes_per_s(machine))
     if machine.num_nodes > 1:  # a ring across nodes runs at the slower of the links it crosses
         bandwidth = min(bandwidth, machine.node.nic_bytes_per_s / machine.gpus_per_node)
     return machine.collective_latency_s * (2 if machine.num_nodes > 1 else 1) + moved / bandwidth
 
 
-def _attention_forward_s(spec: ModelSpec, micro_batch_size: int, seq_len: int, machine: Machine,
-                         dtype: str) -> float:
-    flops = 2.0 * micro_batch_size * seq_len * seq_len * spec.q_size  # causal: half of 4·s²·d per head
+def link_bytes_per_s(machine: Machine) -> float:
+    """The most one GPU can send to its ring neighbour in the node, whatever the profile's NCCL numbers say: over
+    NVLink; over PCIe peer to peer; or, without P2P (consumer GPUs), through pinned host memory, where NCCL's
+    shared-memory transport copies down and up again on the node's shared PCIe root (DESIGN.md: with
+    NCCL_P2P_DISABLE=1 two H200s run below one)."""
+    gpu = machine.gpu
+    if gpu.p2p and gpu.nvlink_bytes_per_s:
+        return gpu.nvlink_bytes_per_s
+    if gpu.p2p:
+        return min(gpu.h2d_bytes_per_s, gpu.d2h_bytes_per_s)
+    return min(machine.h2d_bytes_per_s(), machine.d2h_bytes_per_s())
+
+
+def _attention_s(flops: float, spec: ModelSpec, micro_batch_size: int, seq_len: int, machine: Machine,
+                 dtype: str) -> float:
     # Flash attention runs all heads and sequences at once: as efficient as one GEMM of (tokens x heads) rows,
     # seq_len columns and head_dim depth.
     size = (micro_batch_size * seq_len * spec.num_heads * seq_len * spec.head_dim) ** (1 / 3)

@@ -19,7 +19,7 @@ import networkx as nx
 from fastml.plan import TIME_COMPONENTS, Knobs
 from fastml.planner.costs import costs
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import BF16_BYTES, layer_activation_bytes
+from fastml.planner.memory import layer_activation_bytes
 from fastml.spec import ModelSpec
 
 SIMULATED_MICRO_BATCHES = 3
@@ -82,8 +82,7 @@ class _StepGraph:
         self.offloaded_grads = layers(knobs.offload_gradients)
         self.cpu_adam = layers(knobs.offload_optimizer)
         self.offloaded_master = layers(knobs.offload_master) if knobs.master_dtype == "fp32" else set()
-        self.act_bytes = layer_activation_bytes(spec, knobs.recompute, knobs.micro_batch_size * seq_len, BF16_BYTES,
-                                                knobs.matmul_dtype)
+        self.act_bytes = layer_activation_bytes(spec, knobs, knobs.micro_batch_size * seq_len)
         self.compute_ops: list[str] = []  # the compute stream in program order, for prefetch distances
         self.last_grad: dict[int, str] = {}  # per layer, the op after which its gradient is ready for the optimizer
 

@@ -1,5 +1,6 @@
 """The contract: plan.json validation, overrides, and model specs."""
 
+import dataclasses
 import json
 
 import pytest
@@ -56,10 +57,13 @@ def test_missing_model_is_an_error():
         plan_from_dict(data)
 
 
-def test_plan_is_read_only():
-    plan = cpu_plan(steps=5)
-    with pytest.raises(AttributeError):
-        plan.knobs.micro_batch_size = 3
+def test_loaded_knobs_are_tuples_and_hashable():
+    """The search keys candidates by their knobs: knobs read from JSON (where recompute is a list) must be equal,
+    and hash equal, to the same knobs built in Python."""
+    plan = cpu_plan(steps=5, overrides=['knobs.recompute=["swiglu","attention"]'])
+    loaded = plan_from_dict(json.loads(plan.to_json()))
+    assert loaded.knobs.recompute == ("swiglu", "attention") and isinstance(loaded.knobs.recompute, tuple)
+    assert {loaded.knobs: "found"}[dataclasses.replace(plan.knobs, recompute=("swiglu", "attention"))] == "found"
 
 
 def test_malformed_and_missing_files(tmp_path):
