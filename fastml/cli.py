@@ -106,7 +106,10 @@ def check_data(plan) -> None:
 
 class SearchProgress:
     """The search's trials so far and the best tokens/s, once it has run for SHOW_AFTER_S: a live line on a
-    terminal, else (a pipe, a log file) a plain line every LOG_EVERY_S. Called as `on_trial(done, best)`."""
+    terminal, else (a pipe, a log file) a plain line every LOG_EVERY_S. Called as `on_trial(done, best)`.
+
+    rich draws a live display only on a terminal: the progress bar this replaces showed nothing in a pipe or a log
+    but a blank line, and sat at 0 while the search seeded itself."""
 
     SHOW_AFTER_S = 1.0
     LOG_EVERY_S = 5.0
@@ -135,7 +138,8 @@ class SearchProgress:
         from rich.text import Text
 
         if self.live is None:
-            self.live = Live(console=self.console, transient=True, refresh_per_second=8)
+            self.live = Live(console=self.console, transient=True, refresh_per_second=8, redirect_stdout=False,
+                             redirect_stderr=False)
             self.live.start()
         self.live.update(Text(line))
 
