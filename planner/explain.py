@@ -94,7 +94,7 @@ def versus(chosen: Plan, runner_up: Plan) -> str:
     memory = _memory_difference(chosen, runner_up)
     if abs(lead) < 1e-9:  # the search ranks equal speeds by fewer knobs set, then by less GPU memory
         fewer = num_knobs_set(chosen.knobs) < num_knobs_set(runner_up.knobs)
-        return f"as fast as the first runner-up, chosen for {'fewer knobs set' if fewer else 'less GPU memory'}{memory}"
+        return f"as fast as the first runner-up{' with fewer knobs set' if fewer else ''}{memory}"
     deltas = sorted(((r.time_s[k] - c.time_s[k], k) for k in TIME_COMPONENTS), key=lambda d: -abs(d[0]))
     reasons = [f"{duration(abs(d))} {'less' if d > 0 else 'more'} {COMPONENT_WORDS[k]}" for d, k in deltas[:2]
                if abs(d) > 1e-9 * c.step_time_s]

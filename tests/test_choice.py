@@ -171,8 +171,11 @@ def test_the_chosen_plan_beats_the_runner_up_by_its_time_components_and_memory()
 def test_a_tie_with_the_runner_up_names_the_tie_break():
     chosen = predicted_plan(Knobs(micro_batch_size=8, grad_accum_steps=2), gradients=2 * GIB)
     runner_up = predicted_plan(Knobs(micro_batch_size=8, grad_accum_steps=2, offload_gradients=1.0))
-    assert versus(chosen, runner_up) == ("as fast as the first runner-up, chosen for fewer knobs set; needs "
-                                         "2.0 GiB more GPU memory (mostly gradients)")
+    assert versus(chosen, runner_up) == ("as fast as the first runner-up with fewer knobs set; needs 2.0 GiB more GPU "
+                                         "memory (mostly gradients)")
+    same_knobs_count = dataclasses.replace(runner_up, knobs=Knobs(micro_batch_size=8, grad_accum_steps=2))
+    assert versus(chosen, same_knobs_count) == ("as fast as the first runner-up; needs 2.0 GiB more GPU memory "
+                                                "(mostly gradients)")
 
 
 def test_knob_differences_name_only_what_differs():
