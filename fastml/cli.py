@@ -7,10 +7,12 @@ and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 from fastml.config import UserError, check_range, fail, show
@@ -20,6 +22,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from rich.console import Console
     from fastml.plan import save_plan
     from fastml.planner import report
+    from fastml.planner.explain import plan_limit
     from fastml.planner.planner import NoFeasiblePlan, make_plan
 
     console = Console(stderr=args.json)
@@ -42,11 +45,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
         raise UserError("no feasible plan on any of " + ", ".join(hardware))
     hw, best, _ = min(feasible, key=lambda r: r[1].plan.predicted.usd_per_million_tokens if r[1].plan.predicted
                       else math.inf)  # a CPU plan has no price
+    check_data(best.plan)
+    limit = plan_limit(best.plan, hw)
     save_plan(best.plan, args.output)
     if args.json:
-        print(json.dumps(report.plan_json(best.plan, best.runners_up), indent=2))
+        print(json.dumps(report.plan_json(best.plan, best.runners_up, limit), indent=2))
     else:
-        report.print_plan(console, best.plan, best.runners_up)
+        report.print_plan(console, best.plan, best.runners_up, limit)
         if len(hardware) > 1:
             report.print_ranking(console, [(h or "here", r and r.plan, note) for h, r, note in results])
         if best.lower_precision:
@@ -90,18 +95,67 @@ def cmd_profile(args: argparse.Namespace) -> None:
     profile(args.output)
 
 
-def _trial_progress(console, trials: int, hw: str | None):
-    """A progress bar over the search's trials, as a context manager yielding the per-trial callback."""
-    import contextlib
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def check_data(plan) -> None:
+    """The plan's dataset exists, holds a sequence and fits the model's vocabulary: checked when planning rather
+    than when the run starts. The default corpus is built on first use, by the run."""
+    if plan.training.data != "default":
+        from fastml.executor.data import TokenData
 
-    @contextlib.contextmanager
-    def bar():
-        with Progress(TextColumn(f"planning on {hw or 'this machine'}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, transient=True) as progress:
-            task = progress.add_task("search", total=trials)
-            yield lambda: progress.advance(task)
-    return bar()
+        TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
+
+
+class SearchProgress:
+    """The search's trials so far and the best tokens/s, once it has run for SHOW_AFTER_S: a live line on a
+    terminal, else (a pipe, a log file) a plain line every LOG_EVERY_S. Called as `on_trial(done, best)`.
+
+    rich draws a live display only on a terminal: the progress bar this replaces showed nothing in a pipe or a log
+    but a blank line, and sat at 0 while the search seeded itself."""
+
+    SHOW_AFTER_S = 1.0
+    LOG_EVERY_S = 5.0
+
+    def __init__(self, console, trials: int, hw: str | None, clock=time.monotonic):
+        self.console, self.trials, self.clock = console, trials, clock
+        self.where = hw or "this machine"
+        self.started_s = clock()
+        self.live = None
+        self.logged_s = None
+
+    def __call__(self, done: int, best_tokens_per_s: float) -> None:
+        elapsed_s = self.clock() - self.started_s
+        if elapsed_s < self.SHOW_AFTER_S:
+            return
+        best = f"best {best_tokens_per_s:,.0f} tokens/s" if best_tokens_per_s else "nothing fits yet"
+        line = f"planning on {self.where}: trial {done}/{self.trials}, {best} ({elapsed_s:.0f} s)"
+        if self.console.is_terminal and not self.console.is_dumb_terminal:
+            self._show_live(line)
+        elif self.logged_s is None or elapsed_s - self.logged_s >= self.LOG_EVERY_S:
+            self.console.print(line, highlight=False)
+            self.logged_s = elapsed_s
+
+    def _show_live(self, line: str) -> None:
+        from rich.live import Live
+        from rich.text import Text
+
+        if self.live is None:
+            self.live = Live(console=self.console, transient=True, refresh_per_second=8, redirect_stdout=False,
+                             redirect_stderr=False)
+            self.live.start()
+        self.live.update(Text(line))
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+@contextlib.contextmanager
+def _trial_progress(console, trials: int, hw: str | None):
+    """The search's progress (`SearchProgress`), as a context manager yielding the per-trial callback."""
+    progress = SearchProgress(console, trials, hw)
+    try:
+        yield progress
+    finally:
+        progress.close()
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -193,16 +247,18 @@ def _one_line(message: str) -> str:
 
 
 def _add_plan_command(sub) -> None:
+    from fastml import hwprofiles
+
     plan = sub.add_parser("plan", help="search the fastest plan that fits and write it")
     plan.add_argument("--model", default="tiny", help="a preset name or an HF model directory (default: tiny)")
     plan.add_argument("--seq", type=int, help="sequence length (default: 256 for tiny, else 2048)")
-    plan.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default: 16 sequences)")
+    plan.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step, over all GPUs "
+                                                                 "(default: 16 sequences per GPU)")
     plan.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
     plan.add_argument("--data", default="default",
                       help="a directory from `fastml prepare` (default: Python's own source, shipped with it)")
-    plan.add_argument("--hw", help="a profile (h200, h100-sxm, a100-80gb, l40s, rtx3090, rtx4090, rtx5090, "
-                                   "rtx5060ti-16gb), a profile JSON file, or several names separated by commas to "
-                                   "rank them (default: this machine)")
+    plan.add_argument("--hw", help=f"a profile ({', '.join(hwprofiles.names())}), a profile JSON file, or several "
+                                   "names separated by commas to rank them (default: this machine)")
     plan.add_argument("--gpus", type=int, help="GPUs per node (default: the profile's; for this machine, 1)")
     plan.add_argument("--nodes", type=int, help="nodes (default: 1)")
     plan.add_argument("--gpu-mem", help="cap the memory of each GPU, e.g. 16GiB")

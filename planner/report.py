@@ -3,18 +3,23 @@ ranking of several machines."""
 
 from __future__ import annotations
 
+import math
+
 from rich.console import Console
 from rich.table import Table
 
-from fastml.plan import Plan, describe_knobs
 from fastml.config import to_dict
+from fastml.plan import Plan, describe_knobs
+from fastml.planner.explain import knob_differences, percent, versus
 
 GIB = 2**30
 
 
-def print_plan(console: Console, plan: Plan, runners_up: list[Plan] = ()) -> None:
+def print_plan(console: Console, plan: Plan, runners_up: list[Plan] = (), limit: str | None = None) -> None:
+    """The plan, its cost breakdown and runners-up, then what limits it (`explain.plan_limit`) and why it beats the
+    first runner-up."""
     h = plan.hardware
-    console.print(f"[bold]{plan.model.name}[/] ({plan.model.num_params() / 1e9:.2f}B parameters), seq "
+    console.print(f"[bold]{plan.model.name}[/] ({human_count(plan.model.num_params())} parameters), seq "
                   f"{plan.training.seq_len}, {plan.training.global_batch_tokens:,} tokens/step on {h.num_gpus} x "
                   f"{h.profile or h.device}")
     console.print(f"knobs: {describe_knobs(plan.knobs)}")
@@ -23,21 +28,37 @@ def print_plan(console: Console, plan: Plan, runners_up: list[Plan] = ()) -> Non
         return
     print_breakdown(console, plan)
     if runners_up:
-        table = Table(title="runners-up")
-        for column in ("tokens/s", "step", "peak GPU mem", "knobs"):
-            table.add_column(column, justify="left" if column == "knobs" else "right")
-        for p in [plan, *runners_up]:
-            table.add_row(f"{p.predicted.tokens_per_s:,.0f}", f"{p.predicted.step_time_s:.3f} s",
-                          f"{p.predicted.peak_memory_bytes / GIB:.1f} GiB", describe_knobs(p.knobs))
-        console.print(table)
+        print_runners_up(console, plan, runners_up)
+    for line in explanation(plan, runners_up, limit).values():
+        console.print(line, highlight=False)
+
+
+def print_runners_up(console: Console, plan: Plan, runners_up: list[Plan]) -> None:
+    """The next best plans, each by the knobs where it differs from the chosen one."""
+    table = Table(title="runners-up")
+    for column in ("tokens/s", "vs chosen", "step", "peak GPU mem", "differs from the chosen plan in"):
+        table.add_column(column, justify="left" if column.startswith("differs") else "right")
+    for p in runners_up:
+        behind = p.predicted.tokens_per_s / plan.predicted.tokens_per_s - 1
+        table.add_row(f"{p.predicted.tokens_per_s:,.0f}", percent(behind), f"{p.predicted.step_time_s:.3f} s",
+                      f"{p.predicted.peak_memory_bytes / GIB:.1f} GiB", knob_differences(plan.knobs, p.knobs))
+    console.print(table)
+
+
+def explanation(plan: Plan, runners_up: list[Plan] = (), limit: str | None = None) -> dict[str, str]:
+    """At most two lines: what limits the plan ("limit") and why it beats the first runner-up ("why")."""
+    lines = {"limit": limit} if limit else {}
+    if plan.predicted is not None and runners_up:
+        lines["why"] = versus(plan, runners_up[0])
+    return lines
 
 
 def print_breakdown(console: Console, plan: Plan) -> None:
     p = plan.predicted
     dtype = plan.knobs.matmul_dtype
     console.print(f"predicted: {p.step_time_s:.3f} s/step, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%} "
-                  f"(model FLOPs over the dense {dtype} peak), ${p.usd_per_million_tokens:.3g} and "
-                  f"{p.kwh_per_million_tokens:.3g} kWh (GPU power) per million tokens")
+                  f"(model FLOPs over the dense {dtype} peak), {usd(p.usd_per_million_tokens)} and "
+                  f"{significant(p.kwh_per_million_tokens)} kWh (GPU power) per million tokens")
     time_table = Table(title="step time by component")
     time_table.add_column("component")
     time_table.add_column("seconds", justify="right")
@@ -65,12 +86,32 @@ def print_ranking(console: Console, rows: list[tuple[str, Plan | None, str]]) ->
                     key=lambda r: r[1].predicted.usd_per_million_tokens)
     for hw, plan, _ in priced:
         p = plan.predicted
-        table.add_row(hw, f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.usd_per_million_tokens:.3g}",
-                      f"{p.kwh_per_million_tokens:.3g}", describe_knobs(plan.knobs))
+        table.add_row(hw, f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", usd(p.usd_per_million_tokens),
+                      significant(p.kwh_per_million_tokens), describe_knobs(plan.knobs))
     for hw, plan, note in (r for r in rows if r[1] is None or not r[1].predicted):
         table.add_row(hw, "-", "-", "-", "-", f"infeasible: {note}" if plan is None else "no prediction on a CPU")
     console.print(table)
 
 
-def plan_json(plan: Plan, runners_up: list[Plan] = ()) -> dict:
-    return {"plan": to_dict(plan), "runners_up": [to_dict(p) for p in runners_up]}
+def plan_json(plan: Plan, runners_up: list[Plan] = (), limit: str | None = None) -> dict:
+    return {"plan": to_dict(plan), "runners_up": [to_dict(p) for p in runners_up],
+            **explanation(plan, runners_up, limit)}
+
+
+def human_count(n: int) -> str:
+    """3.2M, 1.10B: three significant digits and a suffix."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{significant(n / scale)}{suffix}"
+    return str(n)
+
+
+def usd(amount: float) -> str:
+    """Dollars to three significant digits, never fewer than cents: $0.0720, $1.23, $12.30, $1234.00."""
+    return "$" + significant(amount, min_decimals=2)
+
+
+def significant(x: float, digits: int = 3, min_decimals: int = 0) -> str:
+    """`x` with `digits` significant digits in plain notation (never 1.2e+03)."""
+    decimals = digits - 1 - math.floor(math.log10(abs(x))) if x else 0
+    return f"{x:.{max(decimals, min_decimals)}f}"

@@ -10,10 +10,11 @@ import dataclasses
 import itertools
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastml.config import fail
-from fastml.plan import KNOBS, Knobs
+from fastml.plan import KNOBS, Knobs, knob_names
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import Memory, memory
 from fastml.planner.simulate import Simulation, simulate
@@ -62,9 +63,7 @@ class Problem:
 def knob_space(problem: Problem, runnable_only: bool, lower_precision: bool) -> dict[str, tuple]:
     """The choices of each knob (fastml.plan.KNOBS); a knob with one choice is fixed. `runnable_only` keeps to the
     values this executor runs."""
-    sequences = problem.sequences_per_gpu
-    space = {"micro_batch_size": tuple(m for m in range(1, min(sequences, MAX_MICRO_BATCH) + 1) if sequences % m == 0
-                                       and (m & (m - 1) == 0 or m == sequences))}
+    space = {"micro_batch_size": micro_batch_choices(problem)}
     for name, info in KNOBS.items():
         choices = info.choices
         if runnable_only and info.executor_runs is not None:
@@ -76,6 +75,13 @@ def knob_space(problem: Problem, runnable_only: bool, lower_precision: bool) -> 
         if searched:
             space[name] = choices
     return space
+
+
+def micro_batch_choices(problem: Problem) -> tuple[int, ...]:
+    """Powers of two (and the whole step) that divide the sequences of a step on one GPU."""
+    sequences = problem.sequences_per_gpu
+    return tuple(m for m in range(1, min(sequences, MAX_MICRO_BATCH) + 1) if sequences % m == 0
+                 and (m & (m - 1) == 0 or m == sequences))
 
 
 def pin(space: dict[str, tuple], pins: dict) -> dict[str, tuple]:
@@ -97,9 +103,24 @@ def make_knobs(problem: Problem, choice: dict) -> Knobs:
     defaults = {f.name: f.default for f in dataclasses.fields(Knobs)}
     values = {**defaults, **choice}
     values["grad_accum_steps"] = problem.sequences_per_gpu // values["micro_batch_size"]
-    if not values["shard_weights"]:
-        values["cache_weights_on_host"] = False  # only gathered weights are cached
-    return Knobs(**values)
+    return Knobs(**without_no_ops(problem.spec, values))
+
+
+def without_no_ops(spec: ModelSpec, values: dict) -> dict:
+    """`values` with the knobs that change nothing (in planner/memory.py and planner/simulate.py) at their
+    defaults, so that plans differing only in them are one plan: an offload fraction that moves no whole layer,
+    offloaded bf16 master weights (there are none: the weights are the masters), and a host cache of gathered
+    weights when the weights are not sharded or every layer is streamed from the host anyway."""
+    fixed = dict(values)
+    for name in knob_names("offload"):
+        if round(fixed[name] * spec.num_layers) == 0:
+            fixed[name] = 0.0
+    if fixed["master_dtype"] != "fp32":
+        fixed["offload_master"] = 0.0
+    all_streamed = round(fixed["offload_weights"] * spec.num_layers) == spec.num_layers
+    if not fixed["shard_weights"] or all_streamed:
+        fixed["cache_weights_on_host"] = False
+    return fixed
 
 
 def evaluate(problem: Problem, knobs: Knobs) -> Candidate:
@@ -117,20 +138,64 @@ def tokens_per_s(problem: Problem, candidate: Candidate) -> float:
     return problem.global_batch_tokens / candidate.simulation.step_time_s if candidate.feasible else 0.0
 
 
+def num_knobs_set(knobs: Knobs) -> int:
+    """How many knobs (besides the batch split) differ from their defaults."""
+    return sum(getattr(knobs, f.name) != f.default for f in dataclasses.fields(Knobs) if KNOBS[f.name].kind != "batch")
+
+
+def rank(problem: Problem, candidates) -> list[Candidate]:
+    """Best first: the fastest; at equal speed the one with fewer knobs set, then the one with less GPU memory.
+    Of feasible candidates with the same prediction (time by component, GPU and host memory by category) only the
+    first is kept: whatever knob tells them apart changes nothing."""
+    def key(c: Candidate):
+        return -_nine_digits(tokens_per_s(problem, c)), num_knobs_set(c.knobs), c.memory.gpu_total
+    ranked, predictions = [], set()
+    for candidate in sorted(candidates, key=key):
+        prediction = _prediction(candidate)
+        if prediction is None or prediction not in predictions:
+            ranked.append(candidate)
+            predictions.add(prediction)
+    return ranked
+
+
+def _prediction(candidate: Candidate) -> tuple | None:
+    if not candidate.feasible:
+        return None
+    times = tuple(_nine_digits(t) for t in candidate.simulation.time_s.values())
+    return times, tuple(candidate.memory.gpu.values()), tuple(candidate.memory.host.values())
+
+
+def _nine_digits(x: float) -> float:
+    """Equal up to float rounding: sums of the same durations in another order differ in the last bits."""
+    return float(f"{x:.9g}")
+
+
 def exhaustive(problem: Problem, space: dict[str, tuple]) -> list[Candidate]:
     """Every combination, best first: the reference the search is tested against."""
+    return [candidate for _, candidate in _ranked_choices(problem, _combinations(space))]
+
+
+def _combinations(space: dict[str, tuple]):
     names = list(space)
-    candidates = {}
-    for values in itertools.product(*(space[n] for n in names)):
-        knobs = make_knobs(problem, dict(zip(names, values)))
-        candidates.setdefault(knobs, None)
-    evaluated = [evaluate(problem, k) for k in candidates]
-    return sorted(evaluated, key=lambda c: -tokens_per_s(problem, c))
+    return (dict(zip(names, values)) for values in itertools.product(*(space[n] for n in names)))
+
+
+def _ranked_choices(problem: Problem, choices, feasible_only: bool = False) -> list[tuple[dict, Candidate]]:
+    """The distinct plans the choices make, ranked, each with the first choice that makes it: a seed of the study
+    is enqueued as that choice, so the sampler learns the values drawn, not the no-ops' defaults they became."""
+    first_choice: dict[Knobs, dict] = {}
+    for choice in choices:
+        first_choice.setdefault(make_knobs(problem, choice), choice)
+    candidates = (evaluate(problem, knobs) for knobs in first_choice)
+    ranked = rank(problem, [c for c in candidates if c.feasible or not feasible_only])
+    return [(first_choice[c.knobs], c) for c in ranked]
 
 
 def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: str | None = None,
-           study_name: str = "fastml", seed: int = 0, on_trial=None) -> list[Candidate]:
-    """Runs the Optuna study; returns its distinct candidates, feasible ones best first."""
+           study_name: str = "fastml", seed: int = 0,
+           on_trial: Callable[[int, float], None] | None = None) -> list[Candidate]:
+    """Runs the Optuna study; returns its distinct candidates ranked (`rank`), feasible ones first.
+    `on_trial(trials_done, best_tokens_per_s)` is called after each trial (best 0 while nothing fits)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -143,38 +208,40 @@ def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: 
     encoded = {name: [_encode(v) for v in choices] for name, choices in space.items()}
     seen: dict[Knobs, Candidate] = {}
     if not exhaustive_search:
-        for candidate in [*_core_leaders(problem, space), *_relaxations(problem, space)]:
+        for choice, candidate in [*_core_leaders(problem, space), *_relaxations(problem, space)]:
             seen[candidate.knobs] = candidate
-            study.enqueue_trial({n: _encode(getattr(candidate.knobs, n)) for n in space}, skip_if_exists=True)
+            study.enqueue_trial({n: _encode(v) for n, v in choice.items()}, skip_if_exists=True)
+
+    trials_done, best = 0, 0.0
 
     def objective(trial) -> float:
+        nonlocal trials_done, best
         choice = {name: _decode(name, trial.suggest_categorical(name, options)) for name, options in encoded.items()}
         knobs = make_knobs(problem, choice)
         if knobs not in seen:
             seen[knobs] = evaluate(problem, knobs)
+        speed = tokens_per_s(problem, seen[knobs])
+        trials_done, best = trials_done + 1, max(best, speed)
         if on_trial:
-            on_trial()
-        return tokens_per_s(problem, seen[knobs])
+            on_trial(trials_done, best)
+        return speed
 
     study.optimize(objective, n_trials=num_trials)
     for trial in study.trials:  # trials of an earlier session of a resumed study
         if trial.params and set(trial.params) == set(encoded):
             knobs = make_knobs(problem, {n: _decode(n, v) for n, v in trial.params.items()})
             seen.setdefault(knobs, None)
-    ranked = [c or evaluate(problem, k) for k, c in seen.items()]
-    return sorted(ranked, key=lambda c: -tokens_per_s(problem, c))
+    return rank(problem, [c or evaluate(problem, k) for k, c in seen.items()])
 
 
-
-
-def _core_leaders(problem: Problem, space: dict[str, tuple], count: int = 5) -> list[Candidate]:
+def _core_leaders(problem: Problem, space: dict[str, tuple], count: int = 5) -> list[tuple[dict, Candidate]]:
     """The best few plans that offload, shard and lower nothing (every other knob at its first choice), found
     exhaustively: a cheap, strong start for the sampler, which would seldom draw all those knobs at zero."""
     core = {n: (c if n == "micro_batch_size" or KNOBS[n].kind in ("recompute", "speed") else c[:1])
             for n, c in space.items()}
     if space_size(core) > 2000:
         return []
-    return [c for c in exhaustive(problem, core)[:count] if c.feasible]
+    return _ranked_choices(problem, _combinations(core), feasible_only=True)[:count]
 
 
 def smallest_choice(space: dict[str, tuple]) -> dict:
@@ -193,16 +260,13 @@ def smallest_choice(space: dict[str, tuple]) -> dict:
     return {name: least(name, choices) for name, choices in space.items()}
 
 
-def _relaxations(problem: Problem, space: dict[str, tuple]) -> list[Candidate]:
+def _relaxations(problem: Problem, space: dict[str, tuple]) -> list[tuple[dict, Candidate]]:
     """The smallest plan, then each single knob changed from it that still fits: feasible footholds in spaces
     where a random draw almost never fits (a large model on small GPUs)."""
     smallest = smallest_choice(space)
-    found = [evaluate(problem, make_knobs(problem, smallest))]
-    for name, choices in space.items():
-        for value in choices:
-            if value != smallest[name]:
-                found.append(evaluate(problem, make_knobs(problem, {**smallest, name: value})))
-    return sorted((c for c in found if c.feasible), key=lambda c: -tokens_per_s(problem, c))[:10]
+    changed = ({**smallest, name: value} for name, choices in space.items() for value in choices
+               if value != smallest[name])
+    return _ranked_choices(problem, [smallest, *changed], feasible_only=True)[:10]
 
 
 def _encode(value):

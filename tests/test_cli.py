@@ -1,8 +1,11 @@
 """End to end through the `fastml` command: plan, run, and user errors as one line with exit code 2."""
 
+import dataclasses
+import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,21 +50,93 @@ def test_user_errors_are_one_line(tmp_path):
     one_line_error(fastml("plan", "--model", "hf", cwd=tmp_path), "model_type 'gpt2' is not supported")
 
 
-def test_data_errors_are_one_line(tmp_path):
+def test_data_is_checked_when_planning(tmp_path):
     (tmp_path / "short.txt").write_text("too short")
     assert fastml("prepare", "--input", "short.txt", "-o", "short", cwd=tmp_path).returncode == 0
-    assert fastml("plan", "--data", "short", "-o", "p.json", cwd=tmp_path).returncode == 0
-    one_line_error(fastml("run", "p.json", "--steps", "1", cwd=tmp_path), "tokens")
+    one_line_error(fastml("plan", "--data", "short", "-o", "p.json", cwd=tmp_path), "short", "seq_len 256 needs")
+    one_line_error(fastml("plan", "--data", "nowhere", "-o", "p.json", cwd=tmp_path), "nowhere", "not a directory")
+    assert not (tmp_path / "p.json").exists()
+    assert fastml("plan", "-o", "p.json", cwd=tmp_path).returncode == 0  # the run checks again: data can change
+    one_line_error(fastml("run", "p.json", "--steps", "1", "--set", "training.data=short", cwd=tmp_path), "tokens")
     one_line_error(fastml("prepare", "--input", "nothing-*.txt", "-o", "x", cwd=tmp_path), "nothing-*.txt")
-    assert fastml("plan", "--data", "nowhere", "-o", "p2.json", cwd=tmp_path).returncode == 0
-    one_line_error(fastml("run", "p2.json", "--steps", "1", cwd=tmp_path), "nowhere")
 
 
-def test_vocab_mismatch_is_one_line(tmp_path):
+def test_vocab_mismatch_is_refused_when_planning(tmp_path):
     (tmp_path / "t.txt").write_text("some text " * 200)
     assert fastml("prepare", "--input", "t.txt", "-o", "d", cwd=tmp_path).returncode == 0
-    assert fastml("plan", "--data", "d", "--set", "model.vocab_size=128", "-o", "p.json", cwd=tmp_path).returncode == 0
-    one_line_error(fastml("run", "p.json", "--steps", "1", cwd=tmp_path), "vocab")
+    one_line_error(fastml("plan", "--data", "d", "--set", "model.vocab_size=128", "-o", "p.json", cwd=tmp_path),
+                   "vocab size 257", "the model has 128")
+
+
+def test_plan_output_starts_at_once_with_a_readable_parameter_count(tmp_path):
+    result = fastml("plan", "-o", "p.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("tiny (3.21M parameters), seq 256"), result.stdout
+
+
+def test_plan_help_names_every_profile_and_the_batch_per_gpu():
+    from fastml.cli import parser
+
+    text = " ".join(parser()._subparsers._group_actions[0].choices["plan"].format_help().split())
+    assert ", cpu, " in text and ", h200, " in text
+    assert "(default: 16 sequences per GPU)" in text
+
+
+def test_pytest_shows_skip_reasons(tmp_path):
+    """The README runs `python -m pytest -q`: GPU tests skipped on a CPU machine say why."""
+    (tmp_path / "test_skips.py").write_text("import pytest\n\n\ndef test_x():\n    pytest.skip('no GPU here')\n")
+    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-c", str(pyproject), "--rootdir", str(tmp_path),
+                             "-p", "no:cacheprovider", str(tmp_path / "test_skips.py")], capture_output=True,
+                            text=True, timeout=120)
+    assert "no GPU here" in result.stdout, result.stdout
+
+
+def test_dollars_per_million_tokens_print_one_way():
+    from rich.console import Console
+    from fastml.planner import report
+    from fastml.planner.planner import make_plan
+
+    plan = make_plan(model="tiny", hw="h200", gpus=1, trials=5).plan
+    for usd, shown in ((1234.5, "$1234.50"), (0.0123, "$0.0123")):
+        priced = dataclasses.replace(plan, predicted=dataclasses.replace(plan.predicted, usd_per_million_tokens=usd))
+        breakdown, ranking = io.StringIO(), io.StringIO()
+        report.print_breakdown(Console(file=breakdown, width=300), priced)
+        report.print_ranking(Console(file=ranking, width=300), [("h200", priced, "")])
+        assert shown in breakdown.getvalue() and shown in ranking.getvalue()
+
+
+def test_search_progress_shows_after_a_second_then_every_few_seconds():
+    """Off a terminal (a pipe, a log): a plain line once the search has run a second, then one every 5 s."""
+    from rich.console import Console
+    from fastml.cli import SearchProgress
+
+    out = io.StringIO()
+    seconds = iter([0.0, 0.5, 1.2, 3.0, 6.5])
+    progress = SearchProgress(Console(file=out, width=200), 300, "h200", clock=lambda: next(seconds))
+    progress(1, 0.0)
+    assert out.getvalue() == ""
+    progress(2, 0.0)
+    progress(3, 1500.0)
+    progress(4, 2000.0)
+    progress.close()
+    assert out.getvalue().splitlines() == ["planning on h200: trial 2/300, nothing fits yet (1 s)",
+                                           "planning on h200: trial 4/300, best 2,000 tokens/s (6 s)"]
+
+
+def test_search_progress_is_a_live_line_on_a_terminal():
+    from rich.console import Console
+    from fastml.cli import SearchProgress
+
+    out = io.StringIO()
+    seconds = iter([0.0, 0.5, 1.5])
+    progress = SearchProgress(Console(file=out, width=200, force_terminal=True), 300, None,
+                              clock=lambda: next(seconds))
+    progress(1, 100.0)
+    assert out.getvalue() == ""
+    progress(2, 1234.0)
+    progress.close()
+    assert "planning on this machine: trial 2/300, best 1,234 tokens/s" in out.getvalue()
 
 
 def test_gpu_plan_on_a_cpu_machine_is_refused(tmp_path):
@@ -85,6 +160,8 @@ def test_plan_json_explain_and_trace(tmp_path):
                                         "other"}
     assert predicted["usd_per_million_tokens"] > 0 and predicted["kwh_per_million_tokens"] > 0
     assert json.loads((tmp_path / "p.json").read_text()) == printed["plan"]
+    assert printed["limit"].startswith("limited by ") and printed["why"]
+    assert len(printed["runners_up"]) == 3
     explained = fastml("explain", "p.json", "--json", "--trace", "t.json", cwd=tmp_path)
     assert explained.returncode == 0, explained.stderr
     again = json.loads(explained.stdout)
@@ -105,6 +182,7 @@ def test_several_machines_are_ranked_by_cost(tmp_path):
                     "--trials", "40", "-o", "p.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "ranked by cost per million tokens" in result.stdout
+    assert "limited by " in result.stdout and "the first runner-up" in result.stdout
     for name in ("h200", "h100-sxm", "rtx4090"):
         assert name in result.stdout
 

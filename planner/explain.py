@@ -1,0 +1,140 @@
+"""Why the planner chose a plan, in a line or two: what limits it (compute, memory, PCIe or the network) and what it
+gains over the runner-up, read from the simulated time by component and the memory model."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fastml.plan import KNOBS, TIME_COMPONENTS, Knobs, Plan
+from fastml.planner.planner import replan
+from fastml.planner.search import Candidate, Problem, evaluate, make_knobs, micro_batch_choices, num_knobs_set
+from fastml.planner.simulate import simulate
+
+GIB = 2**30
+LIMIT_SHARE = 0.02
+"""A plan that loses less than this share of its step (waiting on PCIe or collectives, or to a faster setting that
+does not fit in memory) is compute-bound."""
+COMPONENT_WORDS = {"compute": "compute", "recompute": "recompute", "exposed_comm": "waiting on collectives",
+                   "exposed_offload": "waiting on PCIe copies", "optimizer": "optimizer step", "other": "other"}
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A change to the plan that would make its step faster but does not fit in memory."""
+
+    change: str
+    step_time_s: float
+    candidate: Candidate
+
+
+def plan_limit(plan: Plan, hw: str | None = None) -> str | None:
+    """`limit` of a plan the planner made, re-simulated on the hardware it names (or the profile file `hw` it was
+    made with); None for a plan without a prediction (a CPU plan)."""
+    if plan.predicted is None:
+        return None
+    candidate, problem = replan(plan, hw)
+    return limit(problem, candidate)
+
+
+def limit(problem: Problem, candidate: Candidate) -> str:
+    """What limits a feasible candidate: what its step loses most time to, unless that is under LIMIT_SHARE."""
+    sim = candidate.simulation
+    step = sim.step_time_s
+    blocked = faster_but_too_big(problem, candidate)
+    losses = {"PCIe": sim.time_s["exposed_offload"], "the network": sim.time_s["exposed_comm"],
+              "memory": step - blocked.step_time_s if blocked else 0.0}
+    kind = max(losses, key=losses.get)
+    share = losses[kind] / step
+    if share < LIMIT_SHARE:
+        busy = (sim.time_s["compute"] + sim.time_s["recompute"]) / step
+        return f"limited by compute: the GPU computes {busy:.0%} of the step"
+    if kind == "memory":
+        return (f"limited by memory: {blocked.change} would save {share:.1%} of the step but "
+                f"{shortfall(problem, blocked.candidate)}")
+    waited_for = "host-GPU copies (offload)" if kind == "PCIe" else "collectives"
+    return f"limited by {kind}: the GPU waits {duration(losses[kind])} ({share:.0%}) of the step on {waited_for}"
+
+
+def faster_but_too_big(problem: Problem, candidate: Candidate) -> Blocked | None:
+    """The faster of the two settings that memory most often rules out, the next larger micro-batch and no
+    recompute, where it is faster than the candidate and does not fit; None where there is none."""
+    knobs = candidate.knobs
+    changes = {}
+    larger = [m for m in micro_batch_choices(problem) if m > knobs.micro_batch_size]
+    if larger:
+        changes[f"micro-batch {larger[0]}"] = {"micro_batch_size": larger[0]}
+    if knobs.recompute:
+        changes["no recompute"] = {"recompute": ()}
+    blocked = []
+    for change, values in changes.items():
+        other = evaluate(problem, make_knobs(problem, {**_values(knobs), **values}))
+        if other.feasible:
+            continue  # it fits, so the search weighed it and it was no faster
+        step_time_s = simulate(problem.spec, problem.seq_len, other.knobs, problem.machine).step_time_s
+        if step_time_s < candidate.simulation.step_time_s:
+            blocked.append(Blocked(change, step_time_s, other))
+    return min(blocked, key=lambda b: b.step_time_s, default=None)
+
+
+def shortfall(problem: Problem, candidate: Candidate) -> str:
+    """Which memory an infeasible candidate lacks, and how much."""
+    if candidate.gpu_over_bytes > 0:
+        return (f"needs {gib(candidate.memory.gpu_total)} of GPU memory, {gib(candidate.gpu_over_bytes)} more than "
+                f"the {gib(problem.gpu_budget())} usable")
+    return (f"needs {gib(candidate.memory.host_total)} of host memory, {gib(candidate.host_over_bytes)} more than "
+            f"the {gib(problem.host_budget())} usable")
+
+
+def versus(chosen: Plan, runner_up: Plan) -> str:
+    """Why `chosen` ranks above `runner_up` (both with predictions): its lead, the two time components that differ
+    most, and how much more or less GPU memory it needs. The runners-up table names the knobs that differ."""
+    c, r = chosen.predicted, runner_up.predicted
+    lead = r.step_time_s / c.step_time_s - 1  # = the chosen plan's tokens/s over the runner-up's, minus 1
+    memory = _memory_difference(chosen, runner_up)
+    if abs(lead) < 1e-9:  # the search ranks equal speeds by fewer knobs set, then by less GPU memory
+        fewer = num_knobs_set(chosen.knobs) < num_knobs_set(runner_up.knobs)
+        return f"as fast as the first runner-up{' with fewer knobs set' if fewer else ''}{memory}"
+    deltas = sorted(((r.time_s[k] - c.time_s[k], k) for k in TIME_COMPONENTS), key=lambda d: -abs(d[0]))
+    reasons = [f"{duration(abs(d))} {'less' if d > 0 else 'more'} {COMPONENT_WORDS[k]}" for d, k in deltas[:2]
+               if abs(d) > 1e-9 * c.step_time_s]
+    return f"beats the first runner-up by {percent(lead)}: {', '.join(reasons)}{memory}"
+
+
+def _memory_difference(chosen: Plan, runner_up: Plan) -> str:
+    """'; needs 3.1 GiB more GPU memory (activations)': the peak difference and its largest category."""
+    c, r = chosen.predicted, runner_up.predicted
+    more = c.peak_memory_bytes - r.peak_memory_bytes
+    if abs(more) < 0.05 * GIB:
+        return ""
+    category = max(c.memory_bytes, key=lambda k: abs(c.memory_bytes[k] - r.memory_bytes[k]))
+    return f"; needs {gib(abs(more))} {'more' if more > 0 else 'less'} GPU memory (mostly {category})"
+
+
+def knob_differences(chosen: Knobs, other: Knobs) -> str:
+    """`other`'s knobs where they differ from `chosen`'s: the micro-batch split, then each knob by name."""
+    parts = []
+    if other.micro_batch_size != chosen.micro_batch_size:
+        parts.append(f"mb {other.micro_batch_size} x {other.grad_accum_steps}")
+    for f in dataclasses.fields(Knobs):
+        value = getattr(other, f.name)
+        if KNOBS[f.name].kind != "batch" and value != getattr(chosen, f.name):
+            parts.append(f"{f.name}={(','.join(value) or 'none') if isinstance(value, tuple) else value}")
+    return "  ".join(parts) or "the same knobs"
+
+
+def percent(fraction: float) -> str:
+    """Two decimals below 1%, where runners-up often are: 0.03%, 1.2%."""
+    return f"{fraction:.2%}" if abs(fraction) < 0.01 else f"{fraction:.1%}"
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.1f} GiB"
+
+
+def _values(knobs: Knobs) -> dict:
+    return {f.name: getattr(knobs, f.name) for f in dataclasses.fields(Knobs)}
