@@ -49,7 +49,9 @@ FREE_FIELDS = frozenset(
     # Where tensors live, what is recomputed, compiled or chunked, and how collectives run change no value.
     + [f"knobs.{name}" for name, info in KNOBS.items() if info.kind in ("recompute", "speed", "offload", "shard",
                                                                          "comm")]
-    # The accumulation follows from the micro-batch; the micro-batch must divide the sequences consumed (below).
+    # The same sequences in the same order, cut into other micro-batches: the global batch and the number of GPUs
+    # are fixed, so each process has consumed whole steps of micro_batch_size x grad_accum_steps sequences, which
+    # any new micro-batch size (a divisor of that product) divides as well.
     + ["knobs.grad_accum_steps", "knobs.micro_batch_size"])
 """Allowed, and said."""
 
@@ -158,7 +160,7 @@ def open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say)
         say(f"no checkpoint in {root} yet: starting from step 0")
     elif found and not start_over:
         fail(root, f"holds {_describe(found)} of an earlier run; continue that run with --resume, or start a new "
-                   f"one with --start-over (which moves them into a new directory {Path(root) / _ASIDE_PREFIX}<UTC time>)")
+                   f"one with --start-over (which moves them into a new directory {Path(root) / _ASIDE_PREFIX}TIME)")
     elif found:
         _move_aside(Path(root), found, say)
     return Run(plan, _new_run_id(), keep, say)
@@ -187,7 +189,7 @@ def _resume(plan: Plan, found: list[Path], keep: int, say: Say) -> Run:
 
 def resume_changes(path: Path, saved: TrainingState, plan: Plan) -> list[tuple[str, object, object]]:
     """The fields in which `plan` differs from the plan of the checkpoint at `path`, as (name, old, new); refuses a
-    difference outside SCHEDULE_FIELDS and FREE_FIELDS, and a micro-batch that does not divide the data consumed."""
+    difference outside SCHEDULE_FIELDS and FREE_FIELDS."""
     changes = []
     for section in ("model", "training", "hardware", "knobs"):
         old, new = getattr(saved.plan, section), getattr(plan, section)
@@ -200,11 +202,6 @@ def resume_changes(path: Path, saved: TrainingState, plan: Plan) -> list[tuple[s
                            f"continue the same run: resume with {show(before)}, or start a new run with --start-over "
                            f"instead of --resume")
             changes.append((name, before, after))
-    micro = plan.knobs.micro_batch_size
-    if saved.sequences % micro:
-        fail("knobs.micro_batch_size", f"{micro} does not divide the {saved.sequences} sequences that {path} has "
-                                       f"consumed; resume with a micro-batch size that does, such as "
-                                       f"{saved.plan.knobs.micro_batch_size}")
     return changes
 
 
