@@ -185,9 +185,14 @@ def test_a_new_run_into_a_used_checkpoint_dir_is_refused_in_one_line(workdir):
 
 # ---- one run per checkpoint directory, in-process --------------------------------------------------------------
 
+# A model far smaller than the tiny preset: checkpoints of a few hundred kB write fast.
+SMALLER = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+           "model.head_dim=16", "model.ffn_hidden_size=128"]
+
+
 def tiny_plan(root, steps=8, *overrides):
     return make_plan(seq_len=32, global_batch_tokens=64, steps=steps, device="cpu", overrides=[
-        f"training.checkpoint_dir={root}", "training.checkpoint_interval=2", *overrides]).plan
+        *SMALLER, f"training.checkpoint_dir={root}", "training.checkpoint_interval=2", *overrides]).plan
 
 
 def train_quietly(plan, **kwargs) -> str:
