@@ -218,7 +218,7 @@ def test_token_data_open_errors(tmp_path):
     with pytest.raises(UserError, match="has no header.json; run `fastml prepare`"):
         TokenData.open(str(tmp_path / "noheader"), seq_len=4, vocab_size=300)
     write_dataset(tmp_path / "badheader", np.arange(10), 300, num_tokens="ten")
-    with pytest.raises(UserError, match="header.json is malformed: num_tokens: expected int, got 'ten'.*fastml prepare"):
+    with pytest.raises(UserError, match="header.json is malformed: num_tokens: expected int, got 'ten'.*prepare"):
         TokenData.open(str(tmp_path / "badheader"), seq_len=4, vocab_size=300)
     (tmp_path / "notjson").mkdir()
     (tmp_path / "notjson" / "header.json").write_text("{")

@@ -1,5 +1,5 @@
-"""HF import/export and the fastml checkpoint format (tensordir.py): tiny random HF models of every supported family give the same logits
-in our model, conversion both ways is bit-exact, and bad inputs are UserErrors."""
+"""HF import/export and the fastml checkpoint format (tensordir.py): tiny random HF models of every supported
+family give the same logits in our model, conversion both ways is bit-exact, and bad inputs are UserErrors."""
 
 import dataclasses
 import json
