@@ -125,8 +125,19 @@ def save_checkpoint(directory, spec: ModelSpec, state_dict: dict, *, training: T
 
 
 def _is_checkpoint(directory: Path) -> bool:
-    """One of ours, or what is left of one (a damaged checkpoint may be replaced): only our kinds of files."""
-    return all(p.is_file() and p.suffix in (".json", ".safetensors") for p in directory.iterdir())
+    """One of ours, or what is left of one (a damaged checkpoint may be replaced): only our kinds of files, and JSON
+    files only beside a manifest of ours (an HF model directory holds config.json and safetensors files too)."""
+    entries = list(directory.iterdir())
+    if not all(p.is_file() and p.suffix in (".json", ".safetensors") for p in entries):
+        return False
+    return all(p.suffix != ".json" for p in entries) or _has_our_manifest(directory)
+
+
+def _has_our_manifest(directory: Path) -> bool:
+    try:
+        return read_json_object(directory / META_FILE).get("format") == FORMAT
+    except (UserError, OSError):
+        return False
 
 
 # ---- reading ------------------------------------------------------------------------------------------------

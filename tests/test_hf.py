@@ -3,6 +3,7 @@ family give the same logits in our model, conversion both ways is bit-exact, and
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -246,6 +247,14 @@ def test_fastml_checkpoint_replaces_only_checkpoints(tmp_path):
     with pytest.raises(UserError, match="not a fastml checkpoint; refusing"):
         save_checkpoint(tmp_path / "mine", spec, state)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    hf_dir = saved(hf_model("llama-gqa"), tmp_path / "hf")  # config.json and model.safetensors: not ours either
+    with pytest.raises(UserError, match="hf: exists and is not a fastml checkpoint; refusing"):
+        convert_from_hf(hf_dir, hf_dir)
+    assert (hf_dir / "config.json").is_file()
+    save_checkpoint(tmp_path / "plain", spec, state)
+    (tmp_path / "plain" / "fastml.json").unlink()  # what is left of a damaged one of ours may be replaced
+    save_checkpoint(tmp_path / "plain", spec, state)
+    shutil.rmtree(tmp_path / "plain")
     for files in ({"json_files": {"fastml.json": {}}}, {"json_files": {"a.bin": {}}},
                   {"tensor_files": {"a.json": {}}}):
         with pytest.raises(UserError, match="tensors go in .safetensors files, other data in .json files"):
