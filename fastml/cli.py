@@ -234,7 +234,8 @@ def _add_run_command(sub) -> None:
     run.add_argument("--checkpoint-dir", help="write checkpoints here (overrides training.checkpoint_dir)")
     run.add_argument("--checkpoint-interval", type=int,
                      help="steps between checkpoints; 0: only at the end (overrides training.checkpoint_interval)")
-    run.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest K intact checkpoints of the run (default: 3)")
+    run.add_argument("--keep-checkpoints", type=int, default=3,
+                     help="keep the newest K intact checkpoints of the run (default: 3)")
     run.add_argument("--resume", action="store_true",
                      help="continue from the newest intact checkpoint in the checkpoint directory")
     run.add_argument("--start-over", action="store_true",
