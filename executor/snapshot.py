@@ -154,14 +154,15 @@ def open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say)
         fail("--resume" if resume else "--start-over",
              "needs a checkpoint directory: --checkpoint-dir DIR or training.checkpoint_dir")
     found = checkpoints(root) if root else []
-    if resume and found:
-        return _resume(plan, found, keep, say)
     if resume:
+        if found:
+            return _resume(plan, found, keep, say)
         say(f"no checkpoint in {root} yet: starting from step 0")
-    elif found and not start_over:
-        fail(root, f"holds {_describe(found)} of an earlier run; continue that run with --resume, or start a new "
-                   f"one with --start-over (which moves them into a new directory {Path(root) / _ASIDE_PREFIX}TIME)")
     elif found:
+        if not start_over:
+            fail(root, f"holds {_describe(found)} of an earlier run; continue that run with --resume, or start a new "
+                       f"one with --start-over (which moves them into a new directory "
+                       f"{Path(root) / _ASIDE_PREFIX}TIME)")
         _move_aside(Path(root), found, say)
     return Run(plan, _new_run_id(), keep, say)
 
