@@ -3,8 +3,8 @@
 A prepared dataset is a directory holding two files:
   tokens.bin   every document's token ids followed by the end-of-document id, all concatenated; raw little-endian
                uint16 when the vocabulary fits in 16 bits, else uint32
-  header.json  {"format": "fastml-tokens", "version": 1, "dtype": "uint16" | "uint32", "num_tokens", "num_documents",
-               "vocab_size", "eos_id", "tokenizer", "sources"}
+  header.json  the `Header`: {"format": "fastml-tokens", "version": 1, "dtype": "uint16" | "uint32", "num_tokens",
+               "num_documents", "vocab_size", "eos_id", "tokenizer", "sources"}
 Training memory-maps tokens.bin, so a corpus larger than RAM costs no RAM. A dataset only ever appears under its
 final name complete: `prepare` writes a hidden sibling directory and renames it into place at the end.
 """
@@ -19,12 +19,14 @@ import os
 import sys
 import sysconfig
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 
-from fastml.config import fail, first_line
+from fastml.config import UserError, check_range, fail, first_line, from_dict, to_dict
 from fastml.executor.files import read_json_object, write_dir_atomically
 
 FORMAT = "fastml-tokens"
@@ -46,6 +48,32 @@ _DEFAULT_CORPUS_VERSION = 1
 _STDLIB_SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo", "encodings", "__pycache__"}
 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Header:
+    """header.json of a prepared dataset."""
+
+    format: Literal["fastml-tokens"]
+    version: int
+    dtype: Literal["uint16", "uint32"]
+    """The type of each token id in tokens.bin, little-endian."""
+    num_tokens: int
+    num_documents: int
+    vocab_size: int
+    eos_id: int
+    """The id that ends each document."""
+    tokenizer: str
+    """"bytes", or the path of the HF tokenizer.json."""
+    sources: tuple[str, ...]
+    """The files the documents came from."""
+
+    def __post_init__(self) -> None:
+        if self.version != FORMAT_VERSION:
+            fail("version", f"{self.version} is not supported; this fastml reads version {FORMAT_VERSION}")
+        for name in ("num_tokens", "num_documents", "vocab_size", "eos_id"):
+            check_range(name, getattr(self, name), 0)
+        check_range("eos_id", self.eos_id, 0, self.vocab_size, high_open=True)
 
 
 # ---------------------------------------------------------------------------------------------------- tokenizers
@@ -127,7 +155,7 @@ def prepare(
     field: str = "text",
     progress: bool = True,
 ) -> dict:
-    """Tokenizes the files matched by `inputs` into a dataset at `output_dir`; returns its header.
+    """Tokenizes the files matched by `inputs` into a dataset at `output_dir`; returns its header as written.
 
     `inputs` are paths or glob patterns (`**` recurses). By suffix: `.jsonl` holds one JSON object per line with
     the text under `field`; `.parquet` holds the text in column `field`; any other file is one document.
@@ -185,17 +213,9 @@ def _write_dataset(files: list[Path], out_dir: Path, tokenizer, field: str, prog
             bar.end_file()
     if num_tokens == 0:
         fail("", f"the inputs hold no text: 0 tokens from {len(files)} file(s)")
-    header = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "dtype": dtype_name,
-        "num_tokens": num_tokens,
-        "num_documents": num_documents,
-        "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id,
-        "tokenizer": tokenizer.name,
-        "sources": [str(p) for p in files],
-    }
+    header = to_dict(Header(format=FORMAT, version=FORMAT_VERSION, dtype=dtype_name, num_tokens=num_tokens,
+                            num_documents=num_documents, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                            tokenizer=tokenizer.name, sources=tuple(str(p) for p in files)))
     (out_dir / HEADER_FILE).write_text(json.dumps(header, indent=1) + "\n", encoding="utf-8")
     return header
 
@@ -378,7 +398,7 @@ class TokenData:
     being the first input of the next, so every token but the first is a target exactly once per epoch.
     """
 
-    def __init__(self, path: Path, header: dict, tokens: np.ndarray, seq_len: int, vocab_size: int | None = None):
+    def __init__(self, path: Path, header: Header, tokens: np.ndarray, seq_len: int, vocab_size: int | None = None):
         self.path = path
         self.header = header
         self.tokens = tokens  # (num_tokens,) memmap
@@ -395,7 +415,7 @@ class TokenData:
         path = default_corpus() if str(data) == "default" else Path(data).expanduser()
         header = read_header(path)
         _check_fits(path, header, seq_len, vocab_size)
-        tokens = np.memmap(path / TOKENS_FILE, dtype=DTYPES[header["dtype"]], mode="r", shape=(header["num_tokens"],))
+        tokens = np.memmap(path / TOKENS_FILE, dtype=DTYPES[header.dtype], mode="r", shape=(header.num_tokens,))
         return cls(path, header, tokens, seq_len, vocab_size)
 
     def batches(
@@ -469,7 +489,7 @@ class _EpochOrders:
         return self._orders[epoch]
 
 
-def read_header(path: Path) -> dict:
+def read_header(path: Path) -> Header:
     """The validated header.json of the dataset at `path`."""
     if not path.is_dir():
         fail("", f"data {path} is not a directory; {PREPARE_HINT}")
@@ -479,37 +499,23 @@ def read_header(path: Path) -> dict:
         fail("", f"data {path} has no {HEADER_FILE}; {PREPARE_HINT}")
     except (OSError, ValueError, RecursionError) as e:
         fail("", f"data {path}: {HEADER_FILE} is not readable JSON ({first_line(e)}); {PREPARE_HINT}")
-    problem = _header_problem(header)
-    if problem:
-        fail("", f"data {path}: {HEADER_FILE} is malformed: {problem}; {PREPARE_HINT}")
-    return header
+    try:
+        return from_dict(Header, header)
+    except UserError as e:
+        fail("", f"data {path}: {HEADER_FILE} is malformed: {e}; {PREPARE_HINT}")
 
 
-def _header_problem(header) -> str | None:
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        return f"format is not {FORMAT!r}"
-    if header.get("version") != FORMAT_VERSION:
-        return f"version {header.get('version')!r} is not {FORMAT_VERSION}"
-    if header.get("dtype") not in DTYPES:
-        return f"dtype {header.get('dtype')!r} is not one of {', '.join(DTYPES)}"
-    for key in ("num_tokens", "num_documents", "vocab_size", "eos_id"):
-        value = header.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            return f"{key} {value!r} is not a non-negative integer"
-    return None
-
-
-def _check_fits(path: Path, header: dict, seq_len: int, vocab_size: int) -> None:
-    num_tokens = header["num_tokens"]
-    expected_bytes = num_tokens * DTYPES[header["dtype"]].itemsize
+def _check_fits(path: Path, header: Header, seq_len: int, vocab_size: int) -> None:
+    num_tokens = header.num_tokens
+    expected_bytes = num_tokens * DTYPES[header.dtype].itemsize
     try:
         actual_bytes = (path / TOKENS_FILE).stat().st_size
     except FileNotFoundError:
         fail("", f"data {path} has no {TOKENS_FILE}; {PREPARE_HINT}")
     if actual_bytes != expected_bytes:
         fail("", f"data {path}: {TOKENS_FILE} has {actual_bytes} bytes but {HEADER_FILE} says {num_tokens} "
-                 f"{header['dtype']} tokens ({expected_bytes} bytes); {PREPARE_HINT} again")
-    if header["vocab_size"] > vocab_size:
-        fail("", f"data {path} was tokenized with vocab size {header['vocab_size']} but the model has {vocab_size}")
+                 f"{header.dtype} tokens ({expected_bytes} bytes); {PREPARE_HINT} again")
+    if header.vocab_size > vocab_size:
+        fail("", f"data {path} was tokenized with vocab size {header.vocab_size} but the model has {vocab_size}")
     if num_tokens < seq_len + 1:
         fail("", f"data {path} has {num_tokens} tokens but one sequence of seq_len {seq_len} needs {seq_len + 1}")

@@ -1,8 +1,12 @@
-"""Directories that appear under their name complete or not at all, so a crash never leaves half a dataset or
-checkpoint behind: written into a hidden sibling (same filesystem, so the rename is atomic), fsynced, renamed."""
+"""Files of datasets and checkpoints. Directories appear under their name complete or not at all, so a crash never
+leaves half a dataset or checkpoint behind: written into a hidden sibling (same filesystem, so the rename is atomic),
+fsynced, renamed; and they disappear the same way. Tensors are read and written as safetensors only: a pickle can
+run arbitrary code when loaded."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import uuid
@@ -10,7 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from fastml.config import fail, read_json
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from fastml.config import UserError, fail, read_json
 
 T = TypeVar("T")
 
@@ -65,6 +73,14 @@ def _move_into_place(tmp: Path, directory: Path, is_ours, what: str, keep_existi
     shutil.rmtree(old, ignore_errors=True)
 
 
+def remove_dir(directory: Path) -> None:
+    """Deletes `directory` after renaming it to a hidden sibling: a crash midway never leaves a half-deleted directory
+    under the real name, where it would pass for a damaged one."""
+    doomed = _sibling(directory, "deleted")
+    os.rename(directory, doomed)
+    shutil.rmtree(doomed)
+
+
 def _sibling(directory: Path, kind: str) -> Path:
     # The pid tells which process left it behind, should one crash.
     return directory.with_name(f".{directory.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -87,3 +103,37 @@ def read_json_object(path) -> dict:
     if not isinstance(data, dict):
         fail(str(path), f"expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    fsync(path)
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        fail(str(path), "missing")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    # "format": "pt" is what transformers expects in the header of a PyTorch safetensors file.
+    save_file({name: compact(t.detach().cpu()) for name, t in tensors.items()}, path, metadata={"format": "pt"})
+    fsync(path)
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """`t` with storage of its own: safetensors refuses tensors that share storage, such as slices of one tensor."""
+    covers_storage = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t.contiguous() if covers_storage else t.clone(memory_format=torch.contiguous_format)

@@ -1,29 +1,59 @@
-"""Training checkpoints: written every few steps under `checkpoint_dir/step-NNNNNNNN`, the newest complete one
-found again after a crash, and restored so that the resumed run takes exactly the steps the lost one would have.
+"""Training snapshots: a run's checkpoints under `checkpoint_dir/step-NNNNNNNN`, written every few steps, the newest
+intact one found again after a crash, and restored so that the resumed run takes exactly the steps the lost one would
+have.
 
-Each is a fastml checkpoint (checkpoint.py: atomic, with a SHA-256 per file) holding the model, the optimizer
-(fp32 masters, Adam m, v and step), the RNG states, and in fastml.json the step, the position in the data and the
-plan. The data order needs no state of its own: it follows from the seed and the position (data.py).
+Each is a fastml checkpoint (tensordir.py: atomic, with a SHA-256 per file) holding the model, the optimizer state
+and the RNG states; its manifest names the run that wrote it, the step, the position in the data and the plan. The
+data order needs no state of its own: it follows from the seed and the position (data.py).
+
+A checkpoint directory holds one run. A fresh start into a directory that holds checkpoints is refused unless the
+user says --start-over, which moves them aside (into `old-run-TIME/` inside the directory; nothing is deleted). A
+resumed run keeps its run id, and continues only under a plan that computes the same thing (`resume_changes`).
+Pruning keeps the newest `keep` intact checkpoints of this run and touches no other run's.
 """
 
 from __future__ import annotations
 
-import shutil
+import dataclasses
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fastml.config import UserError, to_dict
-from fastml.plan import Plan
+from fastml.config import UserError, fail, show
+from fastml.plan import KNOBS, Hardware, Plan
 from fastml.executor import faults
-from fastml.executor.hf import load_checkpoint, load_tensor_file, save_checkpoint
+from fastml.executor.files import remove_dir
 from fastml.executor.model import Transformer
-from fastml.executor.optim import MasterWeightAdamW
+from fastml.executor.tensordir import (TrainingState, load_model_state, load_tensor_file, read_manifest,
+                                       save_checkpoint, verify_checkpoint)
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
-PREFIX = "step-"
+_NAME = re.compile(r"step-(\d+)")
+_ASIDE_PREFIX = "old-run-"
+
+# What a resumed run may change. Everything else in model, training, hardware and knobs is refused: it changes the
+# math or the data order, so the run would not continue the one that wrote the checkpoint.
+SCHEDULE_FIELDS = ("training.steps", "training.lr", "training.min_lr_ratio", "training.warmup_steps")
+"""Applied from the resumed step on, and said (the cosine decay follows training.steps too)."""
+FREE_FIELDS = frozenset(
+    ["model.name", "training.checkpoint_dir", "training.checkpoint_interval"]
+    # Other hardware runs the same math (it breaks bit-exactness, as any other machine does); more GPUs would not.
+    + [f"hardware.{f.name}" for f in dataclasses.fields(Hardware) if f.name != "num_gpus"]
+    # Where tensors live, what is recomputed, compiled or chunked, and how collectives run change no value.
+    + [f"knobs.{name}" for name, info in KNOBS.items() if info.kind in ("recompute", "speed", "offload", "shard",
+                                                                         "comm")]
+    # The same sequences in the same order, cut into other micro-batches: the global batch and the number of GPUs
+    # are fixed, so each process has consumed whole steps of micro_batch_size x grad_accum_steps sequences, which
+    # any new micro-batch size (a divisor of that product) divides as well.
+    + ["knobs.grad_accum_steps", "knobs.micro_batch_size"])
+"""Allowed, and said."""
 
 
 @dataclass(frozen=True)
@@ -34,60 +64,202 @@ class Position:
     """Sequences of the data consumed by this process."""
 
 
-def save(root: str | Path, model: Transformer, optimizer: MasterWeightAdamW, plan: Plan, position: Position,
-         keep: int) -> Path:
-    """Writes the checkpoint of `position` and deletes all but the newest `keep`."""
-    path = Path(root) / f"{PREFIX}{position.step:08d}"
-    extra = {"training": {"step": position.step, "sequences": position.sequences, "plan": to_dict(plan)}}
-    save_checkpoint(path, plan.model, model.state_dict(), extra,
-                    tensor_files={OPTIMIZER_FILE: optimizer.state_tensors(), RNG_FILE: _rng_tensors()},
-                    after_each_file=lambda: faults.kill_if_due("kill-mid-checkpoint", position.step))
-    for old in _checkpoints(root)[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
+Say = Callable[[str], None]
 
 
-def restore_newest(root: str | Path, model: Transformer, optimizer: MasterWeightAdamW, plan: Plan,
-                   report) -> tuple[Path, Position] | None:
-    """Loads the newest complete and intact checkpoint into `model` and `optimizer`; `report(message)` hears of
-    each damaged one passed over. None when there is none."""
-    for path in _checkpoints(root):
+class Run:
+    """One run's checkpoints in `plan.training.checkpoint_dir` (none without one): `open_run` makes it."""
+
+    def __init__(self, plan: Plan, run_id: str, keep: int, say: Say, restore_from: Path | None = None,
+                 saved: TrainingState | None = None, damaged: frozenset[Path] = frozenset()):
+        self.plan = plan
+        self.root = Path(plan.training.checkpoint_dir) if plan.training.checkpoint_dir else None
+        self.run_id = run_id
+        self.keep = keep
+        self.say = say
+        self.restore_from, self.saved = restore_from, saved
+        # What is known of this run's checkpoints, so each is verified at most once per process.
+        self.intact: set[Path] = {restore_from} if restore_from else set()
+        self.damaged: set[Path] = set(damaged)
+
+    def restore(self, model: Transformer, optimizer) -> tuple[Path | None, Position]:
+        """Loads the checkpoint `open_run` chose into `model` and `optimizer` and sets the RNG states; returns it
+        and its position, or (None, step 0) for a fresh start."""
+        if self.restore_from is None:
+            return None, Position(0, 0)
+        path, saved = self.restore_from, self.saved
+        state = load_model_state(path, self.plan.model)
+        with torch.no_grad():
+            for name, tensor in model.state_dict().items():
+                tensor.copy_(state[name])
+        optimizer.load_state_tensors(load_tensor_file(path, OPTIMIZER_FILE))
+        _set_rng(load_tensor_file(path, RNG_FILE))
+        self.say(f"resumed from {path} (step {saved.step})")
+        return path, Position(saved.step, saved.sequences)
+
+    def save(self, model: Transformer, optimizer, position: Position) -> Path | None:
+        """Writes the checkpoint of `position` (nothing without a checkpoint directory), then prunes."""
+        if self.root is None:
+            return None
+        path = self.root / f"step-{position.step:08d}"
+        writer = _run_of(path) if path.exists() else None
+        if writer not in (None, self.run_id):
+            fail(str(path), f"was written by run {writer}, not by this run ({self.run_id}); two runs are writing "
+                            f"into {self.root}: give each its own --checkpoint-dir")
+        state = TrainingState(run_id=self.run_id, step=position.step, sequences=position.sequences, plan=self.plan)
+        save_checkpoint(path, self.plan.model, model.state_dict(), training=state,
+                        tensor_files={OPTIMIZER_FILE: optimizer.state_tensors(), RNG_FILE: _rng_tensors()},
+                        after_each_file=lambda: faults.kill_if_due("kill-mid-checkpoint", position.step))
+        self.intact.add(path)
+        self.damaged.discard(path)
+        self.say(f"checkpoint {path}")
+        self._prune()
+        return path
+
+    def _prune(self) -> None:
+        """Keeps the newest `keep` intact checkpoints of this run; removes its older and its damaged ones. Another
+        run's, and any whose manifest is unreadable (its run unknown), are left alone."""
+        kept = 0
+        for path in checkpoints(self.root):
+            if _run_of(path) != self.run_id:
+                continue
+            if kept < self.keep and self._is_intact(path):
+                kept += 1
+                continue
+            if path in self.damaged:
+                self.say(f"removing damaged checkpoint {path}")
+            remove_dir(path)
+            self.intact.discard(path)
+
+    def _is_intact(self, path: Path) -> bool:
+        if path not in self.intact and path not in self.damaged:
+            try:
+                verify_checkpoint(path)
+                self.intact.add(path)
+            except UserError as e:
+                self.say(f"warning: checkpoint {path} is damaged: {e}")
+                self.damaged.add(path)
+        return path in self.intact
+
+
+def open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say) -> Run:
+    """The run that is starting: with `resume`, the one whose newest intact checkpoint is in the plan's
+    checkpoint_dir (refused if that checkpoint's plan differs in what `resume_changes` refuses); else a new one,
+    refused if the directory holds checkpoints, unless `start_over` moves them aside. Checks before any work."""
+    root = plan.training.checkpoint_dir
+    if resume and start_over:
+        fail("--start-over", "contradicts --resume: resume continues the run in the checkpoint directory, "
+                             "--start-over sets its checkpoints aside and starts a new one; give one of them")
+    if not root and (resume or start_over):
+        fail("--resume" if resume else "--start-over",
+             "needs a checkpoint directory: --checkpoint-dir DIR or training.checkpoint_dir")
+    found = checkpoints(root) if root else []
+    if resume:
+        if found:
+            return _resume(plan, found, keep, say)
+        say(f"no checkpoint in {root} yet: starting from step 0")
+    elif found:
+        if not start_over:
+            fail(root, f"holds {_describe(found)} of an earlier run; continue that run with --resume, or start a new "
+                       f"one with --start-over (which moves them into a new directory "
+                       f"{Path(root) / _ASIDE_PREFIX}TIME)")
+        _move_aside(Path(root), found, say)
+    return Run(plan, _new_run_id(), keep, say)
+
+
+def _resume(plan: Plan, found: list[Path], keep: int, say: Say) -> Run:
+    runs = sorted({run for run in map(_run_of, found) if run is not None})
+    if len(runs) > 1:
+        fail(plan.training.checkpoint_dir, f"holds the checkpoints of {len(runs)} runs ({', '.join(runs)}); "
+                                           "--resume continues one: move the others' step-* directories elsewhere")
+    damaged = set()
+    for path in found:
         try:
-            loaded = load_checkpoint(path)  # checks every file's checksum
+            saved = verify_checkpoint(path).training
+            if saved is None:
+                fail(str(path), "is a fastml checkpoint but not a training snapshot (it has no training state)")
         except UserError as e:
-            report(f"skipping checkpoint {path}: {e}")
+            say(f"warning: skipping checkpoint {path}: {e}")
+            damaged.add(path)
             continue
-        return path, _restore(path, *loaded, model, optimizer, plan)
-    return None
+        _say_changes(resume_changes(path, saved, plan), saved.step, say)
+        return Run(plan, saved.run_id, keep, say, restore_from=path, saved=saved, damaged=frozenset(damaged))
+    fail(plan.training.checkpoint_dir, f"none of its {len(found)} checkpoints is intact (see the warnings above); "
+                                       "start a new run with --start-over instead of --resume")
 
 
-def _restore(path: Path, spec, state: dict, meta: dict, model: Transformer, optimizer: MasterWeightAdamW,
-             plan: Plan) -> Position:
-    """Refuses a checkpoint made for another model or batch, else loads it."""
-    saved = meta.get("training", {})
-    if spec != plan.model:
-        raise UserError(f"{path}: this checkpoint is of another model ({spec.name}) than the plan's "
-                        f"({plan.model.name})")
-    saved_plan = saved.get("plan", {}).get("training", {})
-    for field in ("seq_len", "global_batch_tokens", "seed", "data"):
-        if saved_plan.get(field) != getattr(plan.training, field):
-            raise UserError(f"{path}: training.{field} was {saved_plan.get(field)!r} when this checkpoint was "
-                            f"written and is {getattr(plan.training, field)!r} now; resuming would not continue "
-                            f"the same run")
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            tensor.copy_(state[name])
-    optimizer.load_state_tensors(load_tensor_file(path, OPTIMIZER_FILE))
-    _set_rng(load_tensor_file(path, RNG_FILE))
-    return Position(step=int(saved["step"]), sequences=int(saved["sequences"]))
+def resume_changes(path: Path, saved: TrainingState, plan: Plan) -> list[tuple[str, object, object]]:
+    """The fields in which `plan` differs from the plan of the checkpoint at `path`, as (name, old, new); refuses a
+    difference outside SCHEDULE_FIELDS and FREE_FIELDS."""
+    changes = []
+    for section in ("model", "training", "hardware", "knobs"):
+        old, new = getattr(saved.plan, section), getattr(plan, section)
+        for f in dataclasses.fields(old):
+            name, before, after = f"{section}.{f.name}", getattr(old, f.name), getattr(new, f.name)
+            if before == after:
+                continue
+            if name not in SCHEDULE_FIELDS and name not in FREE_FIELDS:
+                fail(name, f"was {show(before)} when {path} was written and is {show(after)} now; resuming would not "
+                           f"continue the same run: resume with {show(before)}, or start a new run with --start-over "
+                           f"instead of --resume")
+            changes.append((name, before, after))
+    return changes
 
 
-def _checkpoints(root: str | Path) -> list[Path]:
-    """Checkpoint directories under `root`, newest first (hidden temporary siblings are not among them)."""
+def _say_changes(changes: list[tuple[str, object, object]], step: int, say: Say) -> None:
+    described = {name: f"{name} {show(before)} -> {show(after)}" for name, before, after in changes}
+    schedule = [described[name] for name in SCHEDULE_FIELDS if name in described]
+    other = [text for name, text in described.items() if name not in SCHEDULE_FIELDS]
+    if schedule:
+        say(f"resuming with a changed lr schedule, applied from step {step + 1} on: {', '.join(schedule)}")
+    if other:
+        say(f"resuming with changes that leave the math and the data order as they were: {', '.join(other)}")
+
+
+def checkpoints(root: str | Path) -> list[Path]:
+    """The checkpoint directories `step-N` under `root`, newest first (hidden temporary siblings are not among
+    them, nor runs moved aside)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.name.startswith(PREFIX) and p.is_dir()), reverse=True)
+    found = [p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(_NAME.fullmatch(p.name)[1]), reverse=True)
+
+
+def _run_of(path: Path) -> str | None:
+    """The run that wrote the checkpoint at `path`; None when its manifest cannot tell."""
+    try:
+        training = read_manifest(path).training
+    except UserError:
+        return None
+    return training.run_id if training else None
+
+
+def _new_run_id() -> str:
+    # The time first, so a listing of runs sorts by when they began; the random part tells apart two that began at once.
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+
+
+def _describe(found: list[Path]) -> str:
+    steps = sorted(int(_NAME.fullmatch(p.name)[1]) for p in found)
+    if len(steps) == 1:
+        return f"1 checkpoint (step {steps[0]})"
+    listed = ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]} to {steps[-1]}"
+    return f"{len(steps)} checkpoints (steps {listed})"
+
+
+def _move_aside(root: Path, found: list[Path], say: Say) -> None:
+    """Moves the checkpoints `found` into a new directory `old-run-TIME` of `root` (renames: same filesystem)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = root / f"{_ASIDE_PREFIX}{stamp}"
+    suffix = 1
+    while aside.exists():  # two fresh starts within a second
+        suffix += 1
+        aside = root / f"{_ASIDE_PREFIX}{stamp}-{suffix}"
+    aside.mkdir()
+    for path in found:
+        os.rename(path, aside / path.name)
+    say(f"--start-over: moved {_describe(found)} of the earlier run to {aside}; delete it when it is no longer needed")
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:

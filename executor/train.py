@@ -39,10 +39,11 @@ class TrainingStopped(Exception):
 
 def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = None, show_progress: bool = True,
           console: Console | None = None, resume: bool = False, keep_checkpoints: int = 3,
-          max_nonfinite_steps: int = 5, strict: bool = False) -> dict:
+          max_nonfinite_steps: int = 5, strict: bool = False, start_over: bool = False) -> dict:
     """Runs `plan` for `steps` optimizer steps in all (default: the plan's) and returns the summary of the run.
 
-    With `resume`, continues from the newest intact checkpoint in the plan's checkpoint_dir. SIGINT and SIGTERM
+    With `resume`, continues from the newest intact checkpoint in the plan's checkpoint_dir; without it, a directory
+    holding checkpoints is refused unless `start_over` moves them aside (snapshot.open_run). SIGINT and SIGTERM
     finish the step, write a checkpoint and raise TrainingStopped; so do `max_nonfinite_steps` skipped steps in a
     row (without the checkpoint). `strict` refuses a plan made for other hardware instead of warning."""
     if steps is not None:
@@ -52,18 +53,17 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     console = console or Console(stderr=True)
     device = _device(plan)
     _check_hardware(plan, device, strict, console)
+    run = snapshot.open_run(plan, resume=resume, start_over=start_over, keep=keep_checkpoints,
+                            say=lambda message: console.print(message, markup=False))
     torch.manual_seed(plan.training.seed)
     model = build_training_model(plan, device)
     data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
     optimizer = MasterWeightAdamW(model, plan.training)
-    checkpoint, position = _resume(plan, model, optimizer, console) if resume else (None, snapshot.Position(0, 0))
+    checkpoint, position = run.restore(model, optimizer)
     if position.step >= plan.training.steps:
         console.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
         return {"steps": 0}
     micro = plan.knobs.micro_batch_size
-    if position.sequences % micro:
-        fail("knobs.micro_batch_size", f"{micro} does not divide the {position.sequences} sequences the checkpoint "
-                                       "has consumed; resume with the micro-batch size it was written with")
     batches = data.batches(micro, plan.training.seed, start=position.sequences // micro)
     meter = _Meter(plan, device)
     with _log_file(log_json, position.step if resume else None) as log, _progress(console, show_progress) \
@@ -83,7 +83,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
                     f"step {step + 1}: loss or gradient norm not finite {bad_in_a_row} steps in a row; stopped. "
                     f"Last good checkpoint: {checkpoint or 'none'}", exit_code=3)
             if _checkpoint_due(plan, step + 1) or stop.signal:
-                checkpoint = _save_checkpoint(plan, model, optimizer, position, keep_checkpoints, console)
+                checkpoint = run.save(model, optimizer, position)
             if stop.signal:
                 raise TrainingStopped(_stopped_message(plan, step + 1, stop.signal, checkpoint), 128 + stop.signal)
     summary = meter.summary()
@@ -91,32 +91,11 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     return summary
 
 
-def _resume(plan: Plan, model, optimizer, console: Console) -> tuple[Path | None, snapshot.Position]:
-    root = plan.training.checkpoint_dir
-    if not root:
-        fail("--resume", "needs a checkpoint directory: --checkpoint-dir DIR or training.checkpoint_dir")
-    found = snapshot.restore_newest(root, model, optimizer, plan,
-                                      lambda message: console.print(f"[yellow]warning:[/] {message}"))
-    if found is None:
-        console.print(f"no checkpoint in {root} yet: starting from step 0")
-        return None, snapshot.Position(0, 0)
-    console.print(f"resumed from {found[0]} (step {found[1].step})")
-    return found
-
-
 def _checkpoint_due(plan: Plan, steps_done: int) -> bool:
     t = plan.training
     if not t.checkpoint_dir:
         return False
     return steps_done == t.steps or (t.checkpoint_interval > 0 and steps_done % t.checkpoint_interval == 0)
-
-
-def _save_checkpoint(plan: Plan, model, optimizer, position, keep: int, console: Console) -> Path | None:
-    if not plan.training.checkpoint_dir:
-        return None
-    path = snapshot.save(plan.training.checkpoint_dir, model, optimizer, plan, position, keep)
-    console.print(f"checkpoint {path}")
-    return path
 
 
 def _stopped_message(plan: Plan, step: int, signum: int, path: Path | None) -> str:

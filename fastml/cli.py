@@ -170,7 +170,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     plan = with_overrides(load_plan(args.plan), overrides)
     try:
         train(plan, steps=args.steps, log_json=args.log_json, show_progress=not args.no_progress,
-              resume=args.resume, keep_checkpoints=args.keep_checkpoints,
+              resume=args.resume, start_over=args.start_over, keep_checkpoints=args.keep_checkpoints,
               max_nonfinite_steps=args.max_nonfinite_steps, strict=args.strict)
     except TrainingStopped as e:
         print(f"fastml: {e}", file=sys.stderr)
@@ -290,9 +290,13 @@ def _add_run_command(sub) -> None:
     run.add_argument("--checkpoint-dir", help="write checkpoints here (overrides training.checkpoint_dir)")
     run.add_argument("--checkpoint-interval", type=int,
                      help="steps between checkpoints; 0: only at the end (overrides training.checkpoint_interval)")
-    run.add_argument("--keep-checkpoints", type=int, default=3, help="keep the newest K checkpoints (default: 3)")
+    run.add_argument("--keep-checkpoints", type=int, default=3,
+                     help="keep the newest K intact checkpoints of the run (default: 3)")
     run.add_argument("--resume", action="store_true",
                      help="continue from the newest intact checkpoint in the checkpoint directory")
+    run.add_argument("--start-over", action="store_true",
+                     help="start a new run in a checkpoint directory that holds an earlier run's checkpoints, moving "
+                          "them into its old-run-TIME/ directory")
     run.add_argument("--max-nonfinite-steps", type=int, default=5,
                      help="stop after this many steps in a row with a NaN or infinite loss or gradient (default: 5)")
     run.add_argument("--strict", action="store_true", help="refuse a plan made for other hardware (else: warn)")

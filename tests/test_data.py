@@ -218,7 +218,7 @@ def test_token_data_open_errors(tmp_path):
     with pytest.raises(UserError, match="has no header.json; run `fastml prepare`"):
         TokenData.open(str(tmp_path / "noheader"), seq_len=4, vocab_size=300)
     write_dataset(tmp_path / "badheader", np.arange(10), 300, num_tokens="ten")
-    with pytest.raises(UserError, match="header.json is malformed: num_tokens 'ten'.*fastml prepare"):
+    with pytest.raises(UserError, match="header.json is malformed: num_tokens: expected int, got 'ten'.*prepare"):
         TokenData.open(str(tmp_path / "badheader"), seq_len=4, vocab_size=300)
     (tmp_path / "notjson").mkdir()
     (tmp_path / "notjson" / "header.json").write_text("{")
@@ -232,6 +232,24 @@ def test_token_data_open_errors(tmp_path):
     write_dataset(tmp_path / "short_file", np.arange(10), 300, num_tokens=12)
     with pytest.raises(UserError, match="tokens.bin has 20 bytes but header.json says 12"):
         TokenData.open(str(tmp_path / "short_file"), seq_len=4, vocab_size=300)
+
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"bogus": 1}, "bogus: unknown key; allowed keys are format, version"),
+    ({"format": "other"}, "format: 'other' is not allowed; choose one of 'fastml-tokens'"),
+    ({"version": 2}, "version: 2 is not supported; this fastml reads version 1"),
+    ({"dtype": "int8"}, "dtype: 'int8' is not allowed; choose one of 'uint16', 'uint32'"),
+    ({"num_tokens": True}, "num_tokens: expected int, got True"),
+    ({"num_documents": -1}, r"num_documents: -1 is outside the allowed range \[0, inf\)"),
+    ({"eos_id": 300}, r"eos_id: 300 is outside the allowed range \[0, 300\)"),
+    ({"sources": "a.txt"}, "sources: expected a list, got str"),
+])
+def test_header_fields_are_checked_one_by_one(tmp_path, change, message):
+    write_dataset(tmp_path / "d", np.arange(10), 300, **change)
+    with pytest.raises(UserError, match=f"header.json is malformed: {message}.*; run `fastml prepare`") as error:
+        TokenData.open(str(tmp_path / "d"), seq_len=4, vocab_size=300)
+    assert "\n" not in str(error.value)
 
 
 SEQ_LEN = 10
@@ -318,7 +336,7 @@ def test_default_corpus_is_python_source_and_cached(tmp_path, monkeypatch):
     assert time.perf_counter() - began_s < 1.0
     assert token_data.path == path
     assert (path / "tokens.bin").stat().st_mtime_ns == tokens_mtime_ns  # not rebuilt
-    assert token_data.header["tokenizer"] == "bytes"
+    assert token_data.header.tokenizer == "bytes"
     assert token_data.num_tokens > 1_000_000
 
     tokens = np.asarray(token_data.tokens[:2_000_000])

@@ -1,8 +1,9 @@
-"""HF import/export and fastml checkpoints: tiny random HF models of every supported family give the same logits
-in our model, conversion both ways is bit-exact, and bad inputs are UserErrors."""
+"""HF import/export and the fastml checkpoint format (tensordir.py): tiny random HF models of every supported
+family give the same logits in our model, conversion both ways is bit-exact, and bad inputs are UserErrors."""
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -10,8 +11,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fastml.config import UserError
-from fastml.executor.hf import (convert_from_hf, convert_to_hf, fastml_to_hf, hf_to_fastml,
-                                        load_checkpoint, load_pretrained, read_hf_tensors, save_checkpoint, save_hf)
+from fastml.executor.hf import (convert_from_hf, convert_to_hf, fastml_to_hf, hf_to_fastml, load_pretrained,
+                                read_hf_tensors, save_hf)
+from fastml.executor.tensordir import load_checkpoint, load_json_file, load_tensor_file, save_checkpoint
 from fastml.executor.model import build_model, materialize, rotary_tables
 from fastml.spec import PRESETS
 
@@ -221,27 +223,42 @@ def tiny_state(**changes):
 
 def test_fastml_checkpoint_round_trip(tmp_path):
     spec, state = tiny_state(qkv_bias=True, qk_norm=True, tied_embeddings=True)
-    save_checkpoint(tmp_path / "ckpt", spec, state, extra={"step": 7, "data": {"position": 123}})
-    loaded_spec, loaded, meta = load_checkpoint(tmp_path / "ckpt")
-    assert loaded_spec == spec and meta["step"] == 7 and meta["data"] == {"position": 123}
-    assert meta["format"] == "fastml-checkpoint" and meta["version"] == 1
+    extra = {"notes.json": {"step": 7, "data": {"position": 123}}}
+    save_checkpoint(tmp_path / "ckpt", spec, state, tensor_files={"more.safetensors": {"x": torch.ones(3)}},
+                    json_files=extra)
+    loaded_spec, loaded, manifest = load_checkpoint(tmp_path / "ckpt")
+    assert loaded_spec == spec and manifest.training is None
+    assert load_json_file(tmp_path / "ckpt", "notes.json") == extra["notes.json"]
+    assert torch.equal(load_tensor_file(tmp_path / "ckpt", "more.safetensors")["x"], torch.ones(3))
+    assert manifest.format == "fastml-checkpoint" and manifest.version == 2
+    assert sorted(manifest.files) == ["model.safetensors", "more.safetensors", "notes.json"]
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[n], state[n]) for n in state)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary directory left behind
 
 
 def test_fastml_checkpoint_replaces_only_checkpoints(tmp_path):
     spec, state = tiny_state()
-    save_checkpoint(tmp_path / "ckpt", spec, state, extra={"step": 1})
-    save_checkpoint(tmp_path / "ckpt", spec, state, extra={"step": 2})
-    assert load_checkpoint(tmp_path / "ckpt")[2]["step"] == 2
+    save_checkpoint(tmp_path / "ckpt", spec, state, json_files={"n.json": {"step": 1}})
+    save_checkpoint(tmp_path / "ckpt", spec, state, json_files={"n.json": {"step": 2}})
+    assert load_json_file(tmp_path / "ckpt", "n.json") == {"step": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(UserError, match="not a fastml checkpoint; refusing"):
         save_checkpoint(tmp_path / "mine", spec, state)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
-    with pytest.raises(UserError, match="reserved"):
-        save_checkpoint(tmp_path / "x", spec, state, extra={"version": 2})
+    hf_dir = saved(hf_model("llama-gqa"), tmp_path / "hf")  # config.json and model.safetensors: not ours either
+    with pytest.raises(UserError, match="hf: exists and is not a fastml checkpoint; refusing"):
+        convert_from_hf(hf_dir, hf_dir)
+    assert (hf_dir / "config.json").is_file()
+    save_checkpoint(tmp_path / "plain", spec, state)
+    (tmp_path / "plain" / "fastml.json").unlink()  # what is left of a damaged one of ours may be replaced
+    save_checkpoint(tmp_path / "plain", spec, state)
+    shutil.rmtree(tmp_path / "plain")
+    for files in ({"json_files": {"fastml.json": {}}}, {"json_files": {"a.bin": {}}},
+                  {"tensor_files": {"a.json": {}}}):
+        with pytest.raises(UserError, match="tensors go in .safetensors files, other data in .json files"):
+            save_checkpoint(tmp_path / "x", spec, state, **files)
     with pytest.raises(UserError, match="missing tensor 'norm.weight'"):
         save_checkpoint(tmp_path / "x", spec, {k: v for k, v in state.items() if k != "norm.weight"})
     assert not (tmp_path / "x").exists()
@@ -254,10 +271,15 @@ def test_malformed_fastml_checkpoints_are_user_errors(tmp_path):
     save_checkpoint(tmp_path / "ckpt", spec, state)
     meta_path = tmp_path / "ckpt" / "fastml.json"
     meta = json.loads(meta_path.read_text())
-    for change, message in [({"version": 99}, "version 99 is not supported"),
-                            ({"format": "other"}, "'format' is 'other'"),
+    for change, message in [({"version": 99}, "version: 99 is not supported; this fastml reads version 2"),
+                            ({"format": "other"}, "format: 'other' is not allowed"),
+                            ({"files": {"../model.safetensors": meta["files"]["model.safetensors"]}},
+                             "must name a file of the checkpoint directory"),
+                            ({"files": "abc"}, "files: expected an object"),
+                            ({"training": {"step": "one"}}, "training.step: expected int"),
                             ({"model": dict(meta["model"], num_layers=3)}, "missing tensor 'blocks.2"),
-                            ({"model": dict(meta["model"], bogus=1)}, "model.bogus: unknown key")]:
+                            ({"model": dict(meta["model"], bogus=1)}, "model.bogus: unknown key"),
+                            ({"bogus": 1}, "bogus: unknown key")]:
         meta_path.write_text(json.dumps(dict(meta, **change)))
         with pytest.raises(UserError, match=message):
             load_checkpoint(tmp_path / "ckpt")

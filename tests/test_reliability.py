@@ -1,10 +1,14 @@
-"""Faults during training: SIGKILL mid-step and mid-checkpoint, corrupted checkpoints, NaN losses, signals.
+"""Faults during training: SIGKILL mid-step and mid-checkpoint, corrupted checkpoints, NaN losses, signals; and one
+run per checkpoint directory: fresh starts, --start-over, what --resume may change, pruning.
 
-The runs go through the real `fastml` command; faults are injected with FASTML_FAULTS (executor/faults.py)."""
+The fault runs go through the real `fastml` command, with faults injected by FASTML_FAULTS (executor/faults.py); the
+checkpoint-directory tests train tiny plans in this process."""
 
+import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +16,16 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from rich.console import Console
 from safetensors.torch import load_file
+
+from fastml.config import UserError
+from fastml.planner.planner import make_plan
+from fastml.executor import snapshot, train
+from fastml.executor.model import build_model, materialize
+from fastml.executor.optim import lr_at
+from fastml.executor.tensordir import read_manifest
 
 STEPS = 8
 
@@ -138,7 +151,8 @@ def test_a_plan_for_other_hardware_warns_or_is_refused(workdir):
 
 
 def test_a_training_checkpoint_exports_to_hf(workdir):
-    from fastml.executor.hf import convert_to_hf, load_checkpoint, load_pretrained
+    from fastml.executor.hf import convert_to_hf, load_pretrained
+    from fastml.executor.tensordir import load_checkpoint
 
     checkpoint = Path(workdir, "ck-reference", f"step-{STEPS:08d}")
     convert_to_hf(checkpoint, workdir / "hf")
@@ -151,3 +165,166 @@ def test_resuming_a_finished_run_trains_nothing(workdir):
     result = run(workdir, "reference", "--resume")
     assert result.returncode == 0, result.stderr
     assert f"already at step {STEPS} of {STEPS}: nothing to train" in result.stderr.replace("\n", " ")
+
+
+def test_a_new_run_into_a_used_checkpoint_dir_is_refused_in_one_line(workdir):
+    """Through the CLI: exit 2 and one line; --start-over is wired through to the run."""
+    refused = run(workdir, "reference")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip().splitlines() == [
+        f"fastml: error: ck-reference: holds 3 checkpoints (steps 4, 6, 8) of an earlier run; continue that run with "
+        f"--resume, or start a new one with --start-over (which moves them into a new directory "
+        f"ck-reference/old-run-TIME)"]
+    shutil.copytree(workdir / "ck-reference", workdir / "ck-again")
+    again = run(workdir, "again", "--start-over", "--steps", "2")
+    assert again.returncode == 0, again.stderr
+    (aside,) = Path(workdir, "ck-again").glob("old-run-*")
+    assert checkpoints(workdir, "again") == [aside.name, "step-00000002"]
+    assert sorted(p.name for p in aside.iterdir()) == checkpoints(workdir, "reference")
+
+
+# ---- one run per checkpoint directory, in-process --------------------------------------------------------------
+
+# A model far smaller than the tiny preset: checkpoints of a few hundred kB write fast.
+SMALLER = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+           "model.head_dim=16", "model.ffn_hidden_size=128"]
+
+
+def tiny_plan(root, steps=8, *overrides):
+    return make_plan(seq_len=32, global_batch_tokens=64, steps=steps, device="cpu", overrides=[
+        *SMALLER, f"training.checkpoint_dir={root}", "training.checkpoint_interval=2", *overrides]).plan
+
+
+def train_quietly(plan, **kwargs) -> str:
+    """Trains in this process; returns what the run printed, as one line."""
+    output = io.StringIO()
+    train(plan, show_progress=False, console=Console(file=output, width=10_000), **kwargs)
+    return output.getvalue().replace("\n", " ")
+
+
+def steps_in(root) -> list[str]:
+    return sorted(p.name for p in Path(root).iterdir() if p.name.startswith("step-"))
+
+
+def run_ids(root) -> set[str]:
+    return {read_manifest(path).training.run_id for path in Path(root).glob("step-*")}
+
+
+def snapshot_of(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def test_a_fresh_run_refuses_a_directory_holding_checkpoints(tmp_path):
+    train_quietly(tiny_plan(tmp_path / "ck", 4))
+    before = snapshot_of(tmp_path / "ck")
+    with pytest.raises(UserError, match=r"ck: holds 2 checkpoints \(steps 2, 4\) of an earlier run; continue that run "
+                                        r"with --resume, or start a new one with --start-over"):
+        train_quietly(tiny_plan(tmp_path / "ck", 4))
+    assert snapshot_of(tmp_path / "ck") == before
+    with pytest.raises(UserError, match="--start-over: contradicts --resume"):
+        train_quietly(tiny_plan(tmp_path / "ck", 4), resume=True, start_over=True)
+    with pytest.raises(UserError, match="--start-over: needs a checkpoint directory"):
+        train_quietly(tiny_plan(tmp_path / "ck", 4, "training.checkpoint_dir=null"), start_over=True)
+
+
+def test_start_over_moves_the_old_run_aside_and_resume_continues_the_new_one(tmp_path):
+    """The reused directory of REVIEW's new user: the new run's checkpoints survive its pruning, and --resume takes
+    the new run's newest, not the old run's."""
+    root = tmp_path / "ck"
+    train_quietly(tiny_plan(root, 8), keep_checkpoints=3)
+    old = snapshot_of(root)
+    (old_run,) = run_ids(root)
+    said = train_quietly(tiny_plan(root, 4), start_over=True, keep_checkpoints=3)
+    (aside,) = root.glob("old-run-*")
+    assert f"moved 3 checkpoints (steps 4, 6, 8) of the earlier run to {aside}" in said
+    assert snapshot_of(aside) == old  # moved whole, nothing deleted
+    assert steps_in(root) == ["step-00000002", "step-00000004"]
+    (new_run,) = run_ids(root)
+    assert new_run != old_run
+    said = train_quietly(tiny_plan(root, 6), resume=True)
+    assert f"resumed from {root / 'step-00000004'} (step 4)" in said
+    assert run_ids(root) == {new_run}  # a resumed run keeps its identity
+
+
+def test_resume_refuses_a_plan_that_computes_something_else(tmp_path):
+    root = tmp_path / "ck"
+    train_quietly(tiny_plan(root, 4))
+    for override, message in [("training.seed=1", "training.seed: was 0 when .*step-00000004 was written and is 1 "
+                                                  "now; resuming would not continue the same run: resume with 0, or "
+                                                  "start a new run with --start-over instead of --resume"),
+                              ("training.weight_decay=0.5", "training.weight_decay: was 0.1 .* is 0.5 now"),
+                              ("model.norm_eps=1e-6", "model.norm_eps: was 1e-05 .* is 1e-06 now")]:
+        with pytest.raises(UserError, match=message):
+            train_quietly(tiny_plan(root, 6, override), resume=True)
+    assert steps_in(root) == ["step-00000002", "step-00000004"]
+
+
+def test_resume_applies_and_says_a_changed_lr_schedule(tmp_path):
+    root = tmp_path / "ck"
+    train_quietly(tiny_plan(root, 4))
+    changed = tiny_plan(root, 6, "training.lr=0.0005", "training.warmup_steps=2")
+    said = train_quietly(changed, resume=True, log_json=tmp_path / "log.jsonl")
+    assert ("resuming with a changed lr schedule, applied from step 5 on: training.steps 4 -> 6, training.lr 0.001 -> "
+            "0.0005, training.warmup_steps 4 -> 2") in said
+    logged = [json.loads(line)["lr"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert logged == [lr_at(4, changed.training), lr_at(5, changed.training)]
+
+
+def test_resume_allows_knobs_that_change_no_math_and_says_so(tmp_path):
+    root = tmp_path / "ck"
+    train_quietly(tiny_plan(root, 6, "knobs.micro_batch_size=1"), log_json=tmp_path / "a.jsonl", keep_checkpoints=3)
+    reference = losses(tmp_path, "a")
+    for lost in ("step-00000004", "step-00000006"):
+        shutil.rmtree(root / lost)
+    said = train_quietly(tiny_plan(root, 6, "knobs.micro_batch_size=2", 'knobs.recompute=["block"]',
+                                   "knobs.lm_head_chunks=2", "training.checkpoint_interval=1"),
+                         resume=True, log_json=tmp_path / "a.jsonl")
+    assert ("resuming with changes that leave the math and the data order as they were: training.checkpoint_interval "
+            "2 -> 1, knobs.micro_batch_size 1 -> 2, knobs.grad_accum_steps 2 -> 1, knobs.recompute () -> ('block',), "
+            "knobs.lm_head_chunks 1 -> 2") in said
+    # The same sequences in the same order: equal up to the order of the sums.
+    assert losses(tmp_path, "a") == pytest.approx(reference, rel=1e-5)
+
+
+def test_pruning_keeps_intact_checkpoints_and_removes_damaged_ones(tmp_path):
+    """REVIEW's new user: pruning kept the damaged newest checkpoints and deleted the intact older ones."""
+    root = tmp_path / "ck"
+    train_quietly(tiny_plan(root, 8), keep_checkpoints=4)
+    flip_a_byte(root / "step-00000008" / "optimizer.safetensors")
+    said = train_quietly(tiny_plan(root, 7), resume=True, keep_checkpoints=2)
+    assert "skipping checkpoint" in said and "removing damaged checkpoint" in said
+    assert steps_in(root) == ["step-00000006", "step-00000007"]
+
+
+def test_resume_refuses_when_no_checkpoint_is_intact(tmp_path):
+    root = tmp_path / "ck"
+    train_quietly(tiny_plan(root, 2))
+    flip_a_byte(root / "step-00000002" / "model.safetensors")
+    with pytest.raises(UserError, match="ck: none of its 1 checkpoints is intact .* --start-over instead of --resume"):
+        train_quietly(tiny_plan(root, 4), resume=True)
+
+
+def test_pruning_never_touches_another_runs_checkpoints(tmp_path):
+    """Two runs writing into one directory at once (the start check cannot see a run that starts at the same time):
+    each prunes only its own checkpoints, neither overwrites the other's, and --resume refuses to pick one."""
+    plan = tiny_plan(tmp_path / "ck")
+    model = materialize(build_model(plan.model), "cpu", torch.float32, seed=0)
+    first, second = (snapshot.Run(plan, run_id, keep=1, say=lambda message: None) for run_id in ("first", "second"))
+    for step, run_ in [(1, first), (2, second), (3, first), (4, second), (5, first)]:
+        run_.save(model, NoOptimizerState(), snapshot.Position(step, step))
+    assert steps_in(tmp_path / "ck") == ["step-00000004", "step-00000005"]
+    with pytest.raises(UserError, match="step-00000005: was written by run first, not by this run"):
+        second.save(model, NoOptimizerState(), snapshot.Position(5, 5))
+    with pytest.raises(UserError, match=r"holds the checkpoints of 2 runs \(first, second\)"):
+        train_quietly(plan, resume=True)
+
+
+class NoOptimizerState:
+    def state_tensors(self):
+        return {"step/none": torch.zeros(1)}
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
