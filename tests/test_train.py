@@ -30,6 +30,22 @@ def test_accumulation_matches_one_big_micro_batch(tmp_path):
     assert whole == pytest.approx(split, rel=1e-4)
 
 
+# The losses of 6 steps of the tiny model on a CPU (micro-batch 4 x accumulation 2, fp32), recorded at b31c843.
+# A change that does not change the math (a refactor of the executor, recompute) must leave them bit-identical.
+PINNED_LOSSES = [6.1043701171875, 5.603823661804199, 4.802225112915039, 4.742988586425781, 4.496884346008301,
+                 4.411572456359863]
+
+
+@pytest.mark.parametrize("recompute", ["[]", '["block"]'])
+def test_cpu_losses_are_the_pinned_ones(tmp_path, recompute):
+    pins = ["knobs.param_dtype=fp32", "knobs.matmul_dtype=fp32", "knobs.micro_batch_size=4",
+            f"knobs.recompute={recompute}"]
+    plan = make_plan(seq_len=64, global_batch_tokens=64 * 8, steps=6, device="cpu", overrides=pins).plan
+    assert (plan.knobs.grad_accum_steps, plan.knobs.recompute) == (2, () if recompute == "[]" else ("block",))
+    train(plan, log_json=tmp_path / "log.jsonl", show_progress=False)
+    assert [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()] == PINNED_LOSSES
+
+
 def test_schedule_warms_up_then_decays_to_the_floor():
     t = Training(steps=101, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
     assert lr_at(0, t) == pytest.approx(0.1)
