@@ -19,7 +19,7 @@ from fastml.plan import Plan
 from fastml.executor import faults
 from fastml.executor.hf import load_checkpoint, load_tensor_file, save_checkpoint
 from fastml.executor.model import Transformer
-from fastml.executor.optim import MasterWeightAdamW
+from fastml.executor.optim import AdamW
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
@@ -34,7 +34,7 @@ class Position:
     """Sequences of the data consumed by this process."""
 
 
-def save(root: str | Path, model: Transformer, optimizer: MasterWeightAdamW, plan: Plan, position: Position,
+def save(root: str | Path, model: Transformer, optimizer: AdamW, plan: Plan, position: Position,
          keep: int) -> Path:
     """Writes the checkpoint of `position` and deletes all but the newest `keep`."""
     path = Path(root) / f"{PREFIX}{position.step:08d}"
@@ -47,7 +47,7 @@ def save(root: str | Path, model: Transformer, optimizer: MasterWeightAdamW, pla
     return path
 
 
-def restore_newest(root: str | Path, model: Transformer, optimizer: MasterWeightAdamW, plan: Plan,
+def restore_newest(root: str | Path, model: Transformer, optimizer: AdamW, plan: Plan,
                    report) -> tuple[Path, Position] | None:
     """Loads the newest complete and intact checkpoint into `model` and `optimizer`; `report(message)` hears of
     each damaged one passed over. None when there is none."""
@@ -61,7 +61,7 @@ def restore_newest(root: str | Path, model: Transformer, optimizer: MasterWeight
     return None
 
 
-def _restore(path: Path, spec, state: dict, meta: dict, model: Transformer, optimizer: MasterWeightAdamW,
+def _restore(path: Path, spec, state: dict, meta: dict, model: Transformer, optimizer: AdamW,
              plan: Plan) -> Position:
     """Refuses a checkpoint made for another model or batch, else loads it."""
     saved = meta.get("training", {})

@@ -7,12 +7,17 @@ import torch
 
 from fastml.plan import Training
 from fastml.planner.planner import make_plan
-from fastml.executor.optim import MasterWeightAdamW, lr_at
+from fastml.executor.optim import AdamW, lr_at
 from fastml.executor.train import train
 
 
-def losses(tmp_path, name, **plan_args):
-    plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=3, device="cpu", **plan_args).plan
+# CPU training in fp32, said by the plan (older CPU plans say bf16 parameters and matmuls).
+FP32 = ["knobs.param_dtype=fp32", "knobs.matmul_dtype=fp32"]
+
+
+def losses(tmp_path, name, overrides=()):
+    plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=3, device="cpu",
+                     overrides=FP32 + list(overrides)).plan
     train(plan, log_json=tmp_path / name, show_progress=False)
     return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
 
@@ -38,8 +43,7 @@ PINNED_LOSSES = [6.1043701171875, 5.603823661804199, 4.802225112915039, 4.742988
 
 @pytest.mark.parametrize("recompute", ["[]", '["block"]'])
 def test_cpu_losses_are_the_pinned_ones(tmp_path, recompute):
-    pins = ["knobs.param_dtype=fp32", "knobs.matmul_dtype=fp32", "knobs.micro_batch_size=4",
-            f"knobs.recompute={recompute}"]
+    pins = FP32 + ["knobs.micro_batch_size=4", f"knobs.recompute={recompute}"]
     plan = make_plan(seq_len=64, global_batch_tokens=64 * 8, steps=6, device="cpu", overrides=pins).plan
     assert (plan.knobs.grad_accum_steps, plan.knobs.recompute) == (2, () if recompute == "[]" else ("block",))
     train(plan, log_json=tmp_path / "log.jsonl", show_progress=False)
@@ -66,16 +70,17 @@ def test_master_weights_step_like_fp32_adamw():
         reference.weight.copy_(model.weight.float())
         reference.bias.copy_(model.bias.float())
     t = Training(lr=1e-2, weight_decay=0.1)
-    ours = MasterWeightAdamW(model, t)
+    ours = AdamW(model, t)
     theirs = torch.optim.AdamW([{"params": [reference.weight], "weight_decay": 0.1},
                                 {"params": [reference.bias], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95))
     for _ in range(5):
         grad_w, grad_b = torch.randn(64, 64).to(torch.bfloat16), torch.randn(64).to(torch.bfloat16)
         model.weight.grad, model.bias.grad = grad_w.clone(), grad_b.clone()
         reference.weight.grad, reference.bias.grad = grad_w.float(), grad_b.float()
-        ours.step(1e-2)
+        ours.set_lr(1e-2)
+        ours.step()
         ours.zero_grad()
         theirs.step()
-    assert torch.equal(ours.masters[0], reference.weight.detach())
+    assert torch.equal(ours.state[model.weight]["master"], reference.weight.detach())
     assert torch.equal(model.weight, reference.weight.detach().to(torch.bfloat16))
     assert model.weight.grad is None
