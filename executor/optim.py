@@ -38,9 +38,9 @@ class AdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _initial_state(p: torch.Tensor, master_dtype: torch.dtype, state_dtype: torch.dtype) -> dict:
-        if p.dtype != master_dtype and master_dtype != torch.float32:
-            fail("knobs.master_dtype", f"{p.dtype} parameters with {master_dtype} masters need stochastic rounding, "
-                                       "which this executor does not do yet; use 'fp32'")
+        if master_dtype != torch.float32:
+            fail("knobs.master_dtype", "bf16 master weights need stochastic rounding, which this executor does not "
+                                       "do yet; use 'fp32'")
         master = p.detach().to(master_dtype, copy=True) if p.dtype != master_dtype else p
         # Fused AdamW reads its step count on the device; foreach AdamW reads it on the host.
         step_device = p.device if p.is_cuda else "cpu"

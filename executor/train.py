@@ -57,11 +57,8 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     if position.step >= plan.training.steps:
         console.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
         return {"steps": 0}
-    micro = plan.knobs.micro_batch_size
-    if position.sequences % micro:
-        fail("knobs.micro_batch_size", f"{micro} does not divide the {position.sequences} sequences the checkpoint "
-                                       "has consumed; resume with the micro-batch size it was written with")
-    batches = data.batches(micro, plan.training.seed, start=position.sequences // micro)
+    batches = _batches(plan, data, position)
+    sequences_per_step = plan.knobs.micro_batch_size * plan.knobs.grad_accum_steps
     meter = Meter(plan, device)
     hooks = faults.step_hooks()
     with _log_file(log_json, position.step if resume else None) as log, \
@@ -70,7 +67,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         bad_in_a_row = 0
         for step in range(position.step, plan.training.steps):
             record = meter.measure(train_step(model, optimizer, batches, plan, step, device, hooks))
-            position = snapshot.Position(step + 1, position.sequences + micro * plan.knobs.grad_accum_steps)
+            position = snapshot.Position(step + 1, position.sequences + sequences_per_step)
             bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0
             if log:
                 log.write(json.dumps(record) + "\n")
@@ -87,6 +84,15 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     summary = meter.summary()
     display.print_summary(console, plan, summary)
     return summary
+
+
+def _batches(plan: Plan, data: TokenData, position: snapshot.Position):
+    """The micro-batches from where `position` is in the data."""
+    micro = plan.knobs.micro_batch_size
+    if position.sequences % micro:
+        fail("knobs.micro_batch_size", f"{micro} does not divide the {position.sequences} sequences the checkpoint "
+                                       "has consumed; resume with the micro-batch size it was written with")
+    return data.batches(micro, plan.training.seed, start=position.sequences // micro)
 
 
 def _resume(plan: Plan, model, optimizer, console: Console) -> tuple[Path | None, snapshot.Position]:
