@@ -48,7 +48,6 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     console = console or Console(stderr=True)
     device = training_device(plan)
     check_hardware(plan, device, strict, console)
-    display.print_knobs(console, plan)
     torch.manual_seed(plan.training.seed)
     model = build_training_model(plan, device)
     data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
@@ -58,6 +57,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         console.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
         return {"steps": 0}
     batches = _batches(plan, data, position)
+    display.print_knobs(console, plan)  # once the plan has passed every check: a refused one gets one line alone
     sequences_per_step = plan.knobs.micro_batch_size * plan.knobs.grad_accum_steps
     meter = Meter(plan, device)
     hooks = faults.step_hooks()
