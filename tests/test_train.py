@@ -12,6 +12,7 @@ from fastml import hwprofiles
 from fastml.plan import MEMORY_CATEGORIES, TIME_COMPONENTS, Predicted, Training, describe_knobs
 from fastml.planner.planner import make_plan
 from fastml.spec import PRESETS
+from fastml.executor.apply import build_training_model
 from fastml.executor.data import TokenData
 from fastml.executor.display import print_summary
 from fastml.executor.meter import peak_flops
@@ -176,3 +177,12 @@ def test_the_run_shows_its_knobs_and_host_memory_beside_the_prediction(tmp_path)
     print_summary(console, dataclasses.replace(plan, predicted=predicted), summary)
     row = next(line for line in console.file.getvalue().splitlines() if "peak host memory" in line)
     assert f"{summary['peak_host_memory_bytes'] / gib:.2f} GiB" in row and "4.00 GiB" in row  # host 1 + "GPU" 3
+
+
+@pytest.mark.parametrize("dtype, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_parameters_take_the_plans_dtype_not_the_devices(dtype, expected):
+    plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=1, device="cpu",
+                     overrides=[f"knobs.param_dtype={dtype}", f"knobs.matmul_dtype={dtype}"]).plan
+    model = build_training_model(plan, torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {expected}
+    assert model.logits(torch.zeros((1, 8), dtype=torch.long)).dtype == expected  # the matmuls compute in it too
