@@ -14,13 +14,13 @@ from record import gpu_tag, write_result
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fastml.executor.train import train
+from fastml.plan import pinned
 from fastml.planner.planner import make_plan
 
 
 def losses(tag: str) -> list[float]:
     plan = make_plan(seq_len=512, global_batch_tokens=512 * 8, steps=8,
-                     overrides=["knobs.micro_batch_size=4", "knobs.recompute=[]", "knobs.lm_head_chunks=1",
-                                "knobs.compile=false"]).plan
+                     overrides=pinned(micro_batch_size=4)).plan
     log = Path(f"/tmp/determinism-{tag}.jsonl")
     train(plan, log_json=log, show_progress=False)
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]

@@ -15,23 +15,22 @@ import torch
 from record import gpu_tag, write_result
 
 from fastml.executor.train import train
+from fastml.plan import pinned
 from fastml.planner.planner import make_plan
 
 SEQ_LEN = 2048
-# shape -> (sequences per step, pinned knob sets to run besides the planner's own choice)
+# shape -> (sequences per step, knob sets to run besides the planner's own choice: `pinned` sets the other knobs)
 CASES = {
-    "tinyllama-1.1b": (32, [["knobs.micro_batch_size=8", "knobs.recompute=[]", "knobs.lm_head_chunks=1",
-                             "knobs.compile=false"]]),
-    "llama-3.1-8b": (16, [["knobs.micro_batch_size=1", "knobs.recompute=[]", "knobs.lm_head_chunks=4",
-                           "knobs.compile=true"],
-                          ["knobs.micro_batch_size=4", "knobs.recompute=block", "knobs.lm_head_chunks=8",
-                           "knobs.compile=true"]]),
+    "tinyllama-1.1b": (32, [dict(micro_batch_size=8)]),
+    "llama-3.1-8b": (16, [dict(micro_batch_size=1, lm_head_chunks=4, compile=True),
+                          dict(micro_batch_size=4, recompute=("block",), lm_head_chunks=8, compile=True)]),
 }
 
 
-def run_case(shape: str, sequences: int, pins: list[str], steps: int) -> dict:
+def run_case(shape: str, sequences: int, knobs: dict | None, steps: int) -> dict:
+    """The planner's own plan where `knobs` is None, else the plan with exactly these knobs."""
     plan = make_plan(model=shape, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps,
-                     overrides=pins, trials=200).plan
+                     overrides=[] if knobs is None else pinned(**knobs), trials=200).plan
     try:
         summary = train(plan, show_progress=False)
         measured = {"step_time_s": summary["step_time_s"], "peak_memory_bytes": summary["peak_gpu_memory_bytes"]}
@@ -40,7 +39,7 @@ def run_case(shape: str, sequences: int, pins: list[str], steps: int) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     p = plan.predicted
-    row = {"shape": shape, "pins": pins, "knobs": {k: v for k, v in json.loads(plan.to_json())["knobs"].items()},
+    row = {"shape": shape, "pins": knobs, "knobs": json.loads(plan.to_json())["knobs"],
            "predicted": {"step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes, "time_s": p.time_s},
            "measured": measured}
     if "error" not in measured:
@@ -54,8 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
-    rows = [run_case(shape, sequences, pins, args.steps)
-            for shape, (sequences, alternatives) in CASES.items() for pins in [[], *alternatives]]
+    rows = [run_case(shape, sequences, knobs, args.steps)
+            for shape, (sequences, alternatives) in CASES.items() for knobs in [None, *alternatives]]
     write_result(f"plan_vs_measured-{gpu_tag()}.json", {"rows": rows})
     for r in rows:
         if "step_time_error" in r:

@@ -27,23 +27,24 @@ from fastml.executor.data import TokenData  # noqa: E402
 from fastml.executor.model import build_model, materialize  # noqa: E402
 from fastml.executor.optim import lr_at  # noqa: E402
 from fastml.executor.train import train  # noqa: E402
+from fastml.plan import describe_knobs, pinned  # noqa: E402
 from fastml.planner.planner import make_plan  # noqa: E402
 from fastml.spec import PRESETS, hf_config  # noqa: E402
 from record import write_result  # noqa: E402
 
 SEQ_LEN = 2048
-# shape -> (sequences per optimizer step, HF baseline settings, fastml knob pins to try)
+# shape -> (sequences per optimizer step, HF baseline settings, fastml knobs to try: `pinned` sets the rest)
 SHAPES = {
     "tinyllama-1.1b": (32, [dict(micro_batch_size=8, checkpointing=False), dict(micro_batch_size=16,
                                                                                 checkpointing=False)], [
-        ["knobs.micro_batch_size=8"],
-        ["knobs.micro_batch_size=8", "knobs.compile=true"],
-        ["knobs.micro_batch_size=16", "knobs.compile=true"],
+        dict(micro_batch_size=8),
+        dict(micro_batch_size=8, compile=True),
+        dict(micro_batch_size=16, compile=True),
     ]),
     "llama-3.1-8b": (16, [dict(micro_batch_size=4, checkpointing=True), dict(micro_batch_size=2, checkpointing=True)], [
-        ["knobs.micro_batch_size=1", "knobs.lm_head_chunks=4"],
-        ["knobs.micro_batch_size=1", "knobs.lm_head_chunks=4", "knobs.compile=true"],
-        ["knobs.micro_batch_size=4", "knobs.recompute=block", "knobs.lm_head_chunks=8", "knobs.compile=true"],
+        dict(micro_batch_size=1, lm_head_chunks=4),
+        dict(micro_batch_size=1, lm_head_chunks=4, compile=True),
+        dict(micro_batch_size=4, recompute=("block",), lm_head_chunks=8, compile=True),
     ]),
 }
 
@@ -53,7 +54,7 @@ def run_hf(shape: str, sequences: int, micro_batch_size: int, checkpointing: boo
     AdamW settings, so that the two loss curves can be compared as well as the speeds."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    plan = _plan(shape, sequences, steps, [])
+    plan = _plan(shape, sequences, steps)
     config = LlamaConfig(**hf_config(plan.model, max_seq_len=SEQ_LEN))
     with torch.device("cuda"):
         model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
@@ -99,20 +100,19 @@ def _fastml_initial_weights(plan) -> dict:
     return fastml_to_hf(plan.model, model.state_dict())
 
 
-def _plan(shape: str, sequences: int, steps: int, pins: list[str]):
-    """The plan with exactly these knobs: every searched knob not named is pinned to its default."""
-    defaults = {"knobs.recompute": "[]", "knobs.lm_head_chunks": "1", "knobs.compile": "false"}
-    named = {p.partition("=")[0] for p in pins}
-    pins = pins + [f"{k}={v}" for k, v in defaults.items() if k not in named]
+def _plan(shape: str, sequences: int, steps: int, **knobs):
+    """The plan with exactly these knobs: every searched knob not named is pinned to its default (`pinned`)."""
     return make_plan(model=shape, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps,
-                     overrides=pins).plan
+                     overrides=pinned(**knobs)).plan
 
 
-def run_fastml(shape: str, sequences: int, pins: list[str], steps: int) -> dict:
+def run_fastml(shape: str, sequences: int, knobs: dict, steps: int) -> dict:
     log = Path(f"/tmp/fastml-bench-{os.getpid()}.jsonl")
-    summary = train(_plan(shape, sequences, steps, pins), log_json=log, show_progress=False)
+    plan = _plan(shape, sequences, steps, **knobs)
+    summary = train(plan, log_json=log, show_progress=False)
     result = _figures(PRESETS[shape], sequences, summary["step_time_s"], summary["peak_gpu_memory_bytes"])
-    result.update(knobs=pins, losses=[json.loads(line)["loss"] for line in log.read_text().splitlines()])
+    result.update(knobs=describe_knobs(plan.knobs),
+                  losses=[json.loads(line)["loss"] for line in log.read_text().splitlines()])
     _free()
     return result
 
@@ -143,10 +143,10 @@ def _try(label: str, fn, *args) -> dict:
 
 
 def bench(shape: str, steps: int) -> dict:
-    sequences, hf_settings, fastml_pins = SHAPES[shape]
+    sequences, hf_settings, fastml_knobs = SHAPES[shape]
     hf = [_try(f"hf {shape} {s}", run_hf, shape, sequences, s["micro_batch_size"], s["checkpointing"], steps)
           for s in hf_settings]
-    ours = [_try(f"fastml {shape} {pins}", run_fastml, shape, sequences, pins, steps) for pins in fastml_pins]
+    ours = [_try(f"fastml {shape} {knobs}", run_fastml, shape, sequences, knobs, steps) for knobs in fastml_knobs]
     best_hf = max((r for r in hf if "error" not in r), key=lambda r: r["tokens_per_s"])
     best = max((r for r in ours if "error" not in r), key=lambda r: r["tokens_per_s"])
     for r in ours:

@@ -1,16 +1,21 @@
-"""Turns the plan's knobs into changes of the plain model, one function per concern, applied in a fixed order:
-recompute, then compile (then, in later versions, fp8, sharding and offload)."""
+"""Turns the plan's knobs into changes of the plain model, one function per concern, applied in torchtitan's order:
+module conversions (fp8 linears, in a later version), then recompute, then compile (then sharding and offload).
+Each keeps what the ones before it did: recompute wraps the forward of the modules a conversion has put in place,
+and compile traces that wrapped forward. The model is still on the meta device throughout; `build_training_model`
+materializes it last, in the plan's parameter dtype."""
 
 from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastml.config import fail
-from fastml.plan import KNOBS, Knobs
-from fastml.executor.model import Transformer
+from fastml.plan import KNOBS, Knobs, Plan
+from fastml.executor.model import Transformer, build_model, materialize
+from fastml.executor.optim import DTYPES
 
 
 def check_supported(knobs: Knobs) -> None:
@@ -22,8 +27,17 @@ def check_supported(knobs: Knobs) -> None:
                                   f"without --hw) or pin --set knobs.{name}={runs[0]!r}")
 
 
+def build_training_model(plan: Plan, device: torch.device) -> Transformer:
+    """Meta model, plan applied, then materialized on `device` in the plan's parameter dtype; the matmuls compute in
+    that dtype too (fp32 with fp32 parameters, bf16 with bf16: `Knobs` allows no other pairing but fp8, refused)."""
+    model = apply_plan(build_model(plan.model), plan.knobs)
+    return materialize(model, device, DTYPES[plan.knobs.param_dtype], seed=plan.training.seed)
+
+
 def apply_plan(model: Transformer, knobs: Knobs) -> Transformer:
     check_supported(knobs)
+    # Module conversions come first (none yet: fp8 matmuls are refused above), so that recompute wraps the
+    # converted modules and not ones a conversion would then replace.
     apply_recompute(model, knobs.recompute)
     if knobs.compile:
         apply_compile(model)
@@ -49,7 +63,8 @@ def apply_recompute(model: Transformer, parts: tuple[str, ...]) -> None:
 
 
 def _checkpoint_forward(module: nn.Module) -> None:
-    # Replacing the bound forward keeps parameter names (and so checkpoints) unchanged, unlike a wrapper module.
+    # Replacing the bound forward keeps parameter names (and so checkpoints) unchanged, unlike a wrapper module, and
+    # survives what wraps the module's call later (compile, hooks of sharding): they all call `module.forward`.
     forward = module.forward
 
     @functools.wraps(forward)

@@ -3,7 +3,8 @@
 
 Kinds: `kill-mid-step` (SIGKILL after the first micro-batch's backward pass), `kill-mid-checkpoint` (SIGKILL after
 the first file of the step's checkpoint is written), `nan-loss` (the step's loss becomes NaN). Steps count from 1.
-Unset, nothing here does anything.
+The step takes the first and last as hooks (`step_hooks`), the checkpoint writer calls `kill_if_due`. Unset,
+nothing here does anything.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 import signal
 from functools import cache
+
+from fastml.executor.step import StepHooks
 
 ENV = "FASTML_FAULTS"
 
@@ -32,3 +35,12 @@ def due(kind: str, step: int) -> bool:
 def kill_if_due(kind: str, step: int) -> None:
     if due(kind, step):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def step_hooks() -> StepHooks:
+    """The faults of FASTML_FAULTS that strike inside a training step, as the step's hooks."""
+    return StepHooks(after_loss=_nan_loss_if_due, after_first_backward=lambda step: kill_if_due("kill-mid-step", step))
+
+
+def _nan_loss_if_due(step: int, loss):
+    return loss * float("nan") if due("nan-loss", step) else loss

@@ -6,34 +6,36 @@ import shutil
 import pytest
 import torch
 
+from fastml.plan import pinned
 from fastml.planner.planner import make_plan
+from fastml.executor.apply import build_training_model
+from fastml.executor.optim import AdamW
 from fastml.executor.train import train
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")]
 
 
-def run(tmp_path, name, pins, steps=30):
-    plan = make_plan(seq_len=256, global_batch_tokens=256 * 16, steps=steps, overrides=pinned(pins)).plan
+def gpu_plan(steps, sequences=16, training=(), **knobs):
+    """The plan with exactly these knobs (every other searched knob at its default), on this GPU."""
+    plan = make_plan(seq_len=256, global_batch_tokens=256 * sequences, steps=steps,
+                     overrides=pinned(**knobs) + list(training)).plan
     assert plan.hardware.device == "cuda"
-    summary = train(plan, log_json=tmp_path / name, show_progress=False)
+    return plan
+
+
+def run(tmp_path, name, steps=30, **knobs):
+    summary = train(gpu_plan(steps, **knobs), log_json=tmp_path / name, show_progress=False)
     return summary, [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
 
 
-def pinned(pins: list[str]) -> list[str]:
-    """All searched knobs pinned: the defaults where `pins` says nothing, so the plan is exactly the one named."""
-    defaults = {"knobs.recompute": "[]", "knobs.lm_head_chunks": "1", "knobs.compile": "false"}
-    named = {p.partition("=")[0] for p in pins}
-    return pins + [f"{k}={v}" for k, v in defaults.items() if k not in named]
-
-
-@pytest.mark.parametrize("pins", [
-    ["knobs.micro_batch_size=16"],
-    ["knobs.micro_batch_size=4", "knobs.recompute=block", "knobs.lm_head_chunks=4"],
-    ["knobs.micro_batch_size=8", "knobs.recompute=swiglu,attention,norm", "knobs.compile=true"],
+@pytest.mark.parametrize("knobs", [
+    dict(micro_batch_size=16),
+    dict(micro_batch_size=4, recompute=("block",), lm_head_chunks=4),
+    dict(micro_batch_size=8, recompute=("swiglu", "attention", "norm"), compile=True),
 ])
-def test_gpu_training_loss_falls(tmp_path, pins):
-    summary, records = run(tmp_path, "log.jsonl", pins)
+def test_gpu_training_loss_falls(tmp_path, knobs):
+    summary, records = run(tmp_path, "log.jsonl", **knobs)
     first = sum(r["loss"] for r in records[:5]) / 5
     last = sum(r["loss"] for r in records[-10:]) / 10
     assert last <= 0.9 * first, (first, last)
@@ -42,11 +44,30 @@ def test_gpu_training_loss_falls(tmp_path, pins):
         assert 0 < summary["mfu"] < 1
 
 
+def test_bf16_training_keeps_fp32_masters_in_the_optimizer_state():
+    plan = gpu_plan(1, micro_batch_size=4)
+    assert (plan.knobs.param_dtype, plan.knobs.master_dtype, plan.knobs.optimizer_dtype) == ("bf16", "fp32", "fp32")
+    model = build_training_model(plan, torch.device("cuda"))
+    optimizer = AdamW(model, plan.training, plan.knobs.master_dtype, plan.knobs.optimizer_dtype)
+    for p in model.parameters():
+        assert p.dtype == torch.bfloat16 and p.is_cuda
+        state = optimizer.state[p]
+        assert state["master"].dtype == torch.float32 and state["master"].is_cuda
+        assert torch.equal(state["master"].to(torch.bfloat16), p)
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+        p.grad = torch.randn_like(p)
+    optimizer.set_lr(1e-3)
+    optimizer.step()  # fused on the GPU: the parameters receive the rounded masters
+    for p in model.parameters():
+        assert torch.equal(optimizer.state[p]["master"].to(torch.bfloat16), p)
+        assert optimizer.state[p]["step"].is_cuda and optimizer.state[p]["step"] == 1
+
+
 def test_recompute_changes_no_math_on_gpu(tmp_path):
     """Same seed, same data: recomputing the block gives the same first loss, bit for bit (same kernels), and
     the same later losses up to the run-to-run noise of flash attention's backward, which is not deterministic."""
-    _, plain = run(tmp_path, "a.jsonl", ["knobs.micro_batch_size=4"], steps=4)
-    _, recomputed = run(tmp_path, "b.jsonl", ["knobs.micro_batch_size=4", "knobs.recompute=block"], steps=4)
+    _, plain = run(tmp_path, "a.jsonl", steps=4, micro_batch_size=4)
+    _, recomputed = run(tmp_path, "b.jsonl", steps=4, micro_batch_size=4, recompute=("block",))
     assert plain[0]["loss"] == recomputed[0]["loss"]
     assert [r["loss"] for r in recomputed] == pytest.approx([r["loss"] for r in plain], rel=1e-3)
 
@@ -55,9 +76,8 @@ def test_resume_on_gpu_restores_the_exact_state(tmp_path):
     """The first step after a resume computes its loss (a forward pass, deterministic) from the restored weights:
     bit-identical to the uninterrupted run's. Later steps go through flash attention's backward pass, which adds
     with atomics and is not deterministic, so they agree only closely."""
-    pins = pinned(["knobs.micro_batch_size=4", f"training.checkpoint_dir=\"{tmp_path / 'ck'}\"",
-                   "training.checkpoint_interval=2"])
-    plan = make_plan(seq_len=256, global_batch_tokens=256 * 8, steps=5, overrides=pins).plan
+    plan = gpu_plan(5, sequences=8, micro_batch_size=4,
+                    training=[f"training.checkpoint_dir=\"{tmp_path / 'ck'}\"", "training.checkpoint_interval=2"])
     train(plan, log_json=tmp_path / "whole.jsonl", show_progress=False)
     for extra in (tmp_path / "ck").iterdir():
         if extra.name != "step-00000002":

@@ -64,3 +64,67 @@ def test_causal_outputs_do_not_see_the_future():
 def test_unimplemented_knobs_are_refused():
     with pytest.raises(UserError, match="knobs.offload_optimizer: 0.5 is not supported by this executor yet"):
         check_supported(Knobs(offload_optimizer=0.5))
+    with pytest.raises(UserError, match="knobs.matmul_dtype: 'fp8' is not supported by this executor yet"):
+        check_supported(Knobs(matmul_dtype="fp8"))
+
+
+def saved_activation_bytes(model, tokens):
+    """Bytes autograd keeps for the backward pass of one loss (recomputed parts keep only their inputs)."""
+    sizes = []
+
+    def keep(t):
+        sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss = tiny_loss(model, tokens)
+    loss.backward()
+    return sum(sizes)
+
+
+def tiny_loss(model, tokens):
+    return model.loss(tokens[:, :-1], tokens[:, 1:])
+
+
+@pytest.mark.parametrize("parts", [("block",), ("swiglu",)])
+def test_recompute_survives_compile(parts):
+    """Applied before compile (apply_plan's order), recompute still frees activations in the compiled blocks."""
+    tokens = torch.randint(0, 512, (2, 65), generator=torch.Generator().manual_seed(3))
+    saved = {}
+    for recompute in ((), parts):
+        model = build_model(PRESETS["tiny"])
+        apply_recompute(model, recompute)
+        for block in model.blocks:  # apply_compile's per-block compile, with a backend that needs no C++ compiler
+            block.compile(backend="aot_eager")
+        saved[recompute] = saved_activation_bytes(materialize(model, "cpu", torch.float32), tokens)
+    assert saved[parts] < saved[()]
+
+
+class CountingLinear(torch.nn.Linear):
+    """Stands for a module conversion (an fp8 linear): same weights, and it counts its forward passes."""
+
+    calls = 0
+
+    def forward(self, x):
+        CountingLinear.calls += 1
+        return super().forward(x)
+
+
+def convert_qkv(model):
+    for block in model.blocks:
+        old = block.attn.qkv
+        block.attn.qkv = CountingLinear(old.in_features, old.out_features, bias=old.bias is not None)
+        block.attn.qkv.load_state_dict(old.state_dict())
+
+
+@pytest.mark.parametrize("converted_first", [True, False])
+def test_recompute_applies_to_modules_converted_before_it(converted_first):
+    """Conversions come before recompute: recompute then reruns the converted module in the backward pass. The other
+    way round, the conversion replaces the module recompute had wrapped and the recompute is silently lost."""
+    model = tiny_model()
+    steps = [convert_qkv, lambda m: apply_recompute(m, ("qkv",))]
+    for apply in steps if converted_first else reversed(steps):
+        apply(model)
+    CountingLinear.calls = 0
+    tiny_loss(model, torch.randint(0, 512, (2, 33))).backward()
+    assert CountingLinear.calls == len(model.blocks) * (2 if converted_first else 1)

@@ -1,18 +1,34 @@
-"""The training loop in-process: deterministic on a CPU, optimizer math, schedule."""
+"""The training loop in-process: deterministic on a CPU, optimizer math and state, schedule, step hooks, what a\nrun shows."""
 
+import dataclasses
+import io
 import json
 
 import pytest
 import torch
+from rich.console import Console
 
-from fastml.plan import Training
+from fastml import hwprofiles
+from fastml.plan import MEMORY_CATEGORIES, TIME_COMPONENTS, Predicted, Training, describe_knobs
 from fastml.planner.planner import make_plan
-from fastml.executor.optim import MasterWeightAdamW, lr_at
+from fastml.spec import PRESETS
+from fastml.executor.apply import build_training_model
+from fastml.executor.data import TokenData
+from fastml.executor.display import print_summary
+from fastml.executor.meter import peak_flops
+from fastml.executor.model import build_model, materialize
+from fastml.executor.optim import AdamW, lr_at
+from fastml.executor.step import StepHooks, train_step
 from fastml.executor.train import train
 
 
-def losses(tmp_path, name, **plan_args):
-    plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=3, device="cpu", **plan_args).plan
+# CPU training in fp32, said by the plan (older CPU plans say bf16 parameters and matmuls).
+FP32 = ["knobs.param_dtype=fp32", "knobs.matmul_dtype=fp32"]
+
+
+def losses(tmp_path, name, overrides=()):
+    plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=3, device="cpu",
+                     overrides=FP32 + list(overrides)).plan
     train(plan, log_json=tmp_path / name, show_progress=False)
     return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
 
@@ -28,6 +44,21 @@ def test_accumulation_matches_one_big_micro_batch(tmp_path):
     split = losses(tmp_path, "b.jsonl", overrides=["knobs.micro_batch_size=1"])
     assert whole[0] == pytest.approx(split[0], rel=1e-5)
     assert whole == pytest.approx(split, rel=1e-4)
+
+
+# The losses of 6 steps of the tiny model on a CPU (micro-batch 4 x accumulation 2, fp32), recorded at b31c843.
+# A change that does not change the math (a refactor of the executor, recompute) must leave them bit-identical.
+PINNED_LOSSES = [6.1043701171875, 5.603823661804199, 4.802225112915039, 4.742988586425781, 4.496884346008301,
+                 4.411572456359863]
+
+
+@pytest.mark.parametrize("recompute", ["[]", '["block"]'])
+def test_cpu_losses_are_the_pinned_ones(tmp_path, recompute):
+    pins = FP32 + ["knobs.micro_batch_size=4", f"knobs.recompute={recompute}"]
+    plan = make_plan(seq_len=64, global_batch_tokens=64 * 8, steps=6, device="cpu", overrides=pins).plan
+    assert (plan.knobs.grad_accum_steps, plan.knobs.recompute) == (2, () if recompute == "[]" else ("block",))
+    train(plan, log_json=tmp_path / "log.jsonl", show_progress=False)
+    assert [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()] == PINNED_LOSSES
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
@@ -50,16 +81,108 @@ def test_master_weights_step_like_fp32_adamw():
         reference.weight.copy_(model.weight.float())
         reference.bias.copy_(model.bias.float())
     t = Training(lr=1e-2, weight_decay=0.1)
-    ours = MasterWeightAdamW(model, t)
+    ours = AdamW(model, t)
     theirs = torch.optim.AdamW([{"params": [reference.weight], "weight_decay": 0.1},
                                 {"params": [reference.bias], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95))
     for _ in range(5):
         grad_w, grad_b = torch.randn(64, 64).to(torch.bfloat16), torch.randn(64).to(torch.bfloat16)
         model.weight.grad, model.bias.grad = grad_w.clone(), grad_b.clone()
         reference.weight.grad, reference.bias.grad = grad_w.float(), grad_b.float()
-        ours.step(1e-2)
+        ours.set_lr(1e-2)
+        ours.step()
         ours.zero_grad()
         theirs.step()
-    assert torch.equal(ours.masters[0], reference.weight.detach())
+    assert torch.equal(ours.state[model.weight]["master"], reference.weight.detach())
     assert torch.equal(model.weight, reference.weight.detach().to(torch.bfloat16))
     assert model.weight.grad is None
+
+
+def tiny_bf16_model():
+    return materialize(build_model(PRESETS["tiny"]), "cpu", torch.bfloat16, seed=0)
+
+
+def test_optimizer_groups_are_layers_and_only_matrices_decay():
+    model = tiny_bf16_model()
+    optimizer = AdamW(model, Training())
+    layers = [g["layer"] for g in optimizer.param_groups]
+    assert layers == ["embed"] + [f"blocks.{i}" for i in range(len(model.blocks))] + ["head"]
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    for group in optimizer.param_groups:
+        for name, p, decays in zip(group["param_names"], group["params"], group["decay"]):
+            assert decays == (p.ndim >= 2) and decays == name.endswith(("qkv.weight", "out.weight", "up.weight",
+                                                                         "down.weight", "embed.weight", "lm_head.weight")), name
+
+
+def test_optimizer_state_has_fp32_masters_and_restores_by_name():
+    model = tiny_bf16_model()
+    optimizer = AdamW(model, Training())
+    names = [n for n, _ in model.named_parameters()]
+    tensors = optimizer.state_tensors()
+    assert set(tensors) == {f"{key}/{n}" for n in names for key in ("master", "exp_avg", "exp_avg_sq", "step")}
+    assert all(tensors[f"{key}/{n}"].dtype == torch.float32 for n in names for key in ("master", "exp_avg"))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    saved = {k: v.clone() for k, v in optimizer.state_tensors().items()}
+    fresh = AdamW(tiny_bf16_model(), Training())
+    fresh.load_state_tensors(saved)
+    assert all(torch.equal(v, saved[k]) for k, v in fresh.state_tensors().items())
+    assert saved[f"step/{names[0]}"] == 1 and saved[f"exp_avg/{names[0]}"].abs().sum() > 0
+
+
+def test_fp32_parameters_are_their_own_masters():
+    model = materialize(build_model(PRESETS["tiny"]), "cpu", torch.float32, seed=0)
+    tensors = AdamW(model, Training()).state_tensors()
+    assert not any(k.startswith("master/") for k in tensors) and "exp_avg/embed.weight" in tensors
+
+
+def test_the_step_calls_its_hooks(tmp_path):
+    """The fault injection reaches the step only through its hooks: a NaN loss skips the step, and the hook after
+    the first backward pass runs once per step."""
+    plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=2, device="cpu",
+                     overrides=FP32 + ["knobs.micro_batch_size=2"]).plan
+    model = materialize(build_model(plan.model), "cpu", torch.float32, seed=0)
+    optimizer = AdamW(model, plan.training)
+    batches = TokenData.open("default", 64, plan.model.vocab_size).batches(2, seed=0)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    calls = []
+    hooks = StepHooks(after_loss=lambda step, loss: loss * float("nan") if step == 1 else loss,
+                      after_first_backward=calls.append)
+    records = [train_step(model, optimizer, batches, plan, step, torch.device("cpu"), hooks) for step in (0, 1)]
+    assert [r["skipped"] for r in records] == [True, False] and calls == [1, 2]
+    assert not torch.equal(before["embed.weight"], model.embed.weight)
+
+
+def test_mfu_uses_the_peak_of_the_plans_matmul_dtype(monkeypatch):
+    assert peak_flops(torch.device("cpu"), "fp32") == (None, "cpu fp32: its profile has no fp32 peak, MFU n/a")
+    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype: {"fp32": 2e12}.get(dtype))
+    assert peak_flops(torch.device("cpu"), "fp32") == (2e12, "cpu dense fp32 2 TFLOP/s")
+    assert peak_flops(torch.device("cpu"), "bf16")[0] is None
+
+
+def test_the_run_shows_its_knobs_and_host_memory_beside_the_prediction(tmp_path):
+    plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=2, device="cpu",
+                     overrides=FP32 + ["knobs.micro_batch_size=2", "knobs.lm_head_chunks=2"]).plan
+    console = Console(file=io.StringIO(), width=200)
+    summary = train(plan, show_progress=False, console=console)
+    assert f"knobs: {describe_knobs(plan.knobs)}" in console.file.getvalue()
+    assert "lm_head_chunks=2" in describe_knobs(plan.knobs)
+    assert summary["peak_host_memory_bytes"] > 2**20
+    gib = 2**30
+    predicted = Predicted(step_time_s=1.0, tokens_per_s=256.0, mfu=0.0, peak_memory_bytes=3 * gib,
+                          memory_bytes={k: 0 for k in MEMORY_CATEGORIES}, time_s={k: 0.0 for k in TIME_COMPONENTS},
+                          host_memory_bytes={k: gib if k == "weights" else 0 for k in MEMORY_CATEGORIES},
+                          usd_per_million_tokens=0.0, kwh_per_million_tokens=0.0)
+    console = Console(file=io.StringIO(), width=200)
+    print_summary(console, dataclasses.replace(plan, predicted=predicted), summary)
+    row = next(line for line in console.file.getvalue().splitlines() if "peak host memory" in line)
+    assert f"{summary['peak_host_memory_bytes'] / gib:.2f} GiB" in row and "4.00 GiB" in row  # host 1 + "GPU" 3
+
+
+@pytest.mark.parametrize("dtype, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_parameters_take_the_plans_dtype_not_the_devices(dtype, expected):
+    plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=1, device="cpu",
+                     overrides=[f"knobs.param_dtype={dtype}", f"knobs.matmul_dtype={dtype}"]).plan
+    model = build_training_model(plan, torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {expected}
+    assert model.logits(torch.zeros((1, 8), dtype=torch.long)).dtype == expected  # the matmuls compute in it too

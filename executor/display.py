@@ -1,0 +1,68 @@
+"""What a run shows: the knobs in effect, a progress line with each step's figures, and the closing table of measured
+against predicted."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from fastml.plan import Plan, describe_knobs
+
+
+def print_knobs(console: Console, plan: Plan) -> None:
+    console.print(f"knobs: {describe_knobs(plan.knobs)}")
+
+
+def progress(console: Console, enabled: bool) -> Progress:
+    return Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"),
+                    TextColumn("ETA"), TimeRemainingColumn(), console=console, disable=not enabled)
+
+
+def status(record: dict) -> str:
+    """One step's figures for the progress line."""
+    return (f"loss {loss_text(record['loss'])}  {record['tokens_per_s']:,.0f} tok/s  MFU {_percent(record['mfu'])}  "
+            f"mem {_gib(record['peak_gpu_memory_bytes'], 1)}")
+
+
+def loss_text(value: float | None) -> str:
+    return "not finite" if value is None else f"{value:.4f}"
+
+
+def print_summary(console: Console, plan: Plan, summary: dict) -> None:
+    table = Table(title=f"fastml run: {plan.model.name}, {summary['steps']} steps")
+    table.add_column("")
+    table.add_column("measured", justify="right")
+    table.add_column("predicted", justify="right")
+    p = plan.predicted
+    rows = [
+        ("loss, first -> last step", f"{loss_text(summary['first_loss'])} -> {loss_text(summary['last_loss'])}", None),
+        ("steps skipped (loss or gradient not finite)", str(summary["skipped_steps"]), None),
+        ("step time", f"{summary['step_time_s']:.3f} s", p and f"{p.step_time_s:.3f} s"),
+        ("tokens/s", f"{summary['tokens_per_s']:,.0f}", p and f"{p.tokens_per_s:,.0f}"),
+        ("MFU", _percent(summary["mfu"]), p and _percent(p.mfu)),
+    ]
+    if plan.hardware.device == "cuda":
+        rows.append(("peak GPU memory", _gib(summary["peak_gpu_memory_bytes"]), p and _gib(p.peak_memory_bytes)))
+    rows.append(("peak host memory (this process)", _gib(summary["peak_host_memory_bytes"]),
+                 p and _gib(predicted_host_bytes(plan))))
+    for name, measured, expected in rows:
+        table.add_row(name, measured, expected or "-")
+    console.print(table)
+    console.print(f"MFU against {summary['mfu_peak']}; steady state = median of steps after the first; "
+                  f"total {summary['total_time_s']:.1f} s")
+
+
+def predicted_host_bytes(plan: Plan) -> int:
+    """The host memory the plan predicts: its host total, plus on a CPU its "GPU" total (there the GPU is the host)."""
+    p = plan.predicted
+    host = sum(p.host_memory_bytes.values())
+    return host + p.peak_memory_bytes if plan.hardware.device == "cpu" else host
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def _gib(num_bytes: int | None, digits: int = 2) -> str:
+    return "n/a" if num_bytes is None else f"{num_bytes / 2**30:.{digits}f} GiB"

@@ -1,0 +1,53 @@
+"""One optimizer step: forward and backward over the micro-batches, gradient clipping, the AdamW step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fastml.plan import Plan
+from fastml.executor.model import Transformer
+from fastml.executor.optim import AdamW, lr_at
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """Called by the step at fixed points (the fault injection of the reliability tests uses them). `step` is the
+    step being taken, counted from 1 as in the log."""
+
+    after_loss: Callable[[int, torch.Tensor], torch.Tensor] = lambda step, loss: loss
+    """Sees each micro-batch's loss before its backward pass; what it returns is used instead."""
+    after_first_backward: Callable[[int], None] = lambda step: None
+    """Runs once the first micro-batch's backward pass is done (the gradients are partly accumulated)."""
+
+
+def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: int, device: torch.device,
+               hooks: StepHooks = StepHooks()) -> dict:
+    """Optimizer step `step` (from 0) over grad_accum_steps micro-batches; returns its loss, lr and gradient norm. A
+    step whose loss or gradient norm is not finite leaves the weights and optimizer state as they were ("skipped")."""
+    knobs = plan.knobs
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(knobs.grad_accum_steps):
+        inputs, targets = next(batches)
+        loss = model.loss(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True),
+                          knobs.lm_head_chunks)
+        loss = hooks.after_loss(step + 1, loss)
+        (loss / knobs.grad_accum_steps).backward()
+        loss_sum += loss.detach()
+        if micro == 0:
+            hooks.after_first_backward(step + 1)
+    clip = plan.training.grad_clip
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")).item()
+    loss_value = loss_sum.item() / knobs.grad_accum_steps
+    skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
+    lr = lr_at(step, plan.training)
+    if not skipped:
+        optimizer.set_lr(lr)
+        optimizer.step()
+    optimizer.zero_grad()
+    # JSON has no NaN or infinity: a non-finite figure is logged as null.
+    return {"step": step + 1, "loss": loss_value if math.isfinite(loss_value) else None, "lr": lr,
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "skipped": skipped}
