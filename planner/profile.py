@@ -1,17 +1,27 @@
-"""`fastml profile`: the GPUs, their links and the host as NVML reports them, written as a hwprofile JSON.
+"""`fastml profile`: the GPUs, their links and the host as NVML reports them, written as a hwprofile JSON; and
+this machine's CPU, measured, as the profile CPU plans are made with.
 
-Only what NVML reports is detected here. Every rate (FLOP/s, GEMM efficiency, HBM, PCIe, NVLink, collectives),
-the price and the power still come from the nearest shipped profile until microbenchmarks measure them
-(DESIGN.md, Planner / Profile); the written `source` says which fields are which.
+For GPUs only what NVML reports is detected here. Every rate (FLOP/s, GEMM efficiency, HBM, PCIe, NVLink,
+collectives), the price and the power still come from the nearest shipped profile until microbenchmarks measure
+them (DESIGN.md, Planner / Profile); the written `source` says which fields are which. A CPU has no datasheet to
+take rates from, so they are measured (a few seconds, once per machine and torch, cached): the best fp32 matmul
+rate, the forward and backward GEMMs of the linear layers of each model planned (the efficiency curve), and the
+memory bandwidth of a large tensor copy.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import json
+import math
 import os
 import re
+import statistics
+import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from rich.console import Console
@@ -142,7 +152,7 @@ def profile_json(topology: dict) -> dict:
     """A hwprofile (the schema of hwprofiles/*.json) for the detected machine: the nearest shipped profile with
     what was detected written over it, and the raw topology under the extra top-level key `detected`."""
     if not topology["gpus"]:
-        return _cpu_profile(topology)
+        return this_cpu_profile(topology=topology)
     gpus = topology["gpus"]
     base, match = _base_profile(gpus[0]["name"], gpus[0]["memory_bytes"])
     data = copy.deepcopy(hwprofiles.load(base))
@@ -191,26 +201,6 @@ def _write_detected(data: dict, topology: dict) -> list[str]:
             gpu.setdefault("pcie", {})[key] = min(values)
             fields.append(f"gpu.pcie.{key} (the link's maximum)")
     return fields
-
-
-def _cpu_profile(topology: dict) -> dict:
-    """The shipped `cpu` profile with the host's memory, and zeros (unknown) where load_machine needs a number."""
-    data = copy.deepcopy(hwprofiles.load("cpu"))
-    node = data.setdefault("node", {})
-    node.setdefault("gpus_per_node", 1)
-    node["host_memory_bytes"] = topology["host"]["memory_bytes"]
-    for key in ("h2d_all_gpus_bytes_per_s", "cpu_adam_params_per_s", "host_copy_bytes_per_s", "nic_bytes_per_s"):
-        node.setdefault(key, 0)
-    data.setdefault("collectives", {"latency_s": 0, "bus_bytes_per_s": {}})
-    data.setdefault("price", {"usd_per_gpu_hour": 0, "source": "no GPU: not priced"})
-    data.setdefault("power", {"watts_per_gpu": 0, "source": "no GPU"})
-    data["name"] = "detected-cpu"
-    data["source"] = (
-        f"no CUDA GPU found ({topology['no_gpu_reason']}); detected by `fastml profile` on {topology['date']}: "
-        f"node.host_memory_bytes, and {topology['host']['num_cpus']} CPUs (under `detected`). The rest is shipped "
-        f"profile 'cpu', with 0 (unknown) for the rates it has none of. Source of 'cpu': {data['source']}")
-    data["detected"] = {**topology, "base_profile": "cpu", "base_match": "no CUDA GPU"}
-    return data
 
 
 def print_topology(topology: dict, console: Console) -> None:
@@ -281,6 +271,138 @@ def profile(output: str | None = None, console: Console | None = None) -> dict:
     except OSError as e:
         fail("-o", f"cannot write {path}: {e.strerror or e}")
     detected = data["detected"]
-    console.print(f"wrote {path}: profile {data['name']!r}; rates not measured yet, taken from shipped profile "
-                  f"{detected['base_profile']!r} ({detected['base_match']})")
+    if data.get("device") == "cpu":
+        console.print(f"wrote {path}: profile {data['name']!r}, no CUDA GPU: this CPU's rates, measured")
+    else:
+        console.print(f"wrote {path}: profile {data['name']!r}; rates not measured yet, taken from shipped profile "
+                      f"{detected['base_profile']!r} ({detected['base_match']})")
     return data
+
+
+# ------------------------------------------------------------------------------------ this machine's CPU, measured
+
+PEAK_SQUARE_SIZES = (1024, 1536)
+COPY_ELEMENTS = 32 * 2**20  # fp32: 128 MiB, far beyond any cache
+MAX_MEASURED_FLOPS = 2e10
+"""A linear layer's forward and backward GEMMs above this many FLOPs are measured with fewer tokens (the same
+layer): large GEMMs run at the CPU's plateau, and the measurement stays a few seconds for any model."""
+ADAM_BYTES_PER_PARAM = 28
+"""fp32 AdamW (executor/optim.py, foreach on a CPU): reads and writes the parameter, m and v, reads the gradient."""
+
+
+def linear_shapes(spec, token_counts: Iterable[int]) -> list[tuple[int, int, int]]:
+    """(tokens, out, in) of every linear layer of `spec` (the costs of planner/costs.py) at each token count."""
+    h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
+    layers = [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f), (spec.vocab_size, h)]
+    return sorted({_measurable(t, n, k) for t in token_counts for n, k in layers})
+
+
+def _measurable(tokens: int, out: int, inp: int) -> tuple[int, int, int]:
+    while tokens > 1 and 6 * tokens * out * inp > MAX_MEASURED_FLOPS:
+        tokens //= 2
+    return tokens, out, inp
+
+
+def measure_cpu(shapes: list[tuple[int, int, int]], say=None) -> hwprofiles.CpuMeasurements:
+    """This CPU's measurements for the given linear-layer shapes: the cached ones, with what they lack measured now
+    (and cached). `say` gets a progress line when something is measured."""
+    cached = hwprofiles.this_cpu()
+    missing = [s for s in shapes if cached is None or _shape_key(s) not in cached.linear_seconds]
+    if not missing:
+        return cached
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    say(f"measuring this CPU for planning: {'peak, memory bandwidth and ' if cached is None else ''}"
+        f"{len(missing)} GEMM shapes (once; cached in {hwprofiles.cpu_cache_path()})")
+    start = time.perf_counter()
+    measured = cached or _measure_cpu_base()
+    linear = {**measured.linear_seconds, **{_shape_key(s): _linear_seconds(*s) for s in missing}}
+    measured = dataclasses.replace(measured, linear_seconds=linear)
+    hwprofiles.save_cpu(measured)
+    say(f"measured in {time.perf_counter() - start:.1f} s")
+    return measured
+
+
+def _measure_cpu_base() -> hwprofiles.CpuMeasurements:
+    import torch
+
+    rates = []
+    for size in PEAK_SQUARE_SIZES:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        rates.append(2 * size**3 / _seconds(lambda: torch.matmul(a, b)))
+    source, target = torch.randn(COPY_ELEMENTS), torch.empty(COPY_ELEMENTS)
+    copy_s = _seconds(lambda: target.copy_(source))
+    return hwprofiles.CpuMeasurements(key=hwprofiles.cpu_key(), date=datetime.date.today().isoformat(),
+                                      peak_fp32_flops_per_s=max(rates),
+                                      memory_bytes_per_s=2 * COPY_ELEMENTS * 4 / copy_s)
+
+
+def _linear_seconds(tokens: int, out: int, inp: int) -> float:
+    """A linear layer's forward (x·Wᵀ) and backward (dx = dy·W, dW = dyᵀ·x) GEMMs, in fp32."""
+    import torch
+
+    x, w, dy = torch.randn(tokens, inp), torch.randn(out, inp), torch.randn(tokens, out)
+    return _seconds(lambda: (torch.matmul(x, w.t()), torch.matmul(dy, w), torch.matmul(dy.t(), x)))
+
+
+def _seconds(run, min_repeats: int = 3, max_repeats: int = 20, min_total_s: float = 0.05) -> float:
+    """The fastest of several timed runs after a warm-up: other processes sharing the CPU only ever add time, so
+    the fastest run is the machine's own rate (a run under load is slower than the plan predicts, not faster)."""
+    run()
+    times = []
+    while len(times) < min_repeats or (sum(times) < min_total_s and len(times) < max_repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _shape_key(shape: tuple[int, int, int]) -> str:
+    return ",".join(map(str, shape))
+
+
+def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[int, int, int]],
+                     topology: dict | None = None) -> dict:
+    """The hwprofile of this machine's CPU (schema of hwprofiles/schema.py): its peak, the GEMM efficiency curve
+    over `shapes` (the linear layers of the model planned), its memory bandwidth and memory."""
+    peak, bandwidth = measured.peak_fp32_flops_per_s, measured.memory_bytes_per_s
+    memory_bytes = hwprofiles.host_memory_bytes()
+    key = measured.key
+    data = copy.deepcopy(hwprofiles.load("cpu"))
+    data.update(
+        name="detected-cpu",
+        source=(f"measured on this machine ({key['cpu']}, {key['num_cpus']} CPUs, torch {key['torch']} with "
+                f"{key['torch_threads']} threads) on {measured.date} by `fastml plan`: peak_flops.fp32 is the best "
+                f"fp32 torch.matmul rate of square GEMMs {' and '.join(map(str, PEAK_SQUARE_SIZES))}; "
+                f"gemm_efficiency the forward and backward GEMMs of the model's linear layers; hbm_bytes_per_s "
+                f"(and the host rates) a {COPY_ELEMENTS * 4 // 2**20} MiB tensor copy; cpu_adam_params_per_s that "
+                f"rate over {ADAM_BYTES_PER_PARAM} bytes per parameter; memory the physical memory "
+                f"(os.sysconf). Not priced."),
+        gpu={"memory_bytes": memory_bytes, "peak_flops": {"fp32": peak},
+             "gemm_efficiency": _efficiency_curve(measured, shapes), "hbm_bytes_per_s": bandwidth},
+        node={"gpus_per_node": 1, "host_memory_bytes": memory_bytes, "h2d_all_gpus_bytes_per_s": bandwidth,
+              "cpu_adam_params_per_s": bandwidth / ADAM_BYTES_PER_PARAM, "host_copy_bytes_per_s": bandwidth,
+              "nic_bytes_per_s": 0.0},
+        collectives={"latency_s": 0.0, "bus_bytes_per_s": {}},
+        measured={"key": key, "date": measured.date})
+    if topology is not None:
+        data["detected"] = {**topology, "base_profile": "cpu", "base_match": "no CUDA GPU"}
+    return data
+
+
+def _efficiency_curve(measured: hwprofiles.CpuMeasurements, shapes) -> list[list[float]]:
+    """(g, achieved / peak) per measured shape, g = (tokens·out·in)^(1/3); shapes of equal g averaged."""
+    by_g: dict[float, list[float]] = {}
+    for t, n, k in shapes:
+        seconds = measured.linear_seconds[_shape_key((t, n, k))]
+        g = round(math.prod((t, n, k)) ** (1 / 3), 1)
+        by_g.setdefault(g, []).append(6 * t * n * k / seconds / measured.peak_fp32_flops_per_s)
+    return [[g, round(statistics.fmean(e), 4)] for g, e in sorted(by_g.items())]
+
+
+def this_cpu_profile(spec=None, token_counts: Iterable[int] = (), say=None, topology: dict | None = None) -> dict:
+    """This machine's CPU profile for planning `spec` at these tokens per micro-batch, measuring what the cache
+    lacks. Without a model: the tiny model's shapes at 256 and 4096 tokens (the default CPU plan's range)."""
+    from fastml.spec import PRESETS
+
+    shapes = linear_shapes(spec or PRESETS["tiny"], token_counts or (256, 4096))
+    return cpu_profile_json(measure_cpu(shapes, say), shapes, topology)
