@@ -175,7 +175,7 @@ def _base_profile(device_name: str, memory_bytes: int) -> tuple[str, str]:
     named = hwprofiles.for_device_name(device_name)
     if named:
         return named, f"its device_names list {device_name!r}"
-    candidates = [n for n in hwprofiles.names() if hwprofiles.load(n)["gpu"]["memory_bytes"] > 0]
+    candidates = [n for n in hwprofiles.names() if hwprofiles.load(n).get("device", "cuda") == "cuda"]
     if not candidates:
         fail("profile", "no shipped GPU profile to start from")
     nearest = min(candidates, key=lambda n: abs(hwprofiles.load(n)["gpu"]["memory_bytes"] - memory_bytes))
