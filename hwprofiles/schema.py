@@ -26,6 +26,9 @@ class DeviceSection:
     """Dense peak FLOP/s by matmul dtype (a CPU profile: the best fp32 matmul rate measured)."""
     gemm_efficiency: tuple[tuple[float, float], ...]
     """(g, achieved / peak) with g the geometric mean of a GEMM's M, N and K."""
+    gemm_shapes: tuple[tuple[float, float, float, float], ...] = ()
+    """(M, N, K, achieved / peak) of GEMMs measured at exactly these shapes, used before the curve (a CPU profile:
+    each linear layer of the models planned, forward and backward, M the tokens of a micro-batch)."""
     hbm_bytes_per_s: float
     """Device memory bandwidth (a CPU profile: a large tensor copy's rate in host memory)."""
     pcie: Pcie | None = None

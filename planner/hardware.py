@@ -31,11 +31,14 @@ class Gpu:
     d2h_bytes_per_s: float
     p2p: bool
     nvlink_bytes_per_s: float
+    gemm_shapes: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
+    """Efficiency measured at exactly these (M, N, K): on a CPU it depends on the shape more than on g."""
 
     def gemm_seconds(self, m: int, n: int, k: int, dtype: str) -> float:
-        """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this size
-        (interpolated in log g; the curve is measured in bf16 and applied to fp8 too)."""
-        return 2.0 * m * n * k / (self.peak_flops_for(dtype) * self.gemm_efficiency_at((m * n * k) ** (1 / 3)))
+        """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this shape, else at this
+        size (interpolated in log g; the curve is measured in bf16 and applied to fp8 too)."""
+        efficiency = self.gemm_shapes.get((m, n, k)) or self.gemm_efficiency_at((m * n * k) ** (1 / 3))
+        return 2.0 * m * n * k / (self.peak_flops_for(dtype) * efficiency)
 
     def peak_flops_for(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -181,6 +184,7 @@ def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
         profile=p.name, fingerprint=fingerprint, source=p.source, device=p.device,
         gpu=Gpu(memory_bytes=gpu.memory_bytes, peak_flops=dict(gpu.peak_flops),
                 gemm_efficiency=tuple(sorted(gpu.gemm_efficiency)), hbm_bytes_per_s=gpu.hbm_bytes_per_s,
+                gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.gemm_shapes},
                 h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, p2p=gpu.p2p, nvlink_bytes_per_s=gpu.nvlink_bytes_per_s),
         node=Node(**dataclasses.asdict(node)), num_gpus=node.gpus_per_node,
         collective_latency_s=p.collectives.latency_s, bus_bytes_per_s=dict(p.collectives.bus_bytes_per_s),

@@ -152,7 +152,8 @@ def profile_json(topology: dict) -> dict:
     """A hwprofile (the schema of hwprofiles/*.json) for the detected machine: the nearest shipped profile with
     what was detected written over it, and the raw topology under the extra top-level key `detected`."""
     if not topology["gpus"]:
-        return this_cpu_profile(topology=topology)
+        # Measured again: the way to replace a cached measurement taken while other work loaded the CPU.
+        return this_cpu_profile(topology=topology, fresh=True)
     gpus = topology["gpus"]
     base, match = _base_profile(gpus[0]["name"], gpus[0]["memory_bytes"])
     data = copy.deepcopy(hwprofiles.load(base))
@@ -281,7 +282,7 @@ def profile(output: str | None = None, console: Console | None = None) -> dict:
 
 # ------------------------------------------------------------------------------------ this machine's CPU, measured
 
-PEAK_SQUARE_SIZES = (1024, 1536)
+PEAK_SQUARE_SIZES = (1024, 2048)
 COPY_ELEMENTS = 32 * 2**20  # fp32: 128 MiB, far beyond any cache
 MAX_MEASURED_FLOPS = 2e10
 """A linear layer's forward and backward GEMMs above this many FLOPs are measured with fewer tokens (the same
@@ -303,19 +304,26 @@ def _measurable(tokens: int, out: int, inp: int) -> tuple[int, int, int]:
     return tokens, out, inp
 
 
-def measure_cpu(shapes: list[tuple[int, int, int]], say=None) -> hwprofiles.CpuMeasurements:
+def measure_cpu(shapes: list[tuple[int, int, int]], say=None, fresh: bool = False) -> hwprofiles.CpuMeasurements:
     """This CPU's measurements for the given linear-layer shapes: the cached ones, with what they lack measured now
-    (and cached). `say` gets a progress line when something is measured."""
-    cached = hwprofiles.this_cpu()
+    (and cached); `fresh` measures everything again, replacing the cache. `say` gets a progress line when something
+    is measured."""
+    cached = None if fresh else hwprofiles.this_cpu()
     missing = [s for s in shapes if cached is None or _shape_key(s) not in cached.linear_seconds]
     if not missing:
         return cached
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     say(f"measuring this CPU for planning: {'peak, memory bandwidth and ' if cached is None else ''}"
         f"{len(missing)} GEMM shapes (once; cached in {hwprofiles.cpu_cache_path()})")
+    load, num_cpus = os.getloadavg()[0], os.cpu_count() or 1
+    if load > num_cpus / 2:
+        say(f"warning: other work loads this CPU (load average {load:.1f} on {num_cpus} CPUs): its measured rates "
+            f"may be low; measure again with `fastml profile` when it is idle")
     start = time.perf_counter()
     measured = cached or _measure_cpu_base()
-    linear = {**measured.linear_seconds, **{_shape_key(s): _linear_seconds(*s) for s in missing}}
+    # Two passes, each shape's fastest kept: a burst of other work must hit a shape in both to skew it.
+    passes = [{_shape_key(s): _linear_seconds(*s) for s in missing} for _ in range(2)]
+    linear = {**measured.linear_seconds, **{key: min(p[key] for p in passes) for key in passes[0]}}
     measured = dataclasses.replace(measured, linear_seconds=linear)
     hwprofiles.save_cpu(measured)
     say(f"measured in {time.perf_counter() - start:.1f} s")
@@ -378,7 +386,8 @@ def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[in
                 f"rate over {ADAM_BYTES_PER_PARAM} bytes per parameter; memory the physical memory "
                 f"(os.sysconf). Not priced."),
         gpu={"memory_bytes": memory_bytes, "peak_flops": {"fp32": peak},
-             "gemm_efficiency": _efficiency_curve(measured, shapes), "hbm_bytes_per_s": bandwidth},
+             "gemm_efficiency": _efficiency_curve(measured, shapes), "gemm_shapes": _efficiencies(measured, shapes),
+             "hbm_bytes_per_s": bandwidth},
         node={"gpus_per_node": 1, "host_memory_bytes": memory_bytes, "h2d_all_gpus_bytes_per_s": bandwidth,
               "cpu_adam_params_per_s": bandwidth / ADAM_BYTES_PER_PARAM, "host_copy_bytes_per_s": bandwidth,
               "nic_bytes_per_s": 0.0},
@@ -389,20 +398,28 @@ def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[in
     return data
 
 
+def _efficiencies(measured: hwprofiles.CpuMeasurements, shapes) -> list[list[float]]:
+    """(tokens, out, in, achieved / peak) per measured shape: its forward and backward, 6·t·n·k FLOPs."""
+    peak = measured.peak_fp32_flops_per_s
+    return [[t, n, k, round(6 * t * n * k / measured.linear_seconds[_shape_key((t, n, k))] / peak, 4)]
+            for t, n, k in shapes]
+
+
 def _efficiency_curve(measured: hwprofiles.CpuMeasurements, shapes) -> list[list[float]]:
-    """(g, achieved / peak) per measured shape, g = (tokens·out·in)^(1/3); shapes of equal g averaged."""
+    """(g, achieved / peak) per measured shape, g = (tokens·out·in)^(1/3); shapes of equal g averaged: for GEMMs of
+    other shapes (attention, a pinned micro-batch)."""
     by_g: dict[float, list[float]] = {}
-    for t, n, k in shapes:
-        seconds = measured.linear_seconds[_shape_key((t, n, k))]
-        g = round(math.prod((t, n, k)) ** (1 / 3), 1)
-        by_g.setdefault(g, []).append(6 * t * n * k / seconds / measured.peak_fp32_flops_per_s)
+    for t, n, k, efficiency in _efficiencies(measured, shapes):
+        by_g.setdefault(round(math.prod((t, n, k)) ** (1 / 3), 1), []).append(efficiency)
     return [[g, round(statistics.fmean(e), 4)] for g, e in sorted(by_g.items())]
 
 
-def this_cpu_profile(spec=None, token_counts: Iterable[int] = (), say=None, topology: dict | None = None) -> dict:
+def this_cpu_profile(spec=None, token_counts: Iterable[int] = (), say=None, topology: dict | None = None,
+                     fresh: bool = False) -> dict:
     """This machine's CPU profile for planning `spec` at these tokens per micro-batch, measuring what the cache
-    lacks. Without a model: the tiny model's shapes at 256 and 4096 tokens (the default CPU plan's range)."""
+    lacks (everything, if `fresh`). Without a model: the tiny model's shapes at 256 to 4096 tokens (the default CPU
+    plan's micro-batches)."""
     from fastml.spec import PRESETS
 
-    shapes = linear_shapes(spec or PRESETS["tiny"], token_counts or (256, 4096))
-    return cpu_profile_json(measure_cpu(shapes, say), shapes, topology)
+    shapes = linear_shapes(spec or PRESETS["tiny"], token_counts or (256, 512, 1024, 2048, 4096))
+    return cpu_profile_json(measure_cpu(shapes, say, fresh), shapes, topology)

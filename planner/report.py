@@ -61,14 +61,18 @@ def print_ranking(console: Console, rows: list[tuple[str, Plan | None, str]]) ->
     table = Table(title="hardware ranked by cost per million tokens")
     for column in ("hardware", "tokens/s", "MFU", "$/Mtok", "kWh/Mtok", "knobs"):
         table.add_column(column, justify="left" if column in ("hardware", "knobs") else "right")
-    priced = sorted((r for r in rows if r[1] is not None and r[1].predicted),
+    priced = sorted((r for r in rows if r[1] is not None and r[1].hardware.device != "cpu"),
                     key=lambda r: r[1].predicted.usd_per_million_tokens)
     for hw, plan, _ in priced:
         p = plan.predicted
         table.add_row(hw, f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.usd_per_million_tokens:.3g}",
                       f"{p.kwh_per_million_tokens:.3g}", describe_knobs(plan.knobs))
-    for hw, plan, note in (r for r in rows if r[1] is None or not r[1].predicted):
-        table.add_row(hw, "-", "-", "-", "-", f"infeasible: {note}" if plan is None else "no prediction on a CPU")
+    for hw, plan, note in (r for r in rows if r not in priced):
+        if plan is None:
+            table.add_row(hw, "-", "-", "-", "-", f"infeasible: {note}")
+        else:  # a CPU's plans have no price or power in its measured profile
+            table.add_row(hw, f"{plan.predicted.tokens_per_s:,.0f}", f"{plan.predicted.mfu:.1%}", "-", "-",
+                          f"not priced (a CPU); {describe_knobs(plan.knobs)}")
     console.print(table)
 
 

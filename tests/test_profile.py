@@ -266,6 +266,11 @@ def test_the_cpu_profile_is_a_hardware_profile_measured_here(monkeypatch, tmp_pa
     assert len(efficiencies) == len(linear_shapes(PRESETS["tiny"], (256, 4096)))
     assert all(0.2 < e <= 0.4 for e in efficiencies) and efficiencies[-1] > efficiencies[0]
     assert hwprofiles.peak_flops("cpu", "fp32") == FAKE_PEAK  # what the executor's meter reads
+    # A linear layer of the model is timed as measured at its exact shape, forward plus twice the forward.
+    spec = PRESETS["tiny"]
+    t, n, k = 4096, spec.q_size + 2 * spec.kv_size, spec.hidden_size
+    measured = 6 * t * n * k / (0.4 * FAKE_PEAK) + 2e-5
+    assert 3 * machine.gpu.gemm_seconds(t, n, k, "fp32") == pytest.approx(measured, rel=1e-3)
 
 
 def test_the_cpu_measurements_are_cached_by_what_would_change_them(monkeypatch, tmp_path):
