@@ -67,8 +67,8 @@ def main() -> None:
                         "memory_bytes_per_s": cpu.memory_bytes_per_s, "cache": str(hwprofiles.cpu_cache_path())},
         "goal": "ratio_predicted_over_measured within 0.5-2", "rows": rows})
     for r in rows:
-        print(f"{r['case']:45s} predicted {r['predicted_step_time_s']:.3f} s  measured {r['measured_step_time_s']:.3f} s"
-              f"  ratio {r['ratio_predicted_over_measured']:.2f}")
+        print(f"{r['case']:45s} predicted {r['predicted_step_time_s']:.3f} s  measured "
+              f"{r['measured_step_time_s']:.3f} s  ratio {r['ratio_predicted_over_measured']:.2f}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,9 @@ class CpuMeasurements:
     linear_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     """A linear layer's forward and backward GEMMs (x·Wᵀ, then dx and dW) by "tokens,out,in": measured seconds,
     for the shapes of the models planned on this machine so far."""
+    attention_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Causal scaled-dot-product attention's forward and backward by "batch,seq,heads,kv_heads,head_dim": measured
+    seconds, for the models planned here so far."""
 
 
 def cache_dir() -> Path:

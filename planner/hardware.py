@@ -37,8 +37,14 @@ class Gpu:
     def gemm_seconds(self, m: int, n: int, k: int, dtype: str) -> float:
         """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this shape, else at this
         size (interpolated in log g; the curve is measured in bf16 and applied to fp8 too)."""
-        efficiency = self.gemm_shapes.get((m, n, k)) or self.gemm_efficiency_at((m * n * k) ** (1 / 3))
+        efficiency = self._shape_efficiency(m, n, k) or self.gemm_efficiency_at((m * n * k) ** (1 / 3))
         return 2.0 * m * n * k / (self.peak_flops_for(dtype) * efficiency)
+
+    def _shape_efficiency(self, m: int, n: int, k: int) -> float | None:
+        """The efficiency measured at (m, n, k), or at the largest M measured below m with the same N and K (large
+        GEMMs are measured with fewer rows, the rate having reached its plateau)."""
+        below = [(mm, e) for (mm, nn, kk), e in self.gemm_shapes.items() if (nn, kk) == (n, k) and mm <= m]
+        return max(below)[1] if below else None
 
     def peak_flops_for(self, dtype: str) -> float:
         if dtype not in self.peak_flops:

@@ -173,8 +173,8 @@ def _named_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
 def _this_cpu_profile(spec: ModelSpec, seq_len: int, sequences: int) -> dict:
     """This CPU's profile, with its GEMM curve over the micro-batches a plan may choose: 1 sequence, powers of two,
     up to the whole step (or the search's largest micro-batch)."""
-    sizes = {min(sequences, MAX_MICRO_BATCH)} | {2**i for i in range(7) if 2**i <= min(sequences, MAX_MICRO_BATCH)}
-    return this_cpu_profile(spec, sorted(max(1, s) * seq_len for s in sizes))
+    largest = max(1, min(sequences, MAX_MICRO_BATCH))
+    return this_cpu_profile(spec, seq_len, sorted({largest} | {2**i for i in range(7) if 2**i <= largest}))
 
 
 def _assemble(problem: Problem, candidate: Candidate, steps: int, data: str) -> Plan:

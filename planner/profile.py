@@ -287,6 +287,8 @@ COPY_ELEMENTS = 32 * 2**20  # fp32: 128 MiB, far beyond any cache
 MAX_MEASURED_FLOPS = 2e10
 """A linear layer's forward and backward GEMMs above this many FLOPs are measured with fewer tokens (the same
 layer): large GEMMs run at the CPU's plateau, and the measurement stays a few seconds for any model."""
+ATTENTION_FLOPS_FACTOR = 3.5
+"""Attention's forward and backward over its forward FLOPs (planner/costs.py: the backward is 2.5 forwards)."""
 ADAM_BYTES_PER_PARAM = 28
 """fp32 AdamW (executor/optim.py, foreach on a CPU): reads and writes the parameter, m and v, reads the gradient."""
 
@@ -304,30 +306,55 @@ def _measurable(tokens: int, out: int, inp: int) -> tuple[int, int, int]:
     return tokens, out, inp
 
 
-def measure_cpu(shapes: list[tuple[int, int, int]], say=None, fresh: bool = False) -> hwprofiles.CpuMeasurements:
-    """This CPU's measurements for the given linear-layer shapes: the cached ones, with what they lack measured now
-    (and cached); `fresh` measures everything again, replacing the cache. `say` gets a progress line when something
-    is measured."""
+def attention_shapes(spec, seq_len: int, micro_batches: Iterable[int]) -> list[tuple[int, int, int, int, int]]:
+    """(batch, seq, heads, kv_heads, head_dim) of `spec`'s attention at each micro-batch, fewer sequences where
+    one would take long (as for linear layers)."""
+    shapes = set()
+    for batch in micro_batches:
+        flops = ATTENTION_FLOPS_FACTOR * _attention_flops(1, seq_len, spec.q_size)
+        while batch > 1 and batch * flops > MAX_MEASURED_FLOPS:
+            batch //= 2
+        shapes.add((batch, seq_len, spec.num_heads, spec.num_kv_heads, spec.head_dim))
+    return sorted(shapes)
+
+
+def _attention_flops(batch: int, seq_len: int, q_size: int) -> float:
+    """Causal attention's forward matmul FLOPs, as planner/costs.py counts them."""
+    return 2.0 * batch * seq_len * seq_len * q_size
+
+
+def measure_cpu(shapes: list[tuple[int, int, int]], attention: list[tuple[int, ...]] = (), say=None,
+                fresh: bool = False) -> hwprofiles.CpuMeasurements:
+    """This CPU's measurements for the given linear-layer and attention shapes: the cached ones, with what they lack
+    measured now (and cached); `fresh` measures everything again, replacing the cache. `say` gets a progress line
+    when something is measured."""
     cached = None if fresh else hwprofiles.this_cpu()
     missing = [s for s in shapes if cached is None or _shape_key(s) not in cached.linear_seconds]
-    if not missing:
+    missing_attention = [s for s in attention if cached is None or _shape_key(s) not in cached.attention_seconds]
+    if not missing and not missing_attention:
         return cached
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-    say(f"measuring this CPU for planning: {'peak, memory bandwidth and ' if cached is None else ''}"
-        f"{len(missing)} GEMM shapes (once; cached in {hwprofiles.cpu_cache_path()})")
+    say(f"measuring this CPU for planning: {'peak, memory bandwidth, ' if cached is None else ''}"
+        f"{len(missing)} GEMM and {len(missing_attention)} attention shapes (once; cached in "
+        f"{hwprofiles.cpu_cache_path()})")
     load, num_cpus = os.getloadavg()[0], os.cpu_count() or 1
     if load > num_cpus / 2:
         say(f"warning: other work loads this CPU (load average {load:.1f} on {num_cpus} CPUs): its measured rates "
             f"may be low; measure again with `fastml profile` when it is idle")
     start = time.perf_counter()
     measured = cached or _measure_cpu_base()
-    # Two passes, each shape's fastest kept: a burst of other work must hit a shape in both to skew it.
-    passes = [{_shape_key(s): _linear_seconds(*s) for s in missing} for _ in range(2)]
-    linear = {**measured.linear_seconds, **{key: min(p[key] for p in passes) for key in passes[0]}}
-    measured = dataclasses.replace(measured, linear_seconds=linear)
+    measured = dataclasses.replace(
+        measured, linear_seconds={**measured.linear_seconds, **_fastest_of_two(_linear_seconds, missing)},
+        attention_seconds={**measured.attention_seconds, **_fastest_of_two(_attention_seconds, missing_attention)})
     hwprofiles.save_cpu(measured)
     say(f"measured in {time.perf_counter() - start:.1f} s")
     return measured
+
+
+def _fastest_of_two(seconds, shapes) -> dict[str, float]:
+    """Two passes, each shape's fastest kept: a burst of other work must hit a shape in both to skew it."""
+    passes = [{_shape_key(s): seconds(*s) for s in shapes} for _ in range(2)]
+    return {key: min(p[key] for p in passes) for key in passes[0]}
 
 
 def _measure_cpu_base() -> hwprofiles.CpuMeasurements:
@@ -352,6 +379,20 @@ def _linear_seconds(tokens: int, out: int, inp: int) -> float:
     return _seconds(lambda: (torch.matmul(x, w.t()), torch.matmul(dy, w), torch.matmul(dy.t(), x)))
 
 
+def _attention_seconds(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int) -> float:
+    """Causal attention's forward and backward as the executor runs it (executor/model.py), in fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(batch, heads, seq_len, head_dim, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, requires_grad=True) for _ in range(2))
+    grad = torch.randn(batch, heads, seq_len, head_dim)
+
+    def run():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads).backward(grad)
+    return _seconds(run)
+
+
 def _seconds(run, min_repeats: int = 3, max_repeats: int = 20, min_total_s: float = 0.05) -> float:
     """The fastest of several timed runs after a warm-up: other processes sharing the CPU only ever add time, so
     the fastest run is the machine's own rate (a run under load is slower than the plan predicts, not faster)."""
@@ -369,9 +410,10 @@ def _shape_key(shape: tuple[int, int, int]) -> str:
 
 
 def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[int, int, int]],
-                     topology: dict | None = None) -> dict:
-    """The hwprofile of this machine's CPU (schema of hwprofiles/schema.py): its peak, the GEMM efficiency curve
-    over `shapes` (the linear layers of the model planned), its memory bandwidth and memory."""
+                     attention: list[tuple[int, ...]] = (), topology: dict | None = None) -> dict:
+    """The hwprofile of this machine's CPU (schema of hwprofiles/schema.py): its peak, the efficiency of the model's
+    linear layers at their shapes and of its attention (the curve, at the size planner/costs.py gives attention),
+    its memory bandwidth and memory."""
     peak, bandwidth = measured.peak_fp32_flops_per_s, measured.memory_bytes_per_s
     memory_bytes = hwprofiles.host_memory_bytes()
     key = measured.key
@@ -380,13 +422,14 @@ def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[in
         name="detected-cpu",
         source=(f"measured on this machine ({key['cpu']}, {key['num_cpus']} CPUs, torch {key['torch']} with "
                 f"{key['torch_threads']} threads) on {measured.date} by `fastml plan`: peak_flops.fp32 is the best "
-                f"fp32 torch.matmul rate of square GEMMs {' and '.join(map(str, PEAK_SQUARE_SIZES))}; "
-                f"gemm_efficiency the forward and backward GEMMs of the model's linear layers; hbm_bytes_per_s "
-                f"(and the host rates) a {COPY_ELEMENTS * 4 // 2**20} MiB tensor copy; cpu_adam_params_per_s that "
-                f"rate over {ADAM_BYTES_PER_PARAM} bytes per parameter; memory the physical memory "
-                f"(os.sysconf). Not priced."),
+                f"fp32 torch.matmul rate of square GEMMs {' and '.join(map(str, PEAK_SQUARE_SIZES))}; gemm_shapes "
+                f"the forward and backward GEMMs of the model's linear layers; gemm_efficiency its causal attention "
+                f"(forward and backward), at g = (batch·seq·heads·seq·head_dim)^(1/3) as planner/costs.py models "
+                f"it; hbm_bytes_per_s (and the host rates) a {COPY_ELEMENTS * 4 // 2**20} MiB tensor copy; "
+                f"cpu_adam_params_per_s that rate over {ADAM_BYTES_PER_PARAM} bytes per parameter; memory the "
+                f"physical memory (os.sysconf). Not priced."),
         gpu={"memory_bytes": memory_bytes, "peak_flops": {"fp32": peak},
-             "gemm_efficiency": _efficiency_curve(measured, shapes), "gemm_shapes": _efficiencies(measured, shapes),
+             "gemm_efficiency": _attention_curve(measured, attention), "gemm_shapes": _efficiencies(measured, shapes),
              "hbm_bytes_per_s": bandwidth},
         node={"gpus_per_node": 1, "host_memory_bytes": memory_bytes, "h2d_all_gpus_bytes_per_s": bandwidth,
               "cpu_adam_params_per_s": bandwidth / ADAM_BYTES_PER_PARAM, "host_copy_bytes_per_s": bandwidth,
@@ -405,21 +448,24 @@ def _efficiencies(measured: hwprofiles.CpuMeasurements, shapes) -> list[list[flo
             for t, n, k in shapes]
 
 
-def _efficiency_curve(measured: hwprofiles.CpuMeasurements, shapes) -> list[list[float]]:
-    """(g, achieved / peak) per measured shape, g = (tokens·out·in)^(1/3); shapes of equal g averaged: for GEMMs of
-    other shapes (attention, a pinned micro-batch)."""
-    by_g: dict[float, list[float]] = {}
-    for t, n, k, efficiency in _efficiencies(measured, shapes):
-        by_g.setdefault(round(math.prod((t, n, k)) ** (1 / 3), 1), []).append(efficiency)
-    return [[g, round(statistics.fmean(e), 4)] for g, e in sorted(by_g.items())]
+def _attention_curve(measured: hwprofiles.CpuMeasurements, attention) -> list[list[float]]:
+    """(g, achieved / peak) of attention per measured shape, g and FLOPs as planner/costs.py counts them."""
+    points = {}
+    for b, s, heads, kv_heads, d in attention:
+        seconds = measured.attention_seconds[_shape_key((b, s, heads, kv_heads, d))]
+        flops = ATTENTION_FLOPS_FACTOR * _attention_flops(b, s, heads * d)
+        points[round((b * s * heads * s * d) ** (1 / 3), 1)] = round(flops / seconds / measured.peak_fp32_flops_per_s,
+                                                                    4)
+    return [[g, e] for g, e in sorted(points.items())]
 
 
-def this_cpu_profile(spec=None, token_counts: Iterable[int] = (), say=None, topology: dict | None = None,
-                     fresh: bool = False) -> dict:
-    """This machine's CPU profile for planning `spec` at these tokens per micro-batch, measuring what the cache
-    lacks (everything, if `fresh`). Without a model: the tiny model's shapes at 256 to 4096 tokens (the default CPU
-    plan's micro-batches)."""
+def this_cpu_profile(spec=None, seq_len: int = 256, micro_batches: Iterable[int] = (1, 2, 4, 8, 16), say=None,
+                     topology: dict | None = None, fresh: bool = False) -> dict:
+    """This machine's CPU profile for planning `spec` (default: tiny) at `seq_len` and these micro-batches,
+    measuring what the cache lacks (everything, if `fresh`)."""
     from fastml.spec import PRESETS
 
-    shapes = linear_shapes(spec or PRESETS["tiny"], token_counts or (256, 512, 1024, 2048, 4096))
-    return cpu_profile_json(measure_cpu(shapes, say, fresh), shapes, topology)
+    spec = spec or PRESETS["tiny"]
+    shapes = linear_shapes(spec, [b * seq_len for b in micro_batches])
+    attention = attention_shapes(spec, seq_len, micro_batches)
+    return cpu_profile_json(measure_cpu(shapes, attention, say, fresh), shapes, attention, topology)

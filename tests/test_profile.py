@@ -28,10 +28,11 @@ FAKE_BANDWIDTH = 2e10
 
 
 def fake_cpu_measurements(monkeypatch, tmp_path) -> dict:
-    """This CPU's measurements replaced by fixed numbers (a GEMM at 40% of the peak plus 20 µs), cached under
-    tmp_path; returns the counts of measurements taken ("base": peak and bandwidth, "linear": GEMM shapes)."""
+    """This CPU's measurements replaced by fixed numbers (a GEMM at 40% of the peak plus 20 µs, attention at 20%),
+    cached under tmp_path; returns the counts of measurements taken ("base": peak and bandwidth, "linear": GEMM
+    shapes, "attention": attention shapes)."""
     monkeypatch.setenv("FASTML_CACHE", str(tmp_path / "cache"))
-    calls = {"base": 0, "linear": 0}
+    calls = {"base": 0, "linear": 0, "attention": 0}
 
     def base():
         calls["base"] += 1
@@ -42,8 +43,13 @@ def fake_cpu_measurements(monkeypatch, tmp_path) -> dict:
         calls["linear"] += 1
         return 6 * tokens * out * inp / (0.4 * FAKE_PEAK) + 2e-5
 
+    def attention(batch, seq_len, heads, kv_heads, head_dim):
+        calls["attention"] += 1
+        return 3.5 * 2 * batch * seq_len**2 * heads * head_dim / (0.2 * FAKE_PEAK)
+
     monkeypatch.setattr(profile_module, "_measure_cpu_base", base)
     monkeypatch.setattr(profile_module, "_linear_seconds", linear)
+    monkeypatch.setattr(profile_module, "_attention_seconds", attention)
     return calls
 
 
@@ -254,17 +260,18 @@ def test_real_detection_on_gpus(tmp_path):
 
 def test_the_cpu_profile_is_a_hardware_profile_measured_here(monkeypatch, tmp_path):
     fake_cpu_measurements(monkeypatch, tmp_path)
-    data = this_cpu_profile(PRESETS["tiny"], (256, 4096), say=lambda line: None)
+    data = this_cpu_profile(PRESETS["tiny"], 256, (1, 16), say=lambda line: None)
     assert data["device"] == "cpu" and data["name"] == "detected-cpu"
     assert "measured on this machine" in data["source"] and "2026-11-30" in data["source"]
     machine = load_machine(data)
     assert machine.gpu.peak_flops == {"fp32": FAKE_PEAK} and machine.gpu.hbm_bytes_per_s == FAKE_BANDWIDTH
     assert machine.gpu.memory_bytes == machine.node.host_memory_bytes == hwprofiles.host_memory_bytes()
     assert machine.shares_host_memory and machine.usd_per_gpu_hour == 0 and machine.num_gpus == 1
-    # The curve: one point per shape of the model's linear layers, below 40% where the fixed 20 µs weighs.
-    efficiencies = [e for _, e in machine.gpu.gemm_efficiency]
-    assert len(efficiencies) == len(linear_shapes(PRESETS["tiny"], (256, 4096)))
+    # Each shape of the model's linear layers, below 40% where the fixed 20 µs weighs; the curve: attention.
+    efficiencies = [machine.gpu.gemm_shapes[s] for s in linear_shapes(PRESETS["tiny"], (256, 4096))]
+    assert len(machine.gpu.gemm_shapes) == len(efficiencies) == 8  # qkv and the LM head share a shape in tiny
     assert all(0.2 < e <= 0.4 for e in efficiencies) and efficiencies[-1] > efficiencies[0]
+    assert [e for _, e in machine.gpu.gemm_efficiency] == [0.2, 0.2]
     assert hwprofiles.peak_flops("cpu", "fp32") == FAKE_PEAK  # what the executor's meter reads
     # A linear layer of the model is timed as measured at its exact shape, forward plus twice the forward.
     spec = PRESETS["tiny"]
@@ -276,17 +283,18 @@ def test_the_cpu_profile_is_a_hardware_profile_measured_here(monkeypatch, tmp_pa
 def test_the_cpu_measurements_are_cached_by_what_would_change_them(monkeypatch, tmp_path):
     calls = fake_cpu_measurements(monkeypatch, tmp_path)
     assert hwprofiles.this_cpu() is None
-    first = this_cpu_profile(PRESETS["tiny"], (256,), say=lambda line: None)
+    first = this_cpu_profile(PRESETS["tiny"], 256, (1,), say=lambda line: None)
     measured = dict(calls)
     assert measured["base"] == 1 and measured["linear"] > 0 and hwprofiles.this_cpu() is not None
-    assert this_cpu_profile(PRESETS["tiny"], (256,), say=lambda line: None) == first
+    assert this_cpu_profile(PRESETS["tiny"], 256, (1,), say=lambda line: None) == first
     assert calls == measured  # the second plan measures nothing
-    this_cpu_profile(PRESETS["tiny"], (256, 512), say=lambda line: None)
+    this_cpu_profile(PRESETS["tiny"], 256, (1, 2), say=lambda line: None)
     assert calls["base"] == 1 and calls["linear"] > measured["linear"]  # only the new shapes
+    assert calls["attention"] == measured["attention"] + 2  # one new shape, two passes
     key = {**hwprofiles.cpu_key(), "torch": "9.9.9"}
     monkeypatch.setattr(hwprofiles, "cpu_key", lambda: key)
     assert hwprofiles.this_cpu() is None
-    this_cpu_profile(PRESETS["tiny"], (256,), say=lambda line: None)
+    this_cpu_profile(PRESETS["tiny"], 256, (1,), say=lambda line: None)
     assert calls["base"] == 2 and hwprofiles.this_cpu().key == key  # a changed key measures again
 
 
@@ -303,9 +311,10 @@ def test_a_broken_cpu_cache_is_one_line(monkeypatch, tmp_path):
 def test_measuring_this_cpu_for_real(monkeypatch, tmp_path):
     monkeypatch.setenv("FASTML_CACHE", str(tmp_path))
     lines = []
-    measured = measure_cpu([(64, 96, 128)], say=lines.append)
+    measured = measure_cpu([(64, 96, 128)], [(1, 64, 4, 2, 16)], say=lines.append)
     assert measured.peak_fp32_flops_per_s > 1e8 and measured.memory_bytes_per_s > 1e8
-    assert measured.linear_seconds["64,96,128"] > 0 and "measuring this CPU" in lines[0]
+    assert measured.linear_seconds["64,96,128"] > 0 and measured.attention_seconds["1,64,4,2,16"] > 0
+    assert "measuring this CPU" in lines[0]
     assert hwprofiles.this_cpu() == measured
 
 
