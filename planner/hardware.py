@@ -135,13 +135,18 @@ def load_machine(hw: str | dict, num_gpus: int | None = None, num_nodes: int | N
     return dataclasses.replace(machine, gpu=gpu, node=node, num_gpus=gpus_per_node * (num_nodes or 1))
 
 
-def _resized_cpu(machine: Machine, num_gpus, num_nodes, gpu_memory, host_memory) -> Machine:
-    """A CPU trains as one device; --host-mem caps its one memory pool."""
+def check_cpu_options(profile: str, num_gpus, num_nodes, gpu_memory) -> None:
+    """A CPU trains as one device, in host memory: GPU counts and GPU memory do not apply."""
     for option, value in (("--gpus", num_gpus), ("--nodes", num_nodes)):
         if value not in (None, 1):
-            fail(option, f"{value}: {machine.profile} is a CPU, which trains as one device; plan for GPUs with --hw")
+            fail(option, f"{value}: {profile} is a CPU, which trains as one device; plan for GPUs with --hw")
     if gpu_memory is not None:
-        fail("--gpu-mem", f"{machine.profile} is a CPU: it has no GPU memory; cap its memory with --host-mem")
+        fail("--gpu-mem", f"{profile} is a CPU: it has no GPU memory; cap its memory with --host-mem")
+
+
+def _resized_cpu(machine: Machine, num_gpus, num_nodes, gpu_memory, host_memory) -> Machine:
+    """A CPU trains as one device; --host-mem caps its one memory pool."""
+    check_cpu_options(machine.profile, num_gpus, num_nodes, gpu_memory)
     if host_memory is None:
         return machine
     pool = parse_bytes(host_memory, "--host-mem")

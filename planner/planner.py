@@ -9,8 +9,9 @@ import torch
 
 from fastml import hwprofiles
 from fastml.config import UserError, check_range, fail, from_dict
-from fastml.plan import Hardware, Knobs, Plan, Predicted, Training, parse_assignment, with_overrides
-from fastml.planner.hardware import Machine, load_machine
+from fastml.plan import KNOBS, Hardware, Knobs, Plan, Predicted, Training, parse_assignment, with_overrides
+from fastml.planner.hardware import Machine, check_cpu_options, load_machine, parse_bytes
+from fastml.planner.memory import Memory, memory
 from fastml.planner.profile import this_cpu_profile
 from fastml.planner.request import DEFAULT_SEQ_LEN, SEQUENCES_PER_STEP, TINY_SEQ_LEN, PlanRequest
 from fastml.planner.search import (HOST_USABLE_FRACTION, MAX_MICRO_BATCH, Candidate, Problem, evaluate, knob_space,
@@ -105,11 +106,7 @@ def infeasible_message(problem: Problem, space: dict) -> str:
     smallest = evaluate(problem, make_knobs(problem, smallest_choice(space)))
     shorter = [f"a shorter sequence (--seq {problem.seq_len // 2})"] if problem.seq_len > 256 else []
     if m.shares_host_memory:
-        needs = smallest.memory.gpu_total + smallest.memory.host_total
-        return (f"no feasible plan for {spec.name} (seq {problem.seq_len}) on this CPU ({m.profile}): the smallest "
-                f"plan needs {_gib(needs)} of memory, {_gib(smallest.host_over_bytes)} more than the "
-                f"{_gib(problem.host_budget())} usable of its {_gib(m.node.host_memory_bytes)}. It might fit with: "
-                f"{', or '.join([*shorter, 'a smaller model (--model)', 'GPUs (plan for them with --hw)'])}")
+        return _cpu_memory_message(spec, problem.seq_len, smallest.memory, m.node.host_memory_bytes)
     parts = []
     if smallest.gpu_over_bytes > 0:
         parts.append(f"GPU memory: the smallest plan needs {_gib(smallest.memory.gpu_total)} per GPU, "
@@ -126,19 +123,45 @@ def infeasible_message(problem: Problem, space: dict) -> str:
             f"{'; '.join(parts)}. It might fit with: {', or '.join(hints)}")
 
 
+def _cpu_memory_message(spec: ModelSpec, seq_len: int, smallest: Memory, pool_bytes: int) -> str:
+    needs, budget = smallest.gpu_total + smallest.host_total, int(pool_bytes * HOST_USABLE_FRACTION)
+    hints = [f"a shorter sequence (--seq {seq_len // 2})"] if seq_len > 256 else []
+    hints += ["a smaller model (--model)", "GPUs (plan for them with --hw)"]
+    return (f"no feasible plan for {spec.name} (seq {seq_len}) on this CPU: the smallest plan needs {_gib(needs)} "
+            f"of memory, {_gib(needs - budget)} more than the {_gib(budget)} usable of its {_gib(pool_bytes)}. It "
+            f"might fit with: {', or '.join(hints)}")
+
+
+def _check_cpu_memory(spec: ModelSpec, seq_len: int, sequences: int, pool_bytes: int) -> None:
+    """Before this CPU is measured for a model: whether its smallest plan (one sequence per micro-batch, blocks
+    recomputed, the most LM-head chunks) fits in the CPU's memory at all. The search checks every plan after."""
+    knobs = Knobs(micro_batch_size=1, grad_accum_steps=max(1, sequences), recompute=("block",),
+                  lm_head_chunks=max(KNOBS["lm_head_chunks"].choices), **CPU_KNOBS)
+    smallest = memory(spec, seq_len, knobs, num_gpus=1, gpus_per_node=1)
+    if smallest.gpu_total + smallest.host_total > pool_bytes * HOST_USABLE_FRACTION:
+        raise NoFeasiblePlan(_cpu_memory_message(spec, seq_len, smallest, pool_bytes))
+
+
+def _this_cpu(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
+    """This machine's CPU, measured for `spec` where the model can fit in its memory (`host_mem` caps it)."""
+    check_cpu_options("detected-cpu", r.gpus, r.nodes, r.gpu_mem)
+    pool = parse_bytes(r.host_mem, "--host-mem") if r.host_mem else hwprofiles.host_memory_bytes()
+    sequences = (r.global_batch_tokens or SEQUENCES_PER_STEP * seq_len) // seq_len
+    _check_cpu_memory(spec, seq_len, sequences, pool)
+    return load_machine(_this_cpu_profile(spec, seq_len, sequences), host_memory=pool)
+
+
 def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
     """This machine: its GPU (one, as the executor trains on one so far) or its CPU, with its real memory."""
     if r.device not in (None, "cpu", "cuda"):
         fail("--device", f"{r.device!r} is not allowed; choose one of 'cpu', 'cuda'")
     if r.nodes not in (None, 1):
         fail("--nodes", f"{r.nodes}: this machine is one node; plan for several with --hw PROFILE --nodes {r.nodes}")
-    host_mem = r.host_mem or hwprofiles.host_memory_bytes()
     if r.device == "cpu" or (r.device is None and not torch.cuda.is_available()):
         for option, value in (("--gpus", r.gpus), ("--gpu-mem", r.gpu_mem)):
             if value is not None:
                 fail(option, "this machine has no GPU (or --device cpu): plan for other hardware with --hw")
-        sequences = (r.global_batch_tokens or SEQUENCES_PER_STEP * seq_len) // seq_len
-        return load_machine(_this_cpu_profile(spec, seq_len, sequences), host_memory=host_mem)
+        return _this_cpu(r, spec, seq_len)
     if not torch.cuda.is_available():
         fail("--device", "'cuda' was asked for, but this machine has no CUDA GPU")
     name = torch.cuda.get_device_name(0)
@@ -147,7 +170,7 @@ def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
         fail("--hw", f"no shipped profile for the GPU {name!r}; run `fastml profile -o my.json` and plan with "
                      f"--hw my.json, or pass --hw with the nearest of {', '.join(hwprofiles.names())}")
     _check_gpu_count(r.gpus or 1, torch.cuda.device_count(), profile)
-    return load_machine(profile, 1, None, r.gpu_mem, host_mem)
+    return load_machine(profile, 1, None, r.gpu_mem, r.host_mem or hwprofiles.host_memory_bytes())
 
 
 def _check_gpu_count(gpus: int, present: int, profile: str) -> None:
@@ -164,9 +187,7 @@ def _check_gpu_count(gpus: int, present: int, profile: str) -> None:
 def _named_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
     """A profile by name or file; "cpu" is this machine's CPU."""
     if r.hw == "cpu":
-        sequences = (r.global_batch_tokens or SEQUENCES_PER_STEP * seq_len) // seq_len
-        return load_machine(_this_cpu_profile(spec, seq_len, sequences), r.gpus, r.nodes, r.gpu_mem,
-                            r.host_mem or hwprofiles.host_memory_bytes())
+        return _this_cpu(r, spec, seq_len)
     return load_machine(r.hw, r.gpus, r.nodes, r.gpu_mem, r.host_mem)
 
 

@@ -182,9 +182,9 @@ def test_a_cpu_plan_is_explained_only_with_the_profile_it_was_made_with(fake_cpu
 
 def test_a_cpu_plan_must_fit_in_the_hosts_memory(fake_cpu):
     """REVIEW: `fastml plan --model llama-3.1-70b` on a 24 GiB machine succeeded, and the run died."""
-    with pytest.raises(NoFeasiblePlan, match="on this CPU .*more than the .* usable") as info:
+    with pytest.raises(NoFeasiblePlan, match="on this CPU: .*more than the .* usable") as info:
         make_plan(model="llama-3.1-70b", host_mem="24GiB", trials=20)
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(info.value) and fake_cpu["linear"] == 0  # refused before measuring for it
     with pytest.raises(NoFeasiblePlan):
         make_plan(model="tiny", host_mem="1GiB", trials=20)  # the process' own 2 GiB count in the one pool
 
