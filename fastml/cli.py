@@ -195,12 +195,13 @@ def _one_line(message: str) -> str:
 
 
 def _add_plan_command(sub) -> None:
-    from fastml.planner.request import PlanRequest
+    from fastml.planner.request import DEFAULT_SEQ_LEN, TINY_SEQ_LEN, PlanRequest
 
     plan = sub.add_parser("plan", help="search the fastest plan that fits and write it")
     plan.add_argument("--model", default=PlanRequest.model,
                       help=f"a preset name or an HF model directory (default: {PlanRequest.model})")
-    plan.add_argument("--seq", type=int, help="sequence length (default: 256 for tiny, else 2048)")
+    plan.add_argument("--seq", type=int,
+                      help=f"sequence length (default: {TINY_SEQ_LEN} for tiny, else {DEFAULT_SEQ_LEN})")
     plan.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step (default: 16 sequences)")
     plan.add_argument("--steps", type=int, default=PlanRequest.steps,
                       help=f"optimizer steps (default: {PlanRequest.steps})")

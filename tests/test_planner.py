@@ -240,3 +240,16 @@ def test_a_plan_request_holds_the_defaults_of_the_command_line():
     args = parser().parse_args(["plan"])
     assert (args.model, args.steps, args.data, args.trials) == (PlanRequest.model, PlanRequest.steps,
                                                                 PlanRequest.data, PlanRequest.trials)
+
+
+def test_explain_and_trace_a_cpu_plan_with_accumulation(fake_cpu, tmp_path, capsys):
+    from fastml.cli import main
+    from fastml.plan import load_plan, save_plan
+
+    plan = make_plan(overrides=["knobs.micro_batch_size=2"], steps=5).plan  # 8 micro-batches
+    save_plan(plan, tmp_path / "p.json")
+    assert main(["explain", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.json")]) == 0
+    assert "step time by component" in capsys.readouterr().out
+    events = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert max(e["ts"] + e["dur"] for e in events) / 1e6 == pytest.approx(load_plan(tmp_path / "p.json")
+                                                                          .predicted.step_time_s)
