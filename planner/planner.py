@@ -19,7 +19,6 @@ from fastml.planner.search import (HOST_USABLE_FRACTION, MAX_MICRO_BATCH, Candid
 from fastml.spec import ModelSpec, resolve_model
 
 
-
 class NoFeasiblePlan(UserError):
     """Nothing fits: the message says what does not fit, by how much, and what would make it fit."""
 

@@ -15,10 +15,8 @@ import copy
 import dataclasses
 import datetime
 import json
-import math
 import os
 import re
-import statistics
 import sys
 import time
 from collections.abc import Iterable
