@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import time
 
-from fastml.planner.planner import DEFAULT_TRIALS, make_plan
+from fastml.planner.planner import make_plan
+from fastml.planner.request import DEFAULT_TRIALS
 from record import write_result
 
 CASES = [

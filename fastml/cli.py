@@ -24,18 +24,18 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from fastml.planner import report
     from fastml.planner.explain import plan_limit
     from fastml.planner.planner import NoFeasiblePlan, make_plan
+    from fastml.planner.request import PlanRequest
 
     console = Console(stderr=args.json)
+    renamed = {"seq_len": "seq", "overrides": "set"}  # request field: argparse dest
+    request = PlanRequest(**{f.name: getattr(args, renamed.get(f.name, f.name))
+                             for f in dataclasses.fields(PlanRequest)})
     hardware = args.hw.split(",") if args.hw else [None]
     results = []
     for hw in hardware:
-        kwargs = dict(model=args.model, seq_len=args.seq, global_batch_tokens=args.global_batch_tokens,
-                      steps=args.steps, data=args.data, hw=hw, gpus=args.gpus, nodes=args.nodes,
-                      gpu_mem=args.gpu_mem, host_mem=args.host_mem, device=args.device, trials=args.trials,
-                      study=args.study, lower_precision=args.lower_precision, overrides=args.set)
         try:
             with _trial_progress(console, args.trials, hw) as on_trial:
-                results.append((hw, make_plan(**kwargs, on_trial=on_trial), ""))
+                results.append((hw, make_plan(dataclasses.replace(request, hw=hw), on_trial=on_trial), ""))
         except NoFeasiblePlan as e:
             if len(hardware) == 1:
                 raise
@@ -43,8 +43,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     feasible = [r for r in results if r[1] is not None]
     if not feasible:
         raise UserError("no feasible plan on any of " + ", ".join(hardware))
-    hw, best, _ = min(feasible, key=lambda r: r[1].plan.predicted.usd_per_million_tokens if r[1].plan.predicted
-                      else math.inf)  # a CPU plan has no price
+    hw, best, _ = min(feasible, key=lambda r: _usd_per_million_tokens(r[1].plan))
     check_data(best.plan)
     limit = plan_limit(best.plan, hw)
     save_plan(best.plan, args.output)
@@ -60,6 +59,11 @@ def cmd_plan(args: argparse.Namespace) -> None:
     console.print(f"wrote {args.output}" + (f" (the cheapest: {hw})" if len(hardware) > 1 else ""))
 
 
+def _usd_per_million_tokens(plan) -> float:
+    """A plan's price; a CPU's plans are not priced, so they rank after every priced one."""
+    return math.inf if plan.hardware.device == "cpu" else plan.predicted.usd_per_million_tokens
+
+
 def cmd_explain(args: argparse.Namespace) -> None:
     from rich.console import Console
     from fastml.plan import load_plan
@@ -68,8 +72,6 @@ def cmd_explain(args: argparse.Namespace) -> None:
     from fastml.planner.simulate import chrome_trace
 
     plan = load_plan(args.plan)
-    if plan.hardware.profile == "cpu":
-        raise UserError(f"{args.plan}: a CPU plan has no simulated step to explain")
     candidate, problem = replan(plan, args.hw)
     if not candidate.feasible:
         raise UserError(f"{args.plan}: these knobs do not fit in memory on {plan.hardware.profile} "
@@ -248,23 +250,31 @@ def _one_line(message: str) -> str:
 
 def _add_plan_command(sub) -> None:
     from fastml import hwprofiles
+    from fastml.planner.request import DEFAULT_SEQ_LEN, TINY_SEQ_LEN, PlanRequest
 
     plan = sub.add_parser("plan", help="search the fastest plan that fits and write it")
-    plan.add_argument("--model", default="tiny", help="a preset name or an HF model directory (default: tiny)")
-    plan.add_argument("--seq", type=int, help="sequence length (default: 256 for tiny, else 2048)")
+    plan.add_argument("--model", default=PlanRequest.model,
+                      help=f"a preset name or an HF model directory (default: {PlanRequest.model})")
+    plan.add_argument("--seq", type=int,
+                      help=f"sequence length (default: {TINY_SEQ_LEN} for tiny, else {DEFAULT_SEQ_LEN})")
     plan.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step, over all GPUs "
                                                                  "(default: 16 sequences per GPU)")
-    plan.add_argument("--steps", type=int, default=100, help="optimizer steps (default: 100)")
-    plan.add_argument("--data", default="default",
+    plan.add_argument("--steps", type=int, default=PlanRequest.steps,
+                      help=f"optimizer steps (default: {PlanRequest.steps})")
+    plan.add_argument("--data", default=PlanRequest.data,
                       help="a directory from `fastml prepare` (default: Python's own source, shipped with it)")
-    plan.add_argument("--hw", help=f"a profile ({', '.join(hwprofiles.names())}), a profile JSON file, or several "
-                                   "names separated by commas to rank them (default: this machine)")
-    plan.add_argument("--gpus", type=int, help="GPUs per node (default: the profile's; for this machine, 1)")
-    plan.add_argument("--nodes", type=int, help="nodes (default: 1)")
+    plan.add_argument("--hw", help=f"a profile ({', '.join(hwprofiles.names())}; cpu: this machine's CPU), a "
+                                   "profile JSON file, or several separated by commas to rank them (default: this "
+                                   "machine)")
+    plan.add_argument("--gpus", type=int, help="GPUs per node (default: the profile's; for this machine, 1, the "
+                                               "most fastml run trains on so far)")
+    plan.add_argument("--nodes", type=int, help="nodes (default: 1; more need --hw)")
     plan.add_argument("--gpu-mem", help="cap the memory of each GPU, e.g. 16GiB")
-    plan.add_argument("--host-mem", help="host memory per node, e.g. 256GiB (default: the profile's)")
+    plan.add_argument("--host-mem", help="host memory per node, e.g. 256GiB (default: the profile's; for this "
+                                         "machine, its memory)")
     plan.add_argument("--device", choices=["cpu", "cuda"], help="without --hw: plan for this machine's CPU or GPU")
-    plan.add_argument("--trials", type=int, default=300, help="search trials (default: 300)")
+    plan.add_argument("--trials", type=int, default=PlanRequest.trials,
+                      help=f"search trials (default: {PlanRequest.trials})")
     plan.add_argument("--study", help="keep the search in this SQLite file, to resume or extend it")
     precision = plan.add_mutually_exclusive_group()
     precision.add_argument("--full-precision", dest="lower_precision", action="store_false", default=None,

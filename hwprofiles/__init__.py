@@ -1,15 +1,22 @@
-"""Hardware profiles shipped with fastml: one JSON file per machine kind, each citing its `source`."""
+"""Hardware profiles shipped with fastml: one JSON file per machine kind, each citing its `source`; and the profile
+of this machine's CPU, measured by the first `fastml plan` on it and cached (read here, never measured here)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
+import platform
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from fastml.config import fail
+from fastml.config import UserError, fail, from_dict, read_json
 
 _HERE = Path(__file__).parent
+CPU_MEASUREMENT_VERSION = 1
+"""Bump when what is measured or how changes, so cached CPU measurements are taken again."""
 
 
 def names() -> list[str]:
@@ -42,5 +49,86 @@ def for_device_name(device_name: str) -> str | None:
 
 
 def peak_flops(name: str, dtype: str) -> float | None:
-    """Dense peak FLOP/s of one device of the profile for a matmul dtype; None where the profile has none."""
+    """Dense peak FLOP/s of one device of the profile for a matmul dtype; None where the profile has none. For
+    "cpu", this machine's CPU: its best measured fp32 matmul rate, if a plan has measured it (`this_cpu`)."""
+    if name == "cpu":
+        measured = this_cpu()
+        return measured.peak_fp32_flops_per_s if measured and dtype == "fp32" else None
     return load(name)["gpu"]["peak_flops"].get(dtype)
+
+
+# ------------------------------------------------------------------------------------------- this machine's CPU
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuMeasurements:
+    """What `fastml plan` measured of this machine's CPU (planner/profile.py), cached as JSON."""
+
+    key: dict[str, str]
+    """What would change the numbers: CPU model, CPU count, torch's threads and version."""
+    date: str
+    peak_fp32_flops_per_s: float
+    """The best fp32 torch.matmul rate over large square GEMMs: the CPU's peak for MFU and GEMM efficiency."""
+    memory_bytes_per_s: float
+    """A large tensor copy: bytes read plus bytes written per second."""
+    linear_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """A linear layer's forward and backward GEMMs (x·Wᵀ, then dx and dW) by "tokens,out,in": measured seconds,
+    for the shapes of the models planned on this machine so far."""
+    attention_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Causal scaled-dot-product attention's forward and backward by "batch,seq,heads,kv_heads,head_dim": measured
+    seconds, for the models planned here so far."""
+
+
+def cache_dir() -> Path:
+    """$FASTML_CACHE, else $XDG_CACHE_HOME/fastml, else ~/.cache/fastml (as executor/data.py's corpus cache)."""
+    if os.environ.get("FASTML_CACHE"):
+        return Path(os.environ["FASTML_CACHE"]).expanduser()
+    xdg_cache = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg_cache).expanduser() if xdg_cache else Path.home() / ".cache") / "fastml"
+
+
+def cpu_key() -> dict[str, str]:
+    import torch
+
+    return {"cpu": _cpu_model(), "num_cpus": str(os.cpu_count()), "torch_threads": str(torch.get_num_threads()),
+            "torch": torch.__version__, "version": str(CPU_MEASUREMENT_VERSION)}
+
+
+def cpu_cache_path(key: dict[str, str] | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(key or cpu_key(), sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / f"cpu-profile-{digest}.json"
+
+
+def this_cpu() -> CpuMeasurements | None:
+    """This machine's cached CPU measurements, or None where no plan has measured them yet; never measures."""
+    path = cpu_cache_path()
+    if not path.is_file():
+        return None
+    try:
+        return from_dict(CpuMeasurements, read_json(path, "a CPU profile"), str(path))
+    except UserError as e:
+        raise UserError(f"{e}; delete the file to measure this CPU again") from None
+
+
+def save_cpu(measurements: CpuMeasurements) -> Path:
+    path = cpu_cache_path(measurements.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")  # another process may plan at the same time
+    temporary.write_text(json.dumps(dataclasses.asdict(measurements), indent=1) + "\n")
+    temporary.replace(path)
+    return path
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (on some VMs memory is added as it is used, so this can read low)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

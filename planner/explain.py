@@ -48,7 +48,7 @@ def limit(problem: Problem, candidate: Candidate) -> str:
     share = losses[kind] / step
     if share < LIMIT_SHARE:
         busy = (sim.time_s["compute"] + sim.time_s["recompute"]) / step
-        return f"limited by compute: the GPU computes {busy:.0%} of the step"
+        return f"limited by compute: the {problem.machine.device.upper()} computes {busy:.0%} of the step"
     if kind == "memory":
         return (f"limited by memory: {blocked.change} would save {share:.1%} of the step but "
                 f"{shortfall(problem, blocked.candidate)}")

@@ -1,6 +1,9 @@
-"""The machine a plan is made for: a shipped hwprofile (or a user's JSON file), resized by the user's flags.
+"""The machine a plan is made for: a shipped hwprofile, a user's JSON file or this machine's CPU (measured),
+resized by the user's flags.
 
-All rates come from the profile's JSON; none are written here (STYLE.md, item 9).
+All rates come from the profile's JSON, validated by hwprofiles/schema.py; none are written here (STYLE.md, item 9).
+A CPU profile describes the CPU as the device: it trains in host memory, so its "GPU" memory and the host memory
+are one pool, and nothing crosses a bus (host-device copies run at its memory bandwidth).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastml import hwprofiles
-from fastml.config import UserError, check_range, fail, read_json
+from fastml.config import check_range, fail, read_json
+from fastml.hwprofiles.schema import HardwareProfile, parse_profile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,11 +31,20 @@ class Gpu:
     d2h_bytes_per_s: float
     p2p: bool
     nvlink_bytes_per_s: float
+    gemm_shapes: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
+    """Efficiency measured at exactly these (M, N, K): on a CPU it depends on the shape more than on g."""
 
     def gemm_seconds(self, m: int, n: int, k: int, dtype: str) -> float:
-        """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this size
-        (interpolated in log g; the curve is measured in bf16 and applied to fp8 too)."""
-        return 2.0 * m * n * k / (self.peak_flops_for(dtype) * self.gemm_efficiency_at((m * n * k) ** (1 / 3)))
+        """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this shape, else at this
+        size (interpolated in log g; the curve is measured in bf16 and applied to fp8 too)."""
+        efficiency = self._shape_efficiency(m, n, k) or self.gemm_efficiency_at((m * n * k) ** (1 / 3))
+        return 2.0 * m * n * k / (self.peak_flops_for(dtype) * efficiency)
+
+    def _shape_efficiency(self, m: int, n: int, k: int) -> float | None:
+        """The efficiency measured at (m, n, k), or at the largest M measured below m with the same N and K (large
+        GEMMs are measured with fewer rows, the rate having reached its plateau)."""
+        below = [(mm, e) for (mm, nn, kk), e in self.gemm_shapes.items() if (nn, kk) == (n, k) and mm <= m]
+        return max(below)[1] if below else None
 
     def peak_flops_for(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -66,6 +79,8 @@ class Machine:
     profile: str
     fingerprint: str
     source: str
+    device: str
+    """"cuda", or "cpu" where the CPU is the device and its memory the host's."""
     gpu: Gpu
     node: Node
     num_gpus: int
@@ -73,7 +88,13 @@ class Machine:
     bus_bytes_per_s: dict[str, float]
     """NCCL bus bandwidth within a node at large sizes, by collective (all_reduce, reduce_scatter, all_gather)."""
     usd_per_gpu_hour: float
+    """0 where the profile has no price (a CPU)."""
     watts_per_gpu: float
+
+    @property
+    def shares_host_memory(self) -> bool:
+        """The device's memory is the host's: one pool for both sides' bytes."""
+        return self.device == "cpu"
 
     @property
     def num_nodes(self) -> int:
@@ -91,14 +112,15 @@ class Machine:
         return min(self.gpu.d2h_bytes_per_s, self.node.h2d_all_gpus_bytes_per_s / self.gpus_per_node)
 
 
-def load_machine(hw: str, num_gpus: int | None = None, num_nodes: int | None = None,
+def load_machine(hw: str | dict, num_gpus: int | None = None, num_nodes: int | None = None,
                  gpu_memory: str | int | None = None, host_memory: str | int | None = None) -> Machine:
-    """`hw` a shipped profile name or a JSON file; num_gpus is per node, so the world is num_gpus x num_nodes."""
-    data = _read_profile(hw)
-    try:
-        machine = _machine(data)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise UserError(f"hardware profile {hw!r}: malformed ({e.__class__.__name__}: {e})") from None
+    """`hw` a shipped profile name, a JSON file or a profile's dict; "cpu" is this machine's CPU (measured once).
+    num_gpus is per node, so the world is num_gpus x num_nodes."""
+    data = hw if isinstance(hw, dict) else read_profile(hw)
+    machine = _machine(parse_profile(data, data.get("name", "profile") if isinstance(hw, dict) else hw),
+                       hwprofiles.fingerprint_of(data))
+    if machine.shares_host_memory:
+        return _resized_cpu(machine, num_gpus, num_nodes, gpu_memory, host_memory)
     node = machine.node
     gpus_per_node = node.gpus_per_node if num_gpus is None else num_gpus
     check_range("--gpus", gpus_per_node, 1)
@@ -113,43 +135,72 @@ def load_machine(hw: str, num_gpus: int | None = None, num_nodes: int | None = N
     return dataclasses.replace(machine, gpu=gpu, node=node, num_gpus=gpus_per_node * (num_nodes or 1))
 
 
-def has_gpu(hw: str) -> bool:
-    """Whether a profile describes GPUs (the shipped `cpu` profile and `fastml profile` without a GPU do not)."""
-    gpu = _read_profile(hw).get("gpu")
-    if not isinstance(gpu, dict):
-        fail("--hw", f"{hw}: not a hardware profile (no 'gpu' object)")
-    return bool(gpu.get("memory_bytes"))
+def check_cpu_options(profile: str, num_gpus, num_nodes, gpu_memory) -> None:
+    """A CPU trains as one device, in host memory: GPU counts and GPU memory do not apply."""
+    for option, value in (("--gpus", num_gpus), ("--nodes", num_nodes)):
+        if value not in (None, 1):
+            fail(option, f"{value}: {profile} is a CPU, which trains as one device; plan for GPUs with --hw")
+    if gpu_memory is not None:
+        fail("--gpu-mem", f"{profile} is a CPU: it has no GPU memory; cap its memory with --host-mem")
 
 
-def _read_profile(hw: str) -> dict:
+def _resized_cpu(machine: Machine, num_gpus, num_nodes, gpu_memory, host_memory) -> Machine:
+    """A CPU trains as one device; --host-mem caps its one memory pool."""
+    check_cpu_options(machine.profile, num_gpus, num_nodes, gpu_memory)
+    if host_memory is None:
+        return machine
+    pool = parse_bytes(host_memory, "--host-mem")
+    return dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, memory_bytes=pool),
+                               node=dataclasses.replace(machine.node, host_memory_bytes=pool))
+
+
+def profile_device(hw: str) -> str:
+    """"cuda" or "cpu": what a profile's device is, read without measuring anything."""
+    if hw == "cpu":
+        return "cpu"
+    data = hwprofiles.load(hw) if not _is_file(hw) else _read_file(hw)
+    device = data.get("device", "cuda")
+    if device not in ("cuda", "cpu"):
+        fail(f"{hw}.device", f"{device!r} is not allowed; choose one of 'cuda', 'cpu'")
+    return device
+
+
+def read_profile(hw: str) -> dict:
+    if hw == "cpu":
+        from fastml.planner.profile import this_cpu_profile
+
+        return this_cpu_profile()
+    return _read_file(hw) if _is_file(hw) else hwprofiles.load(hw)
+
+
+def _is_file(hw: str) -> bool:
+    return hw.endswith(".json") or Path(hw).is_file()
+
+
+def _read_file(hw: str) -> dict:
     path = Path(hw)
-    if hw.endswith(".json") or path.is_file():
-        if not path.exists():
-            fail("--hw", f"{hw}: no such file")
-        data = read_json(path, "a hardware profile")
-        if not isinstance(data, dict):
-            fail("--hw", f"{hw}: not a hardware profile (expected a JSON object)")
-        return data
-    return hwprofiles.load(hw)
+    if not path.exists():
+        fail("--hw", f"{hw}: no such file")
+    data = read_json(path, "a hardware profile")
+    if not isinstance(data, dict):
+        fail("--hw", f"{hw}: not a hardware profile (expected a JSON object)")
+    return data
 
 
-def _machine(data: dict) -> Machine:
-    gpu, node, pcie = data["gpu"], data["node"], data["gpu"].get("pcie", {})
+def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
+    gpu, node = p.gpu, p.node
+    # A CPU's "host-device" copies stay in its memory.
+    h2d, d2h = (gpu.pcie.h2d_bytes_per_s, gpu.pcie.d2h_bytes_per_s) if gpu.pcie else (gpu.hbm_bytes_per_s,) * 2
     return Machine(
-        profile=data["name"], fingerprint=hwprofiles.fingerprint_of(data), source=data["source"],
-        gpu=Gpu(memory_bytes=int(gpu["memory_bytes"]), peak_flops=dict(gpu["peak_flops"]),
-                gemm_efficiency=tuple(sorted((float(g), float(e)) for g, e in gpu.get("gemm_efficiency", []))),
-                hbm_bytes_per_s=float(gpu.get("hbm_bytes_per_s", 0)),
-                h2d_bytes_per_s=float(pcie.get("h2d_bytes_per_s", 0)),
-                d2h_bytes_per_s=float(pcie.get("d2h_bytes_per_s", 0)), p2p=bool(gpu.get("p2p", False)),
-                nvlink_bytes_per_s=float(gpu.get("nvlink_bytes_per_s", 0))),
-        node=Node(**{k: node[k] for k in ("gpus_per_node", "host_memory_bytes", "h2d_all_gpus_bytes_per_s",
-                                           "cpu_adam_params_per_s", "host_copy_bytes_per_s", "nic_bytes_per_s")}),
-        num_gpus=int(node["gpus_per_node"]),
-        collective_latency_s=float(data["collectives"]["latency_s"]),
-        bus_bytes_per_s=dict(data["collectives"]["bus_bytes_per_s"]),
-        usd_per_gpu_hour=float(data["price"]["usd_per_gpu_hour"]),
-        watts_per_gpu=float(data["power"]["watts_per_gpu"]))
+        profile=p.name, fingerprint=fingerprint, source=p.source, device=p.device,
+        gpu=Gpu(memory_bytes=gpu.memory_bytes, peak_flops=dict(gpu.peak_flops),
+                gemm_efficiency=tuple(sorted(gpu.gemm_efficiency)), hbm_bytes_per_s=gpu.hbm_bytes_per_s,
+                gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.gemm_shapes},
+                h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, p2p=gpu.p2p, nvlink_bytes_per_s=gpu.nvlink_bytes_per_s),
+        node=Node(**dataclasses.asdict(node)), num_gpus=node.gpus_per_node,
+        collective_latency_s=p.collectives.latency_s, bus_bytes_per_s=dict(p.collectives.bus_bytes_per_s),
+        usd_per_gpu_hour=p.price.usd_per_gpu_hour if p.price else 0.0,
+        watts_per_gpu=p.power.watts_per_gpu if p.power else 0.0)
 
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from fastml import hwprofiles
 from fastml.config import UserError, check_range, fail, from_dict
-from fastml.plan import Hardware, Knobs, Plan, Predicted, Training, parse_assignment, with_overrides
-from fastml.planner.hardware import has_gpu, load_machine
-from fastml.planner.search import (HOST_USABLE_FRACTION, Candidate, Problem, evaluate, knob_space, make_knobs,
-                                   pin, search, smallest_choice)
+from fastml.plan import KNOBS, Hardware, Knobs, Plan, Predicted, Training, parse_assignment, with_overrides
+from fastml.planner.hardware import Machine, check_cpu_options, load_machine, parse_bytes
+from fastml.planner.memory import Memory, memory
+from fastml.planner.profile import this_cpu_profile
+from fastml.planner.request import DEFAULT_SEQ_LEN, SEQUENCES_PER_STEP, TINY_SEQ_LEN, PlanRequest
+from fastml.planner.search import (HOST_USABLE_FRACTION, MAX_MICRO_BATCH, Candidate, Problem, evaluate, knob_space,
+                                   make_knobs, pin, search, smallest_choice)
 from fastml.spec import ModelSpec, resolve_model
-
-TINY_SEQ_LEN = 256
-DEFAULT_SEQ_LEN = 2048
-SEQUENCES_PER_STEP = 16
-DEFAULT_TRIALS = 300
 
 
 class NoFeasiblePlan(UserError):
@@ -32,48 +31,56 @@ class Planned:
     """Whether the plan needed the lower-precision knobs (fp8, bf16 optimizer states or master weights)."""
 
 
-def make_plan(model: str = "tiny", seq_len: int | None = None, global_batch_tokens: int | None = None,
-              steps: int = 100, data: str = "default", hw: str | None = None, gpus: int | None = None,
-              nodes: int | None = None, gpu_mem: str | None = None, host_mem: str | None = None,
-              device: str | None = None, trials: int = DEFAULT_TRIALS, study: str | None = None,
-              lower_precision: bool | None = None, overrides: list[str] = (), on_trial=None) -> Planned:
-    """Plans `model` on `hw` (a profile name or JSON file; default: this machine, whose plans keep to the knobs
-    the executor runs). `overrides` are SECTION.FIELD=VALUE pins; lower_precision None tries full precision
-    first and allows fp8 and bf16 states only if nothing fits without them."""
-    spec = resolve_model(model)
-    seq_len = seq_len or (TINY_SEQ_LEN if spec.name == "tiny" else DEFAULT_SEQ_LEN)
+# A CPU trains as the executor's CPU path does: fp32 parameters and matmuls, eager (pins of the user come first).
+CPU_KNOBS = {"param_dtype": "fp32", "matmul_dtype": "fp32", "compile": False}
+
+
+def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) -> Planned:
+    """The fastest plan that fits for `request` (or a PlanRequest of `fields`); `on_trial` is called after each
+    search trial."""
+    r = dataclasses.replace(request or PlanRequest(), **fields)
+    spec = resolve_model(r.model)
+    seq_len = r.seq_len or (TINY_SEQ_LEN if spec.name == "tiny" else DEFAULT_SEQ_LEN)
     check_range("--seq", seq_len, 1)
-    here = hw is None
-    if here:
-        hw, gpus = _detect(device, gpus)
-    if not has_gpu(hw):
-        return Planned(_cpu_plan(spec, seq_len, global_batch_tokens, steps, data, overrides), [], False)
-    machine = load_machine(hw, gpus, nodes, gpu_mem, host_mem)
-    global_batch_tokens = global_batch_tokens or SEQUENCES_PER_STEP * seq_len * machine.num_gpus
+    here = r.hw is None
+    machine = _this_machine(r, spec, seq_len) if here else _named_machine(r, spec, seq_len)
+    global_batch_tokens = r.global_batch_tokens or SEQUENCES_PER_STEP * seq_len * machine.num_gpus
     problem = Problem(spec, seq_len, _check_batch(global_batch_tokens, seq_len, machine.num_gpus), machine)
-    knob_pins, other = _split_overrides(overrides, problem.sequences_per_gpu)
-    attempts = [False, True] if lower_precision is None else [lower_precision]
+    knob_pins, other = _split_overrides(r.overrides, problem.sequences_per_gpu)
+    cpu = machine.device == "cpu"
+    if cpu:
+        knob_pins = {**CPU_KNOBS, **knob_pins}
+    attempts = [False] if cpu else [False, True] if r.lower_precision is None else [r.lower_precision]
     for lower in attempts:
-        space = pin(knob_space(problem, runnable_only=here, lower_precision=lower), knob_pins)
-        ranked = search(problem, space, trials, storage=_storage(study), on_trial=on_trial,
+        space = pin(knob_space(problem, runnable_only=here or cpu, lower_precision=lower), knob_pins)
+        ranked = search(problem, space, r.trials, storage=_storage(r.study), on_trial=on_trial,
                         study_name=_study_name(problem, here, lower))
         feasible = [c for c in ranked if c.feasible]
         if feasible:
-            plans = [_assemble(problem, c, steps, data) for c in feasible[:4]]
+            plans = [_assemble(problem, c, r.steps, r.data) for c in feasible[:4]]
             return Planned(with_overrides(plans[0], other), plans[1:], lower)
     raise NoFeasiblePlan(infeasible_message(problem, space))
 
 
 def replan(plan: Plan, hw: str | None = None) -> tuple[Candidate, Problem]:
     """The memory and simulation of an existing plan's knobs, on the hardware it names or the profile file `hw`
-    (`fastml explain`)."""
-    h = plan.hardware
-    if hw is None and h.profile not in hwprofiles.names():
+    (`fastml explain`). A plan for a CPU is explained with this machine's CPU profile, which must be the one it
+    was made with."""
+    h, t = plan.hardware, plan.training
+    if hw is None and h.device == "cpu":
+        hw = _this_cpu_profile(plan.model, t.seq_len, t.global_batch_tokens // t.seq_len)
+        if hwprofiles.fingerprint_of(hw) != h.fingerprint:
+            fail("hardware.fingerprint", f"{h.fingerprint}: the plan was made with another CPU profile than this "
+                                         f"machine's ({hwprofiles.fingerprint_of(hw)}); plan again here, or give "
+                                         f"the profile file it was made with: fastml explain PLAN --hw FILE")
+    elif hw is None and h.profile not in hwprofiles.names():
         fail("hardware.profile", f"{h.profile!r} is not a shipped profile; give the profile file the plan was made "
                                  f"with: fastml explain PLAN --hw FILE")
-    machine = load_machine(hw or h.profile, num_gpus=h.gpus_per_node, num_nodes=max(1, h.num_gpus // h.gpus_per_node),
+    cpu = h.device == "cpu"
+    machine = load_machine(hw or h.profile, num_gpus=None if cpu else h.gpus_per_node,
+                           num_nodes=None if cpu else max(1, h.num_gpus // h.gpus_per_node),
                            gpu_memory=h.gpu_memory_bytes or None, host_memory=h.host_memory_bytes or None)
-    problem = Problem(plan.model, plan.training.seq_len, plan.training.global_batch_tokens, machine)
+    problem = Problem(plan.model, t.seq_len, t.global_batch_tokens, machine)
     return evaluate(problem, plan.knobs), problem
 
 
@@ -96,6 +103,9 @@ def infeasible_message(problem: Problem, space: dict) -> str:
     memory (everything offloaded, sharded and recomputed that the space allows)."""
     m, spec = problem.machine, problem.spec
     smallest = evaluate(problem, make_knobs(problem, smallest_choice(space)))
+    shorter = [f"a shorter sequence (--seq {problem.seq_len // 2})"] if problem.seq_len > 256 else []
+    if m.shares_host_memory:
+        return _cpu_memory_message(spec, problem.seq_len, smallest.memory, m.node.host_memory_bytes)
     parts = []
     if smallest.gpu_over_bytes > 0:
         parts.append(f"GPU memory: the smallest plan needs {_gib(smallest.memory.gpu_total)} per GPU, "
@@ -106,20 +116,51 @@ def infeasible_message(problem: Problem, space: dict) -> str:
                      f"{_gib(smallest.host_over_bytes)} more than the {_gib(problem.host_budget())} usable")
     hints = [f"--host-mem {_gib(smallest.memory.host_total / HOST_USABLE_FRACTION)}"] \
         if smallest.host_over_bytes > 0 else []
-    hints.append("more GPUs (--gpus/--nodes: sharding spreads the model states)")
-    if problem.seq_len > 256:
-        hints.append(f"a shorter sequence (--seq {problem.seq_len // 2})")
+    hints += ["more GPUs (--gpus/--nodes: sharding spreads the model states)", *shorter]
     lower = " even with fp8 matmuls and bf16 optimizer states" if len(space.get("optimizer_dtype", ())) > 1 else ""
     return (f"no feasible plan for {spec.name} (seq {problem.seq_len}) on {m.num_gpus} x {m.profile}{lower}: "
             f"{'; '.join(parts)}. It might fit with: {', or '.join(hints)}")
 
 
-def _detect(device: str | None, gpus: int | None) -> tuple[str, int | None]:
-    """This machine's profile: the GPU's (all of them unless `gpus`), or the CPU."""
-    if device not in (None, "cpu", "cuda"):
-        fail("--device", f"{device!r} is not allowed; choose one of 'cpu', 'cuda'")
-    if device == "cpu" or (device is None and not torch.cuda.is_available()):
-        return "cpu", None
+def _cpu_memory_message(spec: ModelSpec, seq_len: int, smallest: Memory, pool_bytes: int) -> str:
+    needs, budget = smallest.gpu_total + smallest.host_total, int(pool_bytes * HOST_USABLE_FRACTION)
+    hints = [f"a shorter sequence (--seq {seq_len // 2})"] if seq_len > 256 else []
+    hints += ["a smaller model (--model)", "GPUs (plan for them with --hw)"]
+    return (f"no feasible plan for {spec.name} (seq {seq_len}) on this CPU: the smallest plan needs {_gib(needs)} "
+            f"of memory, {_gib(needs - budget)} more than the {_gib(budget)} usable of its {_gib(pool_bytes)}. It "
+            f"might fit with: {', or '.join(hints)}")
+
+
+def _check_cpu_memory(spec: ModelSpec, seq_len: int, sequences: int, pool_bytes: int) -> None:
+    """Before this CPU is measured for a model: whether its smallest plan (one sequence per micro-batch, blocks
+    recomputed, the most LM-head chunks) fits in the CPU's memory at all. The search checks every plan after."""
+    knobs = Knobs(micro_batch_size=1, grad_accum_steps=max(1, sequences), recompute=("block",),
+                  lm_head_chunks=max(KNOBS["lm_head_chunks"].choices), **CPU_KNOBS)
+    smallest = memory(spec, seq_len, knobs, num_gpus=1, gpus_per_node=1)
+    if smallest.gpu_total + smallest.host_total > pool_bytes * HOST_USABLE_FRACTION:
+        raise NoFeasiblePlan(_cpu_memory_message(spec, seq_len, smallest, pool_bytes))
+
+
+def _this_cpu(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
+    """This machine's CPU, measured for `spec` where the model can fit in its memory (`host_mem` caps it)."""
+    check_cpu_options("detected-cpu", r.gpus, r.nodes, r.gpu_mem)
+    pool = parse_bytes(r.host_mem, "--host-mem") if r.host_mem else hwprofiles.host_memory_bytes()
+    sequences = (r.global_batch_tokens or SEQUENCES_PER_STEP * seq_len) // seq_len
+    _check_cpu_memory(spec, seq_len, sequences, pool)
+    return load_machine(_this_cpu_profile(spec, seq_len, sequences), host_memory=pool)
+
+
+def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
+    """This machine: its GPU (one, as the executor trains on one so far) or its CPU, with its real memory."""
+    if r.device not in (None, "cpu", "cuda"):
+        fail("--device", f"{r.device!r} is not allowed; choose one of 'cpu', 'cuda'")
+    if r.nodes not in (None, 1):
+        fail("--nodes", f"{r.nodes}: this machine is one node; plan for several with --hw PROFILE --nodes {r.nodes}")
+    if r.device == "cpu" or (r.device is None and not torch.cuda.is_available()):
+        for option, value in (("--gpus", r.gpus), ("--gpu-mem", r.gpu_mem)):
+            if value is not None:
+                fail(option, "this machine has no GPU (or --device cpu): plan for other hardware with --hw")
+        return _this_cpu(r, spec, seq_len)
     if not torch.cuda.is_available():
         fail("--device", "'cuda' was asked for, but this machine has no CUDA GPU")
     name = torch.cuda.get_device_name(0)
@@ -127,27 +168,40 @@ def _detect(device: str | None, gpus: int | None) -> tuple[str, int | None]:
     if profile is None:
         fail("--hw", f"no shipped profile for the GPU {name!r}; run `fastml profile -o my.json` and plan with "
                      f"--hw my.json, or pass --hw with the nearest of {', '.join(hwprofiles.names())}")
-    return profile, gpus or 1  # the executor trains on one device so far
+    _check_gpu_count(r.gpus or 1, torch.cuda.device_count(), profile)
+    return load_machine(profile, 1, None, r.gpu_mem, r.host_mem or hwprofiles.host_memory_bytes())
 
 
-def _cpu_plan(spec: ModelSpec, seq_len: int, global_batch_tokens: int | None, steps: int, data: str,
-              overrides: list[str]) -> Plan:
-    """On a CPU there is no rate to simulate against: every sequence of a step goes into one micro-batch."""
-    global_batch_tokens = _check_batch(global_batch_tokens or SEQUENCES_PER_STEP * seq_len, seq_len, 1)
-    sequences = global_batch_tokens // seq_len
-    knob_pins, other = _split_overrides(overrides, sequences)
-    micro = knob_pins.pop("micro_batch_size", sequences)
-    knobs = from_dict(Knobs, {**knob_pins, "micro_batch_size": micro, "grad_accum_steps": sequences // micro},
-                      "knobs")
-    plan = Plan(model=spec, hardware=Hardware(profile="cpu", fingerprint=hwprofiles.fingerprint("cpu")),
-                training=_training(spec, seq_len, global_batch_tokens, steps, data), knobs=knobs)
-    return with_overrides(plan, other)
+def _check_gpu_count(gpus: int, present: int, profile: str) -> None:
+    """Plans for this machine are plans it can run: the executor trains on one GPU until multi-GPU training is
+    built, so more GPUs are planned as other hardware (--hw), whose predictions need no run."""
+    check_range("--gpus", gpus, 1)
+    if gpus > present:
+        fail("--gpus", f"{gpus}: this machine has {present} GPU(s); plan for more with --hw {profile} --gpus {gpus}")
+    if gpus > 1:
+        fail("--gpus", f"{gpus}: fastml run trains on one GPU so far; see the prediction for {gpus} GPUs with "
+                       f"--hw {profile} --gpus {gpus}")
+
+
+def _named_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
+    """A profile by name or file; "cpu" is this machine's CPU."""
+    if r.hw == "cpu":
+        return _this_cpu(r, spec, seq_len)
+    return load_machine(r.hw, r.gpus, r.nodes, r.gpu_mem, r.host_mem)
+
+
+def _this_cpu_profile(spec: ModelSpec, seq_len: int, sequences: int) -> dict:
+    """This CPU's profile, with its GEMM curve over the micro-batches a plan may choose: 1 sequence, powers of two,
+    up to the whole step (or the search's largest micro-batch)."""
+    largest = max(1, min(sequences, MAX_MICRO_BATCH))
+    return this_cpu_profile(spec, seq_len, sorted({largest} | {2**i for i in range(7) if 2**i <= largest}))
 
 
 def _assemble(problem: Problem, candidate: Candidate, steps: int, data: str) -> Plan:
     m = problem.machine
-    hardware = Hardware(profile=m.profile, fingerprint=m.fingerprint, device="cuda", num_gpus=m.num_gpus,
-                        gpus_per_node=m.gpus_per_node, gpu_memory_bytes=m.gpu.memory_bytes,
+    cpu = m.shares_host_memory
+    hardware = Hardware(profile=m.profile, fingerprint=m.fingerprint, device=m.device, num_gpus=m.num_gpus,
+                        gpus_per_node=m.gpus_per_node, gpu_memory_bytes=0 if cpu else m.gpu.memory_bytes,
                         host_memory_bytes=m.node.host_memory_bytes)
     return Plan(model=problem.spec, hardware=hardware, knobs=candidate.knobs,
                 training=_training(problem.spec, problem.seq_len, problem.global_batch_tokens, steps, data),

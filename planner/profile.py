@@ -1,17 +1,25 @@
-"""`fastml profile`: the GPUs, their links and the host as NVML reports them, written as a hwprofile JSON.
+"""`fastml profile`: the GPUs, their links and the host as NVML reports them, written as a hwprofile JSON; and
+this machine's CPU, measured, as the profile CPU plans are made with.
 
-Only what NVML reports is detected here. Every rate (FLOP/s, GEMM efficiency, HBM, PCIe, NVLink, collectives),
-the price and the power still come from the nearest shipped profile until microbenchmarks measure them
-(DESIGN.md, Planner / Profile); the written `source` says which fields are which.
+For GPUs only what NVML reports is detected here. Every rate (FLOP/s, GEMM efficiency, HBM, PCIe, NVLink,
+collectives), the price and the power still come from the nearest shipped profile until microbenchmarks measure
+them (DESIGN.md, Planner / Profile); the written `source` says which fields are which. A CPU has no datasheet to
+take rates from, so they are measured (a few seconds, once per machine and torch, cached): the best fp32 matmul
+rate, the forward and backward GEMMs of the linear layers of each model planned (the efficiency curve), and the
+memory bandwidth of a large tensor copy.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import json
 import os
 import re
+import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from rich.console import Console
@@ -142,7 +150,8 @@ def profile_json(topology: dict) -> dict:
     """A hwprofile (the schema of hwprofiles/*.json) for the detected machine: the nearest shipped profile with
     what was detected written over it, and the raw topology under the extra top-level key `detected`."""
     if not topology["gpus"]:
-        return _cpu_profile(topology)
+        # Measured again: the way to replace a cached measurement taken while other work loaded the CPU.
+        return this_cpu_profile(topology=topology, fresh=True)
     gpus = topology["gpus"]
     base, match = _base_profile(gpus[0]["name"], gpus[0]["memory_bytes"])
     data = copy.deepcopy(hwprofiles.load(base))
@@ -165,7 +174,7 @@ def _base_profile(device_name: str, memory_bytes: int) -> tuple[str, str]:
     named = hwprofiles.for_device_name(device_name)
     if named:
         return named, f"its device_names list {device_name!r}"
-    candidates = [n for n in hwprofiles.names() if hwprofiles.load(n)["gpu"]["memory_bytes"] > 0]
+    candidates = [n for n in hwprofiles.names() if hwprofiles.load(n).get("device", "cuda") == "cuda"]
     if not candidates:
         fail("profile", "no shipped GPU profile to start from")
     nearest = min(candidates, key=lambda n: abs(hwprofiles.load(n)["gpu"]["memory_bytes"] - memory_bytes))
@@ -191,26 +200,6 @@ def _write_detected(data: dict, topology: dict) -> list[str]:
             gpu.setdefault("pcie", {})[key] = min(values)
             fields.append(f"gpu.pcie.{key} (the link's maximum)")
     return fields
-
-
-def _cpu_profile(topology: dict) -> dict:
-    """The shipped `cpu` profile with the host's memory, and zeros (unknown) where load_machine needs a number."""
-    data = copy.deepcopy(hwprofiles.load("cpu"))
-    node = data.setdefault("node", {})
-    node.setdefault("gpus_per_node", 1)
-    node["host_memory_bytes"] = topology["host"]["memory_bytes"]
-    for key in ("h2d_all_gpus_bytes_per_s", "cpu_adam_params_per_s", "host_copy_bytes_per_s", "nic_bytes_per_s"):
-        node.setdefault(key, 0)
-    data.setdefault("collectives", {"latency_s": 0, "bus_bytes_per_s": {}})
-    data.setdefault("price", {"usd_per_gpu_hour": 0, "source": "no GPU: not priced"})
-    data.setdefault("power", {"watts_per_gpu": 0, "source": "no GPU"})
-    data["name"] = "detected-cpu"
-    data["source"] = (
-        f"no CUDA GPU found ({topology['no_gpu_reason']}); detected by `fastml profile` on {topology['date']}: "
-        f"node.host_memory_bytes, and {topology['host']['num_cpus']} CPUs (under `detected`). The rest is shipped "
-        f"profile 'cpu', with 0 (unknown) for the rates it has none of. Source of 'cpu': {data['source']}")
-    data["detected"] = {**topology, "base_profile": "cpu", "base_match": "no CUDA GPU"}
-    return data
 
 
 def print_topology(topology: dict, console: Console) -> None:
@@ -281,6 +270,200 @@ def profile(output: str | None = None, console: Console | None = None) -> dict:
     except OSError as e:
         fail("-o", f"cannot write {path}: {e.strerror or e}")
     detected = data["detected"]
-    console.print(f"wrote {path}: profile {data['name']!r}; rates not measured yet, taken from shipped profile "
-                  f"{detected['base_profile']!r} ({detected['base_match']})")
+    if data.get("device") == "cpu":
+        console.print(f"wrote {path}: profile {data['name']!r}, no CUDA GPU: this CPU's rates, measured")
+    else:
+        console.print(f"wrote {path}: profile {data['name']!r}; rates not measured yet, taken from shipped profile "
+                      f"{detected['base_profile']!r} ({detected['base_match']})")
     return data
+
+
+# ------------------------------------------------------------------------------------ this machine's CPU, measured
+
+PEAK_SQUARE_SIZES = (1024, 2048)
+COPY_ELEMENTS = 32 * 2**20  # fp32: 128 MiB, far beyond any cache
+MAX_MEASURED_FLOPS = 2e10
+"""A linear layer's forward and backward GEMMs above this many FLOPs are measured with fewer tokens (the same
+layer): large GEMMs run at the CPU's plateau, and the measurement stays a few seconds for any model."""
+ATTENTION_FLOPS_FACTOR = 3.5
+"""Attention's forward and backward over its forward FLOPs (planner/costs.py: the backward is 2.5 forwards)."""
+ADAM_BYTES_PER_PARAM = 28
+"""fp32 AdamW (executor/optim.py, foreach on a CPU): reads and writes the parameter, m and v, reads the gradient."""
+
+
+def linear_shapes(spec, token_counts: Iterable[int]) -> list[tuple[int, int, int]]:
+    """(tokens, out, in) of every linear layer of `spec` (the costs of planner/costs.py) at each token count."""
+    h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
+    layers = [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f), (spec.vocab_size, h)]
+    return sorted({_measurable(t, n, k) for t in token_counts for n, k in layers})
+
+
+def _measurable(tokens: int, out: int, inp: int) -> tuple[int, int, int]:
+    while tokens > 1 and 6 * tokens * out * inp > MAX_MEASURED_FLOPS:
+        tokens //= 2
+    return tokens, out, inp
+
+
+def attention_shapes(spec, seq_len: int, micro_batches: Iterable[int]) -> list[tuple[int, int, int, int, int]]:
+    """(batch, seq, heads, kv_heads, head_dim) of `spec`'s attention at each micro-batch, fewer sequences where
+    one would take long (as for linear layers)."""
+    shapes = set()
+    for batch in micro_batches:
+        flops = ATTENTION_FLOPS_FACTOR * _attention_flops(1, seq_len, spec.q_size)
+        while batch > 1 and batch * flops > MAX_MEASURED_FLOPS:
+            batch //= 2
+        shapes.add((batch, seq_len, spec.num_heads, spec.num_kv_heads, spec.head_dim))
+    return sorted(shapes)
+
+
+def _attention_flops(batch: int, seq_len: int, q_size: int) -> float:
+    """Causal attention's forward matmul FLOPs, as planner/costs.py counts them."""
+    return 2.0 * batch * seq_len * seq_len * q_size
+
+
+def measure_cpu(shapes: list[tuple[int, int, int]], attention: list[tuple[int, ...]] = (), say=None,
+                fresh: bool = False) -> hwprofiles.CpuMeasurements:
+    """This CPU's measurements for the given linear-layer and attention shapes: the cached ones, with what they lack
+    measured now (and cached); `fresh` measures everything again, replacing the cache. `say` gets a progress line
+    when something is measured."""
+    cached = None if fresh else hwprofiles.this_cpu()
+    missing = [s for s in shapes if cached is None or _shape_key(s) not in cached.linear_seconds]
+    missing_attention = [s for s in attention if cached is None or _shape_key(s) not in cached.attention_seconds]
+    if not missing and not missing_attention:
+        return cached
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    say(f"measuring this CPU for planning: {'peak, memory bandwidth, ' if cached is None else ''}"
+        f"{len(missing)} GEMM and {len(missing_attention)} attention shapes (once; cached in "
+        f"{hwprofiles.cpu_cache_path()})")
+    load, num_cpus = os.getloadavg()[0], os.cpu_count() or 1
+    if load > num_cpus / 2:
+        say(f"warning: other work loads this CPU (load average {load:.1f} on {num_cpus} CPUs): its measured rates "
+            f"may be low; measure again with `fastml profile` when it is idle")
+    start = time.perf_counter()
+    measured = cached or _measure_cpu_base()
+    measured = dataclasses.replace(
+        measured, linear_seconds={**measured.linear_seconds, **_fastest_of_two(_linear_seconds, missing)},
+        attention_seconds={**measured.attention_seconds, **_fastest_of_two(_attention_seconds, missing_attention)})
+    hwprofiles.save_cpu(measured)
+    say(f"measured in {time.perf_counter() - start:.1f} s")
+    return measured
+
+
+def _fastest_of_two(seconds, shapes) -> dict[str, float]:
+    """Two passes, each shape's fastest kept: a burst of other work must hit a shape in both to skew it."""
+    passes = [{_shape_key(s): seconds(*s) for s in shapes} for _ in range(2)]
+    return {key: min(p[key] for p in passes) for key in passes[0]}
+
+
+def _measure_cpu_base() -> hwprofiles.CpuMeasurements:
+    import torch
+
+    rates = []
+    for size in PEAK_SQUARE_SIZES:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        rates.append(2 * size**3 / _seconds(lambda: torch.matmul(a, b)))
+    source, target = torch.randn(COPY_ELEMENTS), torch.empty(COPY_ELEMENTS)
+    copy_s = _seconds(lambda: target.copy_(source))
+    return hwprofiles.CpuMeasurements(key=hwprofiles.cpu_key(), date=datetime.date.today().isoformat(),
+                                      peak_fp32_flops_per_s=max(rates),
+                                      memory_bytes_per_s=2 * COPY_ELEMENTS * 4 / copy_s)
+
+
+def _linear_seconds(tokens: int, out: int, inp: int) -> float:
+    """A linear layer's forward (x·Wᵀ) and backward (dx = dy·W, dW = dyᵀ·x) GEMMs, in fp32."""
+    import torch
+
+    x, w, dy = torch.randn(tokens, inp), torch.randn(out, inp), torch.randn(tokens, out)
+    return _seconds(lambda: (torch.matmul(x, w.t()), torch.matmul(dy, w), torch.matmul(dy.t(), x)))
+
+
+def _attention_seconds(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int) -> float:
+    """Causal attention's forward and backward as the executor runs it (executor/model.py), in fp32."""
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.randn(batch, heads, seq_len, head_dim, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, seq_len, head_dim, requires_grad=True) for _ in range(2))
+    grad = torch.randn(batch, heads, seq_len, head_dim)
+
+    def run():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads).backward(grad)
+    return _seconds(run)
+
+
+def _seconds(run, min_repeats: int = 3, max_repeats: int = 20, min_total_s: float = 0.05) -> float:
+    """The fastest of several timed runs after a warm-up: other processes sharing the CPU only ever add time, so
+    the fastest run is the machine's own rate (a run under load is slower than the plan predicts, not faster)."""
+    run()
+    times = []
+    while len(times) < min_repeats or (sum(times) < min_total_s and len(times) < max_repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _shape_key(shape: tuple[int, int, int]) -> str:
+    return ",".join(map(str, shape))
+
+
+def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[int, int, int]],
+                     attention: list[tuple[int, ...]] = (), topology: dict | None = None) -> dict:
+    """The hwprofile of this machine's CPU (schema of hwprofiles/schema.py): its peak, the efficiency of the model's
+    linear layers at their shapes and of its attention (the curve, at the size planner/costs.py gives attention),
+    its memory bandwidth and memory."""
+    peak, bandwidth = measured.peak_fp32_flops_per_s, measured.memory_bytes_per_s
+    memory_bytes = hwprofiles.host_memory_bytes()
+    key = measured.key
+    data = copy.deepcopy(hwprofiles.load("cpu"))
+    data.update(
+        name="detected-cpu",
+        source=(f"measured on this machine ({key['cpu']}, {key['num_cpus']} CPUs, torch {key['torch']} with "
+                f"{key['torch_threads']} threads) on {measured.date} by `fastml plan`: peak_flops.fp32 is the best "
+                f"fp32 torch.matmul rate of square GEMMs {' and '.join(map(str, PEAK_SQUARE_SIZES))}; gemm_shapes "
+                f"the forward and backward GEMMs of the model's linear layers; gemm_efficiency its causal attention "
+                f"(forward and backward), at g = (batch·seq·heads·seq·head_dim)^(1/3) as planner/costs.py models "
+                f"it; hbm_bytes_per_s (and the host rates) a {COPY_ELEMENTS * 4 // 2**20} MiB tensor copy; "
+                f"cpu_adam_params_per_s that rate over {ADAM_BYTES_PER_PARAM} bytes per parameter; memory the "
+                f"physical memory (os.sysconf). Not priced."),
+        gpu={"memory_bytes": memory_bytes, "peak_flops": {"fp32": peak},
+             "gemm_efficiency": _attention_curve(measured, attention), "gemm_shapes": _efficiencies(measured, shapes),
+             "hbm_bytes_per_s": bandwidth},
+        node={"gpus_per_node": 1, "host_memory_bytes": memory_bytes, "h2d_all_gpus_bytes_per_s": bandwidth,
+              "cpu_adam_params_per_s": bandwidth / ADAM_BYTES_PER_PARAM, "host_copy_bytes_per_s": bandwidth,
+              "nic_bytes_per_s": 0.0},
+        collectives={"latency_s": 0.0, "bus_bytes_per_s": {}},
+        measured={"key": key, "date": measured.date})
+    if topology is not None:
+        data["detected"] = {**topology, "base_profile": "cpu", "base_match": "no CUDA GPU"}
+    return data
+
+
+def _efficiencies(measured: hwprofiles.CpuMeasurements, shapes) -> list[list[float]]:
+    """(tokens, out, in, achieved / peak) per measured shape: its forward and backward, 6·t·n·k FLOPs."""
+    peak = measured.peak_fp32_flops_per_s
+    return [[t, n, k, round(6 * t * n * k / measured.linear_seconds[_shape_key((t, n, k))] / peak, 4)]
+            for t, n, k in shapes]
+
+
+def _attention_curve(measured: hwprofiles.CpuMeasurements, attention) -> list[list[float]]:
+    """(g, achieved / peak) of attention per measured shape, g and FLOPs as planner/costs.py counts them."""
+    points = {}
+    for b, s, heads, kv_heads, d in attention:
+        seconds = measured.attention_seconds[_shape_key((b, s, heads, kv_heads, d))]
+        flops = ATTENTION_FLOPS_FACTOR * _attention_flops(b, s, heads * d)
+        points[round((b * s * heads * s * d) ** (1 / 3), 1)] = round(flops / seconds / measured.peak_fp32_flops_per_s,
+                                                                    4)
+    return [[g, e] for g, e in sorted(points.items())]
+
+
+def this_cpu_profile(spec=None, seq_len: int = 256, micro_batches: Iterable[int] = (1, 2, 4, 8, 16), say=None,
+                     topology: dict | None = None, fresh: bool = False) -> dict:
+    """This machine's CPU profile for planning `spec` (default: tiny) at `seq_len` and these micro-batches,
+    measuring what the cache lacks (everything, if `fresh`)."""
+    from fastml.spec import PRESETS
+
+    spec = spec or PRESETS["tiny"]
+    shapes = linear_shapes(spec, [b * seq_len for b in micro_batches])
+    attention = attention_shapes(spec, seq_len, micro_batches)
+    return cpu_profile_json(measure_cpu(shapes, attention, say, fresh), shapes, attention, topology)

@@ -36,7 +36,7 @@ def print_plan(console: Console, plan: Plan, runners_up: list[Plan] = (), limit:
 def print_runners_up(console: Console, plan: Plan, runners_up: list[Plan]) -> None:
     """The next best plans, each by the knobs where it differs from the chosen one."""
     table = Table(title="runners-up")
-    for column in ("tokens/s", "vs chosen", "step", "peak GPU mem", "differs from the chosen plan in"):
+    for column in ("tokens/s", "vs chosen", "step", "peak memory", "differs from the chosen plan in"):
         table.add_column(column, justify="left" if column.startswith("differs") else "right")
     for p in runners_up:
         behind = p.predicted.tokens_per_s / plan.predicted.tokens_per_s - 1
@@ -56,9 +56,11 @@ def explanation(plan: Plan, runners_up: list[Plan] = (), limit: str | None = Non
 def print_breakdown(console: Console, plan: Plan) -> None:
     p = plan.predicted
     dtype = plan.knobs.matmul_dtype
+    on_gpu = plan.hardware.device == "cuda"
+    price = (f", {usd(p.usd_per_million_tokens)} and {significant(p.kwh_per_million_tokens)} kWh (GPU power) per "
+             f"million tokens" if on_gpu else "")  # a CPU's measured profile has no price or power
     console.print(f"predicted: {p.step_time_s:.3f} s/step, {p.tokens_per_s:,.0f} tokens/s, MFU {p.mfu:.1%} "
-                  f"(model FLOPs over the dense {dtype} peak), {usd(p.usd_per_million_tokens)} and "
-                  f"{significant(p.kwh_per_million_tokens)} kWh (GPU power) per million tokens")
+                  f"(model FLOPs over the {'dense' if on_gpu else 'measured'} {dtype} peak){price}")
     time_table = Table(title="step time by component")
     time_table.add_column("component")
     time_table.add_column("seconds", justify="right")
@@ -67,8 +69,9 @@ def print_breakdown(console: Console, plan: Plan) -> None:
         time_table.add_row(name, f"{seconds:.4f}", f"{seconds / p.step_time_s:.1%}")
     memory_table = Table(title="memory by category (GiB)")
     memory_table.add_column("category")
-    memory_table.add_column("GPU (one)", justify="right")
-    memory_table.add_column("host (node)", justify="right")
+    # On a CPU the "device" and the host are the same memory: training tensors, and the rest of the process.
+    memory_table.add_column("GPU (one)" if on_gpu else "training (RAM)", justify="right")
+    memory_table.add_column("host (node)" if on_gpu else "process (RAM)", justify="right")
     for name in p.memory_bytes:
         memory_table.add_row(name, f"{p.memory_bytes[name] / GIB:.2f}", f"{p.host_memory_bytes[name] / GIB:.2f}")
     memory_table.add_row("total", f"{p.peak_memory_bytes / GIB:.2f}",
@@ -82,14 +85,18 @@ def print_ranking(console: Console, rows: list[tuple[str, Plan | None, str]]) ->
     table = Table(title="hardware ranked by cost per million tokens")
     for column in ("hardware", "tokens/s", "MFU", "$/Mtok", "kWh/Mtok", "knobs"):
         table.add_column(column, justify="left" if column in ("hardware", "knobs") else "right")
-    priced = sorted((r for r in rows if r[1] is not None and r[1].predicted),
+    priced = sorted((r for r in rows if r[1] is not None and r[1].hardware.device != "cpu"),
                     key=lambda r: r[1].predicted.usd_per_million_tokens)
     for hw, plan, _ in priced:
         p = plan.predicted
         table.add_row(hw, f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", usd(p.usd_per_million_tokens),
                       significant(p.kwh_per_million_tokens), describe_knobs(plan.knobs))
-    for hw, plan, note in (r for r in rows if r[1] is None or not r[1].predicted):
-        table.add_row(hw, "-", "-", "-", "-", f"infeasible: {note}" if plan is None else "no prediction on a CPU")
+    for hw, plan, note in (r for r in rows if r not in priced):
+        if plan is None:
+            table.add_row(hw, "-", "-", "-", "-", f"infeasible: {note}")
+        else:  # a CPU's plans have no price or power in its measured profile
+            table.add_row(hw, f"{plan.predicted.tokens_per_s:,.0f}", f"{plan.predicted.mfu:.1%}", "-", "-",
+                          f"not priced (a CPU); {describe_knobs(plan.knobs)}")
     console.print(table)
 
 

@@ -128,6 +128,8 @@ def evaluate(problem: Problem, knobs: Knobs) -> Candidate:
     m = memory(problem.spec, problem.seq_len, knobs, problem.machine.num_gpus, problem.machine.gpus_per_node)
     gpu_over = m.gpu_total - problem.gpu_budget()
     host_over = m.host_total - problem.host_budget()
+    if problem.machine.shares_host_memory:  # a CPU: the device's bytes and the host's fill one pool
+        gpu_over = host_over = m.gpu_total + m.host_total - problem.host_budget()
     sim = None
     if gpu_over <= 0 and host_over <= 0:
         sim = simulate(problem.spec, problem.seq_len, knobs, problem.machine)

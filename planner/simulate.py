@@ -7,11 +7,12 @@ device-to-host copy engines (sharing the node's PCIe root: their rates are per-G
 collective stream (NVLink, PCIe or NIC, by the collective's path) and the CPU.
 
 Micro-batches after the third repeat the second exactly, so at most three are simulated and the middle one's
-duration stands for the rest.
+duration stands for the rest; the trace repeats the middle one's ops in their place, so it shows the whole step.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -35,6 +36,10 @@ class Simulation:
     critical_path: list[str]
     activation_peak_bytes: int
     memory_timeline: list[tuple[float, int]] = field(repr=False)
+    repeated_window: tuple[float, float] | None = None
+    """The simulated middle micro-batch, [start, end) on the graph's clock, where the step repeats it."""
+    repeats: int = 0
+    """How many more times the step runs that micro-batch than the graph does."""
 
 
 def simulate(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Simulation:
@@ -42,15 +47,16 @@ def simulate(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> S
     _schedule(graph)
     makespan = max(d["end"] for _, d in graph.nodes(data=True))
     time_s = _breakdown(graph, 0.0, makespan)
-    extra = knobs.grad_accum_steps - SIMULATED_MICRO_BATCHES
+    extra = max(0, knobs.grad_accum_steps - SIMULATED_MICRO_BATCHES)
+    window = None
     if extra > 0:
-        ends = _micro_batch_ends(graph)
-        middle = _breakdown(graph, ends[0], ends[1])
+        window = tuple(_micro_batch_ends(graph)[:2])
+        middle = _breakdown(graph, *window)
         time_s = {k: time_s[k] + extra * middle[k] for k in TIME_COMPONENTS}
     timeline = _memory_timeline(graph)
     return Simulation(graph=graph, step_time_s=sum(time_s.values()), time_s=time_s,
                       critical_path=_critical_path(graph), activation_peak_bytes=max(m for _, m in timeline),
-                      memory_timeline=timeline)
+                      memory_timeline=timeline, repeated_window=window, repeats=extra)
 
 
 def build_graph(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> nx.DiGraph:
@@ -243,17 +249,49 @@ def _memory_timeline(graph: nx.DiGraph) -> list[tuple[float, int]]:
 
 def chrome_trace(sim: Simulation) -> dict:
     """The simulated step in Chrome's trace format (open in Perfetto or chrome://tracing): one track per resource
-    and a counter track of resident activation memory."""
+    and a counter track of resident activation memory. Where the step has more micro-batches than were simulated,
+    the middle one's ops are repeated in its place and the later ops shifted, so the trace ends with the step."""
     tracks = {}
     events = []
     for name, d in sim.graph.nodes(data=True):
         tid = tracks.setdefault(d["resource"], len(tracks))
-        events.append({"name": name, "cat": d["category"], "ph": "X", "pid": 0, "tid": tid,
-                       "ts": d["start"] * 1e6, "dur": d["duration"] * 1e6})
+        for op_name, start_s in _op_placements(sim, name, d["start"]):
+            events.append({"name": op_name, "cat": d["category"], "ph": "X", "pid": 0, "tid": tid,
+                           "ts": start_s * 1e6, "dur": d["duration"] * 1e6})
     for resource, tid in tracks.items():
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": resource}})
     for time, resident in sim.memory_timeline:
-        events.append({"name": "activations", "ph": "C", "pid": 0, "ts": time * 1e6,
-                       "args": {"GiB": resident / 2**30}})
+        for start_s in _counter_placements(sim, time):
+            events.append({"name": "activations", "ph": "C", "pid": 0, "ts": start_s * 1e6,
+                           "args": {"GiB": resident / 2**30}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
+
+_MICRO_BATCH = re.compile(r" mb(\d+)\b")
+
+
+def _op_placements(sim: Simulation, name: str, start_s: float) -> list[tuple[str, float]]:
+    """An op's (name, start) in the whole step: the middle micro-batch's ops once per repeat, renumbered; the last
+    micro-batch's ops, and the ops after the micro-batches, shifted by the repeats."""
+    if not sim.repeats:
+        return [(name, start_s)]
+    begin, end = sim.repeated_window
+    match = _MICRO_BATCH.search(name)
+    micro_batch = int(match.group(1)) if match else None
+    if micro_batch == 0 or (micro_batch is None and start_s < begin):
+        return [(name, start_s)]
+    if micro_batch == 1:
+        return [(_MICRO_BATCH.sub(f" mb{1 + k}", name), start_s + k * (end - begin)) for k in range(sim.repeats + 1)]
+    last = _MICRO_BATCH.sub(f" mb{2 + sim.repeats}", name)
+    return [(last, start_s + sim.repeats * (end - begin))]
+
+
+def _counter_placements(sim: Simulation, time_s: float) -> list[float]:
+    if not sim.repeats:
+        return [time_s]
+    begin, end = sim.repeated_window
+    if time_s < begin:
+        return [time_s]
+    if time_s >= end:
+        return [time_s + sim.repeats * (end - begin)]
+    return [time_s + k * (end - begin) for k in range(sim.repeats + 1)]

@@ -206,6 +206,6 @@ def test_profile_writes_a_loadable_profile(tmp_path):
 def test_a_cpu_among_ranked_machines_and_a_missing_fp8(tmp_path):
     ranked = fastml("plan", "--hw", "cpu,h200", "--gpus", "1", "--trials", "10", "-o", "p.json", cwd=tmp_path)
     assert ranked.returncode == 0, ranked.stderr
-    assert "no prediction on a CPU" in ranked.stdout and "the cheapest: h200" in ranked.stdout
+    assert "not priced (a CPU)" in ranked.stdout and "the cheapest: h200" in ranked.stdout
     one_line_error(fastml("plan", "--hw", "a100-80gb", "--gpus", "1", "--set", 'knobs.matmul_dtype="fp8"',
                           "--trials", "10", cwd=tmp_path), "knobs.matmul_dtype", "no fp8 tensor cores")

@@ -4,13 +4,15 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from fastml import hwprofiles
+from fastml.config import UserError
 from fastml.plan import TIME_COMPONENTS, Knobs
 from fastml.planner.hardware import load_machine, parse_bytes
 from fastml.planner.costs import collective_s, costs
 from fastml.planner.memory import layer_activation_bytes, memory, model_state_bytes
-from fastml.planner.planner import NoFeasiblePlan, make_plan
+from fastml.planner.planner import NoFeasiblePlan, make_plan, replan
 from fastml.planner.search import Problem, evaluate, exhaustive, knob_space, pin, search, tokens_per_s
 from fastml.planner.simulate import chrome_trace, simulate
 from fastml.spec import PRESETS
@@ -167,3 +169,116 @@ def test_byte_sizes_parse():
     assert parse_bytes("24 GB", "x") == 24 * 10**9
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots", "--gpu-mem")
+
+
+# ------------------------------------------------------------------------------------- plans for this machine
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch, tmp_path):
+    """This machine seen as a CPU without a GPU, its measurements fixed (tests/test_profile.py)."""
+    from test_profile import fake_cpu_measurements
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return fake_cpu_measurements(monkeypatch, tmp_path)
+
+
+def fake_gpus(monkeypatch, count: int, name: str = "NVIDIA H200"):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
+
+
+def test_a_cpu_plan_is_searched_and_simulated_like_a_gpu_plan(fake_cpu):
+    planned = make_plan(steps=5)
+    plan, p = planned.plan, planned.plan.predicted
+    assert plan.hardware.device == "cpu" and plan.hardware.profile == "detected-cpu"
+    assert (plan.knobs.param_dtype, plan.knobs.matmul_dtype, plan.knobs.compile) == ("fp32", "fp32", False)
+    assert p.step_time_s > 0 and p.time_s["compute"] > 0 and 0 < p.mfu < 1
+    assert p.usd_per_million_tokens == 0 and p.memory_bytes["weights"] > 0
+    assert plan.hardware.host_memory_bytes == hwprofiles.host_memory_bytes()
+    assert len({r.knobs for r in planned.runners_up} | {plan.knobs}) == 4  # micro-batch, recompute, chunks searched
+    candidate, _ = replan(plan)  # `fastml explain`
+    assert candidate.simulation.step_time_s == pytest.approx(p.step_time_s)
+
+
+def test_a_cpu_plan_is_explained_only_with_the_profile_it_was_made_with(fake_cpu, monkeypatch):
+    plan = make_plan(steps=5).plan
+    monkeypatch.setattr(hwprofiles, "host_memory_bytes", lambda: 2**40)  # another machine's memory
+    with pytest.raises(UserError, match="hardware.fingerprint: .*another CPU profile"):
+        replan(plan)
+
+
+def test_a_cpu_plan_must_fit_in_the_hosts_memory(fake_cpu):
+    """REVIEW: `fastml plan --model llama-3.1-70b` on a 24 GiB machine succeeded, and the run died."""
+    with pytest.raises(NoFeasiblePlan, match="on this CPU: .*more than the .* usable") as info:
+        make_plan(model="llama-3.1-70b", host_mem="24GiB", trials=20)
+    assert "\n" not in str(info.value) and fake_cpu["linear"] == 0  # refused before measuring for it
+    with pytest.raises(NoFeasiblePlan):
+        make_plan(model="tiny", host_mem="1GiB", trials=20)  # the process' own 2 GiB count in the one pool
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(gpus=2), "--gpus: this machine has no GPU"),
+    (dict(gpus=1), "--gpus: this machine has no GPU"),
+    (dict(gpu_mem="16GiB"), "--gpu-mem: this machine has no GPU"),
+    (dict(nodes=2), "--nodes: 2: this machine is one node"),
+    (dict(hw="cpu", gpus=4), "--gpus: 4: detected-cpu is a CPU"),
+])
+def test_gpu_options_on_a_cpu_machine_are_one_error(fake_cpu, kwargs, fragment):
+    """REVIEW: --gpus 100000 planned for 1 x cpu."""
+    with pytest.raises(UserError, match=fragment):
+        make_plan(trials=10, **kwargs)
+
+
+@pytest.mark.parametrize("present, gpus, fragment", [
+    (1, 2, "--gpus: 2: this machine has 1 GPU"),
+    (8, 2, "--gpus: 2: fastml run trains on one GPU so far; see the prediction for 2 GPUs with --hw h200"),
+])
+def test_more_gpus_than_this_machine_runs_is_one_error(monkeypatch, present, gpus, fragment):
+    fake_gpus(monkeypatch, present)
+    with pytest.raises(UserError, match=fragment):
+        make_plan(gpus=gpus, trials=10)
+
+
+def test_gpu_options_apply_to_this_machines_gpu(monkeypatch):
+    fake_gpus(monkeypatch, 2)
+    plan = make_plan(gpus=1, gpu_mem="16GiB", trials=20).plan
+    assert plan.hardware.profile == "h200" and plan.hardware.device == "cuda" and plan.hardware.num_gpus == 1
+    assert plan.hardware.gpu_memory_bytes == 16 * 2**30 and plan.predicted.peak_memory_bytes < 16 * 2**30
+    assert plan.hardware.host_memory_bytes == hwprofiles.host_memory_bytes()  # not the profile's 2 TiB
+
+
+def test_the_trace_of_an_accumulated_step_covers_the_whole_step():
+    """REVIEW: the trace of a plan with gradient accumulation ended before the predicted step did."""
+    spec = PRESETS["tinyllama-1.1b"]
+    knobs = Knobs(micro_batch_size=1, grad_accum_steps=7, recompute=("block",), offload_optimizer=0.5)
+    sim = simulate(spec, 2048, knobs, load_machine("rtx4090", 1))
+    events = [e for e in chrome_trace(sim)["traceEvents"] if e["ph"] == "X"]
+    assert max(e["ts"] + e["dur"] for e in events) / 1e6 == pytest.approx(sim.step_time_s)
+    forwards = {e["name"] for e in events if e["name"].startswith("fwd L0 ")}
+    assert forwards == {f"fwd L0 mb{m}" for m in range(7)}
+    compute = sorted((e for e in events if e["tid"] == events[0]["tid"]), key=lambda e: e["ts"])
+    assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-6 for a, b in zip(compute, compute[1:]))  # no overlap
+
+
+def test_a_plan_request_holds_the_defaults_of_the_command_line():
+    from fastml.cli import parser
+    from fastml.planner.request import PlanRequest
+
+    args = parser().parse_args(["plan"])
+    assert (args.model, args.steps, args.data, args.trials) == (PlanRequest.model, PlanRequest.steps,
+                                                                PlanRequest.data, PlanRequest.trials)
+
+
+def test_explain_and_trace_a_cpu_plan_with_accumulation(fake_cpu, tmp_path, capsys):
+    from fastml.cli import main
+    from fastml.plan import load_plan, save_plan
+
+    plan = make_plan(overrides=["knobs.micro_batch_size=2"], steps=5).plan  # 8 micro-batches
+    save_plan(plan, tmp_path / "p.json")
+    assert main(["explain", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.json")]) == 0
+    assert "step time by component" in capsys.readouterr().out
+    events = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    assert max(e["ts"] + e["dur"] for e in events) / 1e6 == pytest.approx(load_plan(tmp_path / "p.json")
+                                                                          .predicted.step_time_s)

@@ -11,12 +11,46 @@ import torch
 from rich.console import Console
 
 from fastml import hwprofiles
+from fastml.config import UserError
+from fastml.planner import profile as profile_module
 from fastml.planner.hardware import load_machine
-from fastml.planner.profile import detect_topology, print_topology, profile, profile_json
+from fastml.planner.profile import (detect_topology, linear_shapes, measure_cpu, print_topology, profile,
+                                    profile_json, this_cpu_profile)
+from fastml.spec import PRESETS
 
 RTX4090 = "NVIDIA GeForce RTX 4090"
 RTX4090_MEMORY_BYTES = 24564 * 2**20
 H200_MEMORY_BYTES = 143771 * 2**20
+
+
+FAKE_PEAK = 1e11
+FAKE_BANDWIDTH = 2e10
+
+
+def fake_cpu_measurements(monkeypatch, tmp_path) -> dict:
+    """This CPU's measurements replaced by fixed numbers (a GEMM at 40% of the peak plus 20 µs, attention at 20%),
+    cached under tmp_path; returns the counts of measurements taken ("base": peak and bandwidth, "linear": GEMM
+    shapes, "attention": attention shapes)."""
+    monkeypatch.setenv("FASTML_CACHE", str(tmp_path / "cache"))
+    calls = {"base": 0, "linear": 0, "attention": 0}
+
+    def base():
+        calls["base"] += 1
+        return hwprofiles.CpuMeasurements(key=hwprofiles.cpu_key(), date="2026-11-30",
+                                          peak_fp32_flops_per_s=FAKE_PEAK, memory_bytes_per_s=FAKE_BANDWIDTH)
+
+    def linear(tokens, out, inp):
+        calls["linear"] += 1
+        return 6 * tokens * out * inp / (0.4 * FAKE_PEAK) + 2e-5
+
+    def attention(batch, seq_len, heads, kv_heads, head_dim):
+        calls["attention"] += 1
+        return 3.5 * 2 * batch * seq_len**2 * heads * head_dim / (0.2 * FAKE_PEAK)
+
+    monkeypatch.setattr(profile_module, "_measure_cpu_base", base)
+    monkeypatch.setattr(profile_module, "_linear_seconds", linear)
+    monkeypatch.setattr(profile_module, "_attention_seconds", attention)
+    return calls
 
 
 def fake_nvml(gpus: list[dict], p2p_status: int | None, level) -> types.ModuleType:
@@ -174,6 +208,7 @@ def test_p2p_and_topology_nvml_cannot_report_count_as_no_p2p(monkeypatch, tmp_pa
 
 
 def test_without_nvml_there_is_no_gpu_and_the_cpu_profile_is_written(monkeypatch, tmp_path):
+    calls = fake_cpu_measurements(monkeypatch, tmp_path)
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
     monkeypatch.chdir(tmp_path)
     out = io.StringIO()
@@ -181,8 +216,9 @@ def test_without_nvml_there_is_no_gpu_and_the_cpu_profile_is_written(monkeypatch
     assert "no CUDA GPU found (nvidia-ml-py is not installed" in out.getvalue()
     assert json.loads((tmp_path / "hwprofile.json").read_text()) == data
     machine = load_machine("hwprofile.json")
-    assert machine.profile == "detected-cpu" and machine.gpu.memory_bytes == 0
-    assert machine.node.host_memory_bytes == data["detected"]["host"]["memory_bytes"] > 0
+    assert machine.profile == "detected-cpu" and machine.device == "cpu" and calls["base"] == 1
+    assert machine.gpu.memory_bytes == machine.node.host_memory_bytes == data["detected"]["host"]["memory_bytes"] > 0
+    assert machine.gpu.peak_flops == {"fp32": FAKE_PEAK}
     assert data["detected"]["host"]["num_cpus"] == os.cpu_count()
 
 
@@ -220,3 +256,78 @@ def test_real_detection_on_gpus(tmp_path):
     machine = load_machine(str(tmp_path / "hw.json"))
     assert machine.node.gpus_per_node == len(gpus) and machine.gpu.memory_bytes > 0
     assert all(name in out.getvalue() for name in torch_names)
+
+
+def test_the_cpu_profile_is_a_hardware_profile_measured_here(monkeypatch, tmp_path):
+    fake_cpu_measurements(monkeypatch, tmp_path)
+    data = this_cpu_profile(PRESETS["tiny"], 256, (1, 16), say=lambda line: None)
+    assert data["device"] == "cpu" and data["name"] == "detected-cpu"
+    assert "measured on this machine" in data["source"] and "2026-11-30" in data["source"]
+    machine = load_machine(data)
+    assert machine.gpu.peak_flops == {"fp32": FAKE_PEAK} and machine.gpu.hbm_bytes_per_s == FAKE_BANDWIDTH
+    assert machine.gpu.memory_bytes == machine.node.host_memory_bytes == hwprofiles.host_memory_bytes()
+    assert machine.shares_host_memory and machine.usd_per_gpu_hour == 0 and machine.num_gpus == 1
+    # Each shape of the model's linear layers, below 40% where the fixed 20 µs weighs; the curve: attention.
+    efficiencies = [machine.gpu.gemm_shapes[s] for s in linear_shapes(PRESETS["tiny"], (256, 4096))]
+    assert len(machine.gpu.gemm_shapes) == len(efficiencies) == 8  # qkv and the LM head share a shape in tiny
+    assert all(0.2 < e <= 0.4 for e in efficiencies) and efficiencies[-1] > efficiencies[0]
+    assert [e for _, e in machine.gpu.gemm_efficiency] == [0.2, 0.2]
+    assert hwprofiles.peak_flops("cpu", "fp32") == FAKE_PEAK  # what the executor's meter reads
+    # A linear layer of the model is timed as measured at its exact shape, forward plus twice the forward.
+    spec = PRESETS["tiny"]
+    t, n, k = 4096, spec.q_size + 2 * spec.kv_size, spec.hidden_size
+    measured = 6 * t * n * k / (0.4 * FAKE_PEAK) + 2e-5
+    assert 3 * machine.gpu.gemm_seconds(t, n, k, "fp32") == pytest.approx(measured, rel=1e-3)
+
+
+def test_the_cpu_measurements_are_cached_by_what_would_change_them(monkeypatch, tmp_path):
+    calls = fake_cpu_measurements(monkeypatch, tmp_path)
+    assert hwprofiles.this_cpu() is None
+    first = this_cpu_profile(PRESETS["tiny"], 256, (1,), say=lambda line: None)
+    measured = dict(calls)
+    assert measured["base"] == 1 and measured["linear"] > 0 and hwprofiles.this_cpu() is not None
+    assert this_cpu_profile(PRESETS["tiny"], 256, (1,), say=lambda line: None) == first
+    assert calls == measured  # the second plan measures nothing
+    this_cpu_profile(PRESETS["tiny"], 256, (1, 2), say=lambda line: None)
+    assert calls["base"] == 1 and calls["linear"] > measured["linear"]  # only the new shapes
+    assert calls["attention"] == measured["attention"] + 2  # one new shape, two passes
+    key = {**hwprofiles.cpu_key(), "torch": "9.9.9"}
+    monkeypatch.setattr(hwprofiles, "cpu_key", lambda: key)
+    assert hwprofiles.this_cpu() is None
+    this_cpu_profile(PRESETS["tiny"], 256, (1,), say=lambda line: None)
+    assert calls["base"] == 2 and hwprofiles.this_cpu().key == key  # a changed key measures again
+
+
+def test_a_broken_cpu_cache_is_one_line(monkeypatch, tmp_path):
+    fake_cpu_measurements(monkeypatch, tmp_path)
+    path = hwprofiles.cpu_cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"key": {}, "date": "x", "peak_fp32_flops_per_s": 1.0}))
+    with pytest.raises(UserError, match="memory_bytes_per_s: missing required key.*delete the file") as info:
+        hwprofiles.this_cpu()
+    assert "\n" not in str(info.value)
+
+
+def test_measuring_this_cpu_for_real(monkeypatch, tmp_path):
+    monkeypatch.setenv("FASTML_CACHE", str(tmp_path))
+    lines = []
+    measured = measure_cpu([(64, 96, 128)], [(1, 64, 4, 2, 16)], say=lines.append)
+    assert measured.peak_fp32_flops_per_s > 1e8 and measured.memory_bytes_per_s > 1e8
+    assert measured.linear_seconds["64,96,128"] > 0 and measured.attention_seconds["1,64,4,2,16"] > 0
+    assert "measuring this CPU" in lines[0]
+    assert hwprofiles.this_cpu() == measured
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda d: d["gpu"].pop("hbm_bytes_per_s"), "h200.gpu.hbm_bytes_per_s: missing required key"),
+    (lambda d: d["gpu"].update(hbm_bandwith=1e12), "h200.gpu.hbm_bandwith: unknown key"),
+    (lambda d: d["node"].update(gpus_per_node="8"), "h200.node.gpus_per_node: expected int"),
+    (lambda d: d.update(device="tpu"), "h200.device: 'tpu' is not allowed"),
+])
+def test_profiles_load_through_from_dict(tmp_path, edit, fragment):
+    """Before, a missing rate read as 0 and a misspelled key was ignored."""
+    data = json.loads(json.dumps(hwprofiles.load("h200")))
+    edit(data)
+    with pytest.raises(UserError) as info:
+        load_machine(data)
+    assert fragment in str(info.value) and "\n" not in str(info.value)

@@ -1,0 +1,92 @@
+"""The hwprofile JSON schema as validated, read-only dataclasses, loaded through `fastml.config.from_dict` like a
+plan: an unknown or missing key, or a value of the wrong type, is a one-line `UserError` naming it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from fastml.config import from_dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pcie:
+    generation: int | None = None
+    lanes: int | None = None
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSection:
+    """One accelerator (for a CPU profile: the CPU, which trains in its own memory)."""
+
+    memory_bytes: int
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s by matmul dtype (a CPU profile: the best fp32 matmul rate measured)."""
+    gemm_efficiency: tuple[tuple[float, float], ...]
+    """(g, achieved / peak) with g the geometric mean of a GEMM's M, N and K."""
+    gemm_shapes: tuple[tuple[float, float, float, float], ...] = ()
+    """(M, N, K, achieved / peak) of GEMMs measured at exactly these shapes, used before the curve (a CPU profile:
+    each linear layer of the models planned, forward and backward, M the tokens of a micro-batch)."""
+    hbm_bytes_per_s: float
+    """Device memory bandwidth (a CPU profile: a large tensor copy's rate in host memory)."""
+    pcie: Pcie | None = None
+    """None where the device is the host (a CPU): nothing crosses a bus."""
+    p2p: bool = False
+    nvlink_bytes_per_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeSection:
+    gpus_per_node: int
+    host_memory_bytes: int
+    h2d_all_gpus_bytes_per_s: float
+    cpu_adam_params_per_s: float
+    host_copy_bytes_per_s: float
+    nic_bytes_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collectives:
+    latency_s: float
+    bus_bytes_per_s: dict[str, float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Price:
+    usd_per_gpu_hour: float
+    source: str
+    date: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Power:
+    watts_per_gpu: float
+    source: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    name: str
+    source: str
+    """Where every number comes from: datasheets, published measurements, or this machine (and when)."""
+    device: Literal["cuda", "cpu"] = "cuda"
+    device_names: tuple[str, ...] = ()
+    gpu: DeviceSection
+    node: NodeSection
+    collectives: Collectives
+    price: Price | None = None
+    """None where nobody rents it by the hour (a CPU): plans on it are not priced."""
+    power: Power | None = None
+
+
+# Keys a profile may carry for people and for the tools that wrote it, not read by the planner: the raw topology
+# `fastml profile` detected, and a CPU profile's measurements.
+INFORMATIONAL_KEYS = ("detected", "measured")
+
+
+def parse_profile(data: object, where: str) -> HardwareProfile:
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k not in INFORMATIONAL_KEYS}
+    return from_dict(HardwareProfile, data, where)
