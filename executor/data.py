@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from fastml.config import UserError, check_range, fail, first_line, from_dict, to_dict
+from fastml.hwprofiles import cache_dir
 from fastml.executor.files import read_json_object, write_dir_atomically
 
 FORMAT = "fastml-tokens"
@@ -378,14 +379,6 @@ def _corpus_key(files: list[tuple[Path, int]]) -> str:
     for path, size in files:
         digest.update(f"{path.relative_to(root)}\t{size}\n".encode())
     return digest.hexdigest()[:16]
-
-
-def cache_dir() -> Path:
-    """$FASTML_CACHE, else $XDG_CACHE_HOME/fastml, else ~/.cache/fastml."""
-    if os.environ.get("FASTML_CACHE"):
-        return Path(os.environ["FASTML_CACHE"]).expanduser()
-    xdg_cache = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg_cache).expanduser() if xdg_cache else Path.home() / ".cache") / "fastml"
 
 
 # ---------------------------------------------------------------------------------------------------- batches

@@ -58,8 +58,8 @@ class Meter:
 
 
 def peak_flops(device: torch.device, dtype: str) -> tuple[float | None, str]:
-    """The dense peak of `dtype` matmuls that MFU is measured against (from the device's shipped profile), and its
-    description: device, dtype, FLOP/s."""
+    """The peak of `dtype` matmuls that MFU is measured against (a GPU's dense peak from its shipped profile, a CPU's
+    measured peak from its cached profile), and its description: device, dtype, FLOP/s."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         profile = hwprofiles.for_device_name(name)
@@ -67,7 +67,8 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float | None, str]:
         name = profile = "cpu"
     peak = hwprofiles.peak_flops(profile, dtype) if profile else None
     if peak:
-        return peak, f"{name} dense {dtype} {peak / 1e12:g} TFLOP/s"
+        kind = "dense" if device.type == "cuda" else "measured"
+        return peak, f"{name} {kind} {dtype} {peak / 1e12:.3g} TFLOP/s"
     why = "no shipped profile" if profile is None else f"its profile has no {dtype} peak"
     return None, f"{name} {dtype}: {why}, MFU n/a"
 

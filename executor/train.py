@@ -51,10 +51,8 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     check_hardware(plan, device, strict, console)
     run = snapshot.open_run(plan, resume=resume, start_over=start_over, keep=keep_checkpoints,
                             say=lambda message: console.print(message, markup=False))
-    torch.manual_seed(plan.training.seed)
-    model = build_training_model(plan, device)
+    model, optimizer = _model_and_optimizer(plan, device)
     data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
-    optimizer = AdamW(model, plan.training, plan.knobs.master_dtype, plan.knobs.optimizer_dtype)
     checkpoint, position = run.restore(model, optimizer)
     if position.step >= plan.training.steps:
         console.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
@@ -62,7 +60,6 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     micro = plan.knobs.micro_batch_size
     # Every valid micro-batch divides the sequences of a step, so it divides what a checkpoint has consumed.
     batches = data.batches(micro, plan.training.seed, start=position.sequences // micro)
-    display.print_knobs(console, plan)  # once the plan has passed every check: a refused one gets one line alone
     sequences_per_step = micro * plan.knobs.grad_accum_steps
     meter = Meter(plan, device)
     hooks = faults.step_hooks()
@@ -70,13 +67,14 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
             display.progress(console, show_progress) as progress, _StopSignals() as stop:
         task = progress.add_task("training", total=plan.training.steps, completed=position.step, status="")
         bad_in_a_row = 0
-        for step in range(position.step, plan.training.steps):
+        first_step = position.step
+        for step in range(first_step, plan.training.steps):
             record = meter.measure(train_step(model, optimizer, batches, plan, step, device, hooks))
+            if step == first_step:  # after the first batch was read: bad data is one line alone, never after it
+                display.print_knobs(console, plan)
             position = snapshot.Position(step + 1, position.sequences + sequences_per_step)
             bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0
-            if log:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
+            _log(record, log)
             progress.update(task, advance=1, status=display.status(record))
             if bad_in_a_row >= max_nonfinite_steps:
                 raise TrainingStopped(
@@ -89,6 +87,19 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     summary = meter.summary()
     display.print_summary(console, plan, summary)
     return summary
+
+
+def _model_and_optimizer(plan: Plan, device: torch.device) -> tuple[torch.nn.Module, AdamW]:
+    torch.manual_seed(plan.training.seed)
+    model = build_training_model(plan, device)
+    return model, AdamW(model, plan.training, plan.knobs.master_dtype, plan.knobs.optimizer_dtype)
+
+
+def _log(record: dict, log) -> None:
+    """One JSON line per step, flushed at once so that a crash loses none."""
+    if log:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
 
 
 def _checkpoint_due(plan: Plan, steps_done: int) -> bool:

@@ -22,14 +22,16 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from rich.console import Console
     from fastml.plan import save_plan
     from fastml.planner import report
-    from fastml.planner.explain import plan_limit
     from fastml.planner.planner import NoFeasiblePlan, make_plan
     from fastml.planner.request import PlanRequest
+    from fastml.spec import resolve_model
 
     console = Console(stderr=args.json)
     renamed = {"seq_len": "seq", "overrides": "set"}  # request field: argparse dest
     request = PlanRequest(**{f.name: getattr(args, renamed.get(f.name, f.name))
                              for f in dataclasses.fields(PlanRequest)})
+    spec = resolve_model(request.model)
+    check_data(request.data, request.seq_len_for(spec.name), spec.vocab_size)  # before a search that may be long
     hardware = args.hw.split(",") if args.hw else [None]
     results = []
     for hw in hardware:
@@ -44,13 +46,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
     if not feasible:
         raise UserError("no feasible plan on any of " + ", ".join(hardware))
     hw, best, _ = min(feasible, key=lambda r: _usd_per_million_tokens(r[1].plan))
-    check_data(best.plan)
-    limit = plan_limit(best.plan, hw)
+    check_data(best.plan.training.data, best.plan.training.seq_len, best.plan.model.vocab_size)  # after --set
     save_plan(best.plan, args.output)
     if args.json:
-        print(json.dumps(report.plan_json(best.plan, best.runners_up, limit), indent=2))
+        print(json.dumps(report.plan_json(best.plan, best.runners_up, best.limit), indent=2))
     else:
-        report.print_plan(console, best.plan, best.runners_up, limit)
+        report.print_plan(console, best.plan, best.runners_up, best.limit)
         if len(hardware) > 1:
             report.print_ranking(console, [(h or "here", r and r.plan, note) for h, r, note in results])
         if best.lower_precision:
@@ -68,6 +69,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
     from rich.console import Console
     from fastml.plan import load_plan
     from fastml.planner import report
+    from fastml.planner.explain import limit
     from fastml.planner.planner import predicted, replan
     from fastml.planner.simulate import chrome_trace
 
@@ -81,10 +83,11 @@ def cmd_explain(args: argparse.Namespace) -> None:
     if args.trace:
         Path(args.trace).write_text(json.dumps(chrome_trace(candidate.simulation)))
     if args.json:
-        print(json.dumps(report.plan_json(plan) | {"critical_path": candidate.simulation.critical_path}, indent=2))
+        print(json.dumps(report.plan_json(plan, limit=limit(problem, candidate))
+                         | {"critical_path": candidate.simulation.critical_path}, indent=2))
         return
     console = Console()
-    report.print_plan(console, plan)
+    report.print_plan(console, plan, limit=limit(problem, candidate))
     console.print(f"critical path: {len(candidate.simulation.critical_path)} ops, from "
                   f"{candidate.simulation.critical_path[0]!r} to {candidate.simulation.critical_path[-1]!r}")
     if args.trace:
@@ -97,13 +100,13 @@ def cmd_profile(args: argparse.Namespace) -> None:
     profile(args.output)
 
 
-def check_data(plan) -> None:
-    """The plan's dataset exists, holds a sequence and fits the model's vocabulary: checked when planning rather
-    than when the run starts. The default corpus is built on first use, by the run."""
-    if plan.training.data != "default":
+def check_data(data: str, seq_len: int, vocab_size: int) -> None:
+    """The dataset exists, holds a sequence and fits the model's vocabulary: checked when planning rather than when
+    the run starts. The default corpus is built on first use, by the run."""
+    if data != "default":
         from fastml.executor.data import TokenData
 
-        TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
+        TokenData.open(data, seq_len, vocab_size)
 
 
 class SearchProgress:

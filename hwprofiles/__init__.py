@@ -28,7 +28,12 @@ def load(name: str) -> dict:
     path = _HERE / f"{name}.json"
     if not path.is_file():
         fail("hardware.profile", f"{name!r} is not a shipped profile; choose one of {', '.join(names())}")
-    return json.loads(path.read_text())
+    data = json.loads(path.read_text())
+    from fastml.hwprofiles.schema import parse_profile
+
+    if name != "cpu":  # cpu.json is the template a measurement of this CPU fills in (planner/profile.py)
+        parse_profile(data, f"hwprofiles/{name}.json")  # validated once, as every profile is: readers trust it
+    return data
 
 
 def fingerprint(name: str) -> str:
@@ -80,7 +85,7 @@ class CpuMeasurements:
 
 
 def cache_dir() -> Path:
-    """$FASTML_CACHE, else $XDG_CACHE_HOME/fastml, else ~/.cache/fastml (as executor/data.py's corpus cache)."""
+    """$FASTML_CACHE, else $XDG_CACHE_HOME/fastml, else ~/.cache/fastml: the CPU profile and the default corpus."""
     if os.environ.get("FASTML_CACHE"):
         return Path(os.environ["FASTML_CACHE"]).expanduser()
     xdg_cache = os.environ.get("XDG_CACHE_HOME")

@@ -25,7 +25,8 @@ class DeviceSection:
     peak_flops: dict[str, float]
     """Dense peak FLOP/s by matmul dtype (a CPU profile: the best fp32 matmul rate measured)."""
     gemm_efficiency: tuple[tuple[float, float], ...]
-    """(g, achieved / peak) with g the geometric mean of a GEMM's M, N and K."""
+    """(g, achieved / peak) with g the geometric mean of a GEMM's M, N and K (a CPU profile: of attention, whose
+    GEMMs are in gemm_shapes)."""
     gemm_shapes: tuple[tuple[float, float, float, float], ...] = ()
     """(M, N, K, achieved / peak) of GEMMs measured at exactly these shapes, used before the curve (a CPU profile:
     each linear layer of the models planned, forward and backward, M the tokens of a micro-batch)."""

@@ -123,7 +123,7 @@ def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Cost
     shard = machine.num_gpus if knobs.shard_optimizer else 1
     # The step, and gradient clipping's read of every gradient.
     optimizer = hbm(p * on_gpu / shard * optimizer_step_bytes(knobs) + p * param_bytes(knobs))
-    layer_act = layer_activation_bytes(spec, knobs, t)
+    layer_act = layer_activation_bytes(spec, knobs, t, machine.device)
     return Costs(
         layer_forward=forward, layer_backward=backward, layer_recompute=recompute, head_forward_backward=head,
         grad_accumulate=hbm(2 * p * param_bytes(knobs) / (machine.num_gpus if knobs.shard_gradients else 1)),

@@ -7,7 +7,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from fastml.plan import KNOBS, TIME_COMPONENTS, Knobs, Plan
-from fastml.planner.planner import replan
 from fastml.planner.search import Candidate, Problem, evaluate, make_knobs, micro_batch_choices, num_knobs_set
 from fastml.planner.simulate import simulate
 
@@ -28,15 +27,6 @@ class Blocked:
     candidate: Candidate
 
 
-def plan_limit(plan: Plan, hw: str | None = None) -> str | None:
-    """`limit` of a plan the planner made, re-simulated on the hardware it names (or the profile file `hw` it was
-    made with); None for a plan without a prediction (a CPU plan)."""
-    if plan.predicted is None:
-        return None
-    candidate, problem = replan(plan, hw)
-    return limit(problem, candidate)
-
-
 def limit(problem: Problem, candidate: Candidate) -> str:
     """What limits a feasible candidate: what its step loses most time to, unless that is under LIMIT_SHARE."""
     sim = candidate.simulation
@@ -48,7 +38,8 @@ def limit(problem: Problem, candidate: Candidate) -> str:
     share = losses[kind] / step
     if share < LIMIT_SHARE:
         busy = (sim.time_s["compute"] + sim.time_s["recompute"]) / step
-        return f"limited by compute: the {problem.machine.device.upper()} computes {busy:.0%} of the step"
+        device = "GPU" if problem.machine.device == "cuda" else "CPU"
+        return f"limited by compute: the {device} computes {busy:.0%} of the step"
     if kind == "memory":
         return (f"limited by memory: {blocked.change} would save {share:.1%} of the step but "
                 f"{shortfall(problem, blocked.candidate)}")

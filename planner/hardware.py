@@ -25,7 +25,9 @@ class Gpu:
     memory_bytes: int
     peak_flops: dict[str, float]
     gemm_efficiency: tuple[tuple[float, float], ...]
-    """(g, achieved / dense bf16 peak), g the geometric mean of a GEMM's M, N and K; sorted by g."""
+    """(g, achieved / peak), g the geometric mean of a GEMM's M, N and K; sorted by g. A GPU's curve is of GEMMs
+    against the dense bf16 peak; a CPU profile's is of attention against its fp32 peak (its GEMMs are measured at
+    their exact shapes, `gemm_shapes`)."""
     hbm_bytes_per_s: float
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
@@ -152,17 +154,6 @@ def _resized_cpu(machine: Machine, num_gpus, num_nodes, gpu_memory, host_memory)
     pool = parse_bytes(host_memory, "--host-mem")
     return dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, memory_bytes=pool),
                                node=dataclasses.replace(machine.node, host_memory_bytes=pool))
-
-
-def profile_device(hw: str) -> str:
-    """"cuda" or "cpu": what a profile's device is, read without measuring anything."""
-    if hw == "cpu":
-        return "cpu"
-    data = hwprofiles.load(hw) if not _is_file(hw) else _read_file(hw)
-    device = data.get("device", "cuda")
-    if device not in ("cuda", "cpu"):
-        fail(f"{hw}.device", f"{device!r} is not allowed; choose one of 'cuda', 'cpu'")
-    return device
 
 
 def read_profile(hw: str) -> dict:

@@ -60,7 +60,7 @@ def has_fp32_masters(knobs: Knobs) -> bool:
     return knobs.param_dtype != "fp32" and knobs.master_dtype == "fp32"
 
 
-def saved_bytes_per_token(spec: ModelSpec, knobs: Knobs, device: str = "cuda") -> dict[str, float]:
+def saved_bytes_per_token(spec: ModelSpec, knobs: Knobs, device: str) -> dict[str, float]:
     """Bytes autograd keeps per token in one block between its forward and backward pass, by tensor (counted
     once per storage: a view keeps its whole base), for the knobs' recompute parts and dtypes, on `device`.
 
@@ -123,7 +123,7 @@ def _norm_statistics(spec: ModelSpec, device: str) -> dict[str, int]:
     return saved
 
 
-def layer_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str = "cuda") -> int:
+def layer_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str) -> int:
     """Bytes one block keeps for its backward pass, for `tokens` tokens (a micro-batch)."""
     return int(sum(saved_bytes_per_token(spec, knobs, device).values()) * tokens)
 
@@ -170,7 +170,7 @@ def model_state_bytes(num_params: int, knobs: Knobs, num_gpus: int) -> dict[str,
     }
 
 
-def head_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str = "cuda") -> int:
+def head_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str) -> int:
     """What the final norm and the LM head keep for the backward pass: the norm's input, its output (the LM head's
     input) and its statistics, as for a block's norms (`saved_bytes_per_token`)."""
     per_token = 2 * spec.hidden_size * activation_bytes(knobs) + FP32_BYTES
@@ -180,7 +180,7 @@ def head_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: st
 
 
 def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_node: int,
-           device: str = "cuda") -> Memory:
+           device: str) -> Memory:
     """Peak bytes on one GPU (or the CPU's memory for `device` "cpu"), and host bytes of one node, for training
     `spec` with `knobs`."""
     layer_params = spec.layer_params()

@@ -10,10 +10,11 @@ import torch
 from fastml import hwprofiles
 from fastml.config import UserError, check_range, fail, from_dict
 from fastml.plan import KNOBS, Hardware, Knobs, Plan, Predicted, Training, parse_assignment, with_overrides
+from fastml.planner.explain import limit
 from fastml.planner.hardware import Machine, check_cpu_options, load_machine, parse_bytes
 from fastml.planner.memory import Memory, memory
 from fastml.planner.profile import this_cpu_profile
-from fastml.planner.request import DEFAULT_SEQ_LEN, SEQUENCES_PER_STEP, TINY_SEQ_LEN, PlanRequest
+from fastml.planner.request import SEQUENCES_PER_STEP, PlanRequest
 from fastml.planner.search import (HOST_USABLE_FRACTION, MAX_MICRO_BATCH, Candidate, Problem, evaluate, knob_space,
                                    make_knobs, pin, search, smallest_choice)
 from fastml.spec import ModelSpec, resolve_model
@@ -29,6 +30,8 @@ class Planned:
     runners_up: list[Plan]
     lower_precision: bool
     """Whether the plan needed the lower-precision knobs (fp8, bf16 optimizer states or master weights)."""
+    limit: str
+    """What limits the plan: compute, memory, PCIe or the network (planner/explain.py)."""
 
 
 # A CPU trains as the executor's CPU path does: fp32 parameters and matmuls, eager (pins of the user come first).
@@ -40,7 +43,7 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
     search trial."""
     r = dataclasses.replace(request or PlanRequest(), **fields)
     spec = resolve_model(r.model)
-    seq_len = r.seq_len or (TINY_SEQ_LEN if spec.name == "tiny" else DEFAULT_SEQ_LEN)
+    seq_len = r.seq_len_for(spec.name)
     check_range("--seq", seq_len, 1)
     here = r.hw is None
     machine = _this_machine(r, spec, seq_len) if here else _named_machine(r, spec, seq_len)
@@ -58,7 +61,7 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
         feasible = [c for c in ranked if c.feasible]
         if feasible:
             plans = [_assemble(problem, c, r.steps, r.data) for c in feasible[:4]]
-            return Planned(with_overrides(plans[0], other), plans[1:], lower)
+            return Planned(with_overrides(plans[0], other), plans[1:], lower, limit(problem, feasible[0]))
     raise NoFeasiblePlan(infeasible_message(problem, space))
 
 
@@ -67,7 +70,7 @@ def replan(plan: Plan, hw: str | None = None) -> tuple[Candidate, Problem]:
     (`fastml explain`). A plan for a CPU is explained with this machine's CPU profile, which must be the one it
     was made with."""
     h, t = plan.hardware, plan.training
-    if hw is None and h.device == "cpu":
+    if hw in (None, "cpu") and h.device == "cpu":  # this CPU, measured for the plan's model and sequence
         hw = _this_cpu_profile(plan.model, t.seq_len, t.global_batch_tokens // t.seq_len)
         if hwprofiles.fingerprint_of(hw) != h.fingerprint:
             fail("hardware.fingerprint", f"{h.fingerprint}: the plan was made with another CPU profile than this "
@@ -136,7 +139,7 @@ def _check_cpu_memory(spec: ModelSpec, seq_len: int, sequences: int, pool_bytes:
     recomputed, the most LM-head chunks) fits in the CPU's memory at all. The search checks every plan after."""
     knobs = Knobs(micro_batch_size=1, grad_accum_steps=max(1, sequences), recompute=("block",),
                   lm_head_chunks=max(KNOBS["lm_head_chunks"].choices), **CPU_KNOBS)
-    smallest = memory(spec, seq_len, knobs, num_gpus=1, gpus_per_node=1)
+    smallest = memory(spec, seq_len, knobs, num_gpus=1, gpus_per_node=1, device="cpu")
     if smallest.gpu_total + smallest.host_total > pool_bytes * HOST_USABLE_FRACTION:
         raise NoFeasiblePlan(_cpu_memory_message(spec, seq_len, smallest, pool_bytes))
 

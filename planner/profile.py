@@ -27,6 +27,8 @@ from rich.table import Table
 
 from fastml import hwprofiles
 from fastml.config import fail
+from fastml.plan import Knobs
+from fastml.planner.costs import ATTENTION_BACKWARD_FACTOR, optimizer_step_bytes
 
 DEFAULT_OUTPUT = "hwprofile.json"
 
@@ -285,16 +287,15 @@ COPY_ELEMENTS = 32 * 2**20  # fp32: 128 MiB, far beyond any cache
 MAX_MEASURED_FLOPS = 2e10
 """A linear layer's forward and backward GEMMs above this many FLOPs are measured with fewer tokens (the same
 layer): large GEMMs run at the CPU's plateau, and the measurement stays a few seconds for any model."""
-ATTENTION_FLOPS_FACTOR = 3.5
-"""Attention's forward and backward over its forward FLOPs (planner/costs.py: the backward is 2.5 forwards)."""
-ADAM_BYTES_PER_PARAM = 28
-"""fp32 AdamW (executor/optim.py, foreach on a CPU): reads and writes the parameter, m and v, reads the gradient."""
+ATTENTION_FLOPS_FACTOR = 1 + ATTENTION_BACKWARD_FACTOR
+"""Attention's forward and backward over its forward FLOPs."""
+ADAM_BYTES_PER_PARAM = optimizer_step_bytes(Knobs(param_dtype="fp32", matmul_dtype="fp32"))
+"""fp32 AdamW on fp32 parameters, as a CPU trains."""
 
 
 def linear_shapes(spec, token_counts: Iterable[int]) -> list[tuple[int, int, int]]:
     """(tokens, out, in) of every linear layer of `spec` (the costs of planner/costs.py) at each token count."""
-    h, q, kv, f = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
-    layers = [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f), (spec.vocab_size, h)]
+    layers = [*spec.block_linear_shapes().values(), spec.lm_head_shape()]
     return sorted({_measurable(t, n, k) for t in token_counts for n, k in layers})
 
 
@@ -317,7 +318,7 @@ def attention_shapes(spec, seq_len: int, micro_batches: Iterable[int]) -> list[t
 
 
 def _attention_flops(batch: int, seq_len: int, q_size: int) -> float:
-    """Causal attention's forward matmul FLOPs, as planner/costs.py counts them."""
+    """Causal attention's forward matmul FLOPs, as ModelSpec.attention_forward_flops_per_token counts them."""
     return 2.0 * batch * seq_len * seq_len * q_size
 
 

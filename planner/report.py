@@ -16,15 +16,14 @@ GIB = 2**30
 
 
 def print_plan(console: Console, plan: Plan, runners_up: list[Plan] = (), limit: str | None = None) -> None:
-    """The plan, its cost breakdown and runners-up, then what limits it (`explain.plan_limit`) and why it beats the
+    """The plan, its cost breakdown and runners-up, then what limits it (`explain.limit`) and why it beats the
     first runner-up."""
     h = plan.hardware
     console.print(f"[bold]{plan.model.name}[/] ({human_count(plan.model.num_params())} parameters), seq "
                   f"{plan.training.seq_len}, {plan.training.global_batch_tokens:,} tokens/step on {h.num_gpus} x "
                   f"{h.profile or h.device}")
     console.print(f"knobs: {describe_knobs(plan.knobs)}")
-    if plan.predicted is None:
-        console.print("no prediction: the CPU profile has no rates to simulate against")
+    if plan.predicted is None:  # a plan written by hand; `fastml explain` simulates it
         return
     print_breakdown(console, plan)
     if runners_up:

@@ -38,3 +38,6 @@ class PlanRequest:
     """None tries full precision first and allows fp8 and bf16 states only if nothing fits without them."""
     overrides: tuple[str, ...] = ()
     """SECTION.FIELD=VALUE pins."""
+
+    def seq_len_for(self, model_name: str) -> int:
+        return self.seq_len or (TINY_SEQ_LEN if model_name == "tiny" else DEFAULT_SEQ_LEN)

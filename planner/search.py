@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from fastml.config import fail
 from fastml.plan import KNOBS, Knobs, knob_names
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import Memory, memory
+from fastml.planner.memory import Memory, has_fp32_masters, memory
 from fastml.planner.simulate import Simulation, simulate
 from fastml.spec import ModelSpec
 
@@ -115,7 +115,7 @@ def without_no_ops(spec: ModelSpec, values: dict) -> dict:
     for name in knob_names("offload"):
         if round(fixed[name] * spec.num_layers) == 0:
             fixed[name] = 0.0
-    if fixed["master_dtype"] != "fp32":
+    if not has_fp32_masters(Knobs(**{**{f.name: f.default for f in dataclasses.fields(Knobs)}, **fixed})):
         fixed["offload_master"] = 0.0
     all_streamed = round(fixed["offload_weights"] * spec.num_layers) == spec.num_layers
     if not fixed["shard_weights"] or all_streamed:
@@ -125,7 +125,8 @@ def without_no_ops(spec: ModelSpec, values: dict) -> dict:
 
 def evaluate(problem: Problem, knobs: Knobs) -> Candidate:
     """Memory first; only knobs that fit are simulated."""
-    m = memory(problem.spec, problem.seq_len, knobs, problem.machine.num_gpus, problem.machine.gpus_per_node)
+    m = memory(problem.spec, problem.seq_len, knobs, problem.machine.num_gpus, problem.machine.gpus_per_node,
+               problem.machine.device)
     gpu_over = m.gpu_total - problem.gpu_budget()
     host_over = m.host_total - problem.host_budget()
     if problem.machine.shares_host_memory:  # a CPU: the device's bytes and the host's fill one pool

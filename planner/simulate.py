@@ -20,7 +20,7 @@ import networkx as nx
 from fastml.plan import TIME_COMPONENTS, Knobs
 from fastml.planner.costs import costs
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import layer_activation_bytes
+from fastml.planner.memory import has_fp32_masters, layer_activation_bytes
 from fastml.spec import ModelSpec
 
 SIMULATED_MICRO_BATCHES = 3
@@ -87,8 +87,8 @@ class _StepGraph:
         self.offloaded_acts = layers(knobs.offload_residuals)
         self.offloaded_grads = layers(knobs.offload_gradients)
         self.cpu_adam = layers(knobs.offload_optimizer)
-        self.offloaded_master = layers(knobs.offload_master) if knobs.master_dtype == "fp32" else set()
-        self.act_bytes = layer_activation_bytes(spec, knobs, knobs.micro_batch_size * seq_len)
+        self.offloaded_master = layers(knobs.offload_master) if has_fp32_masters(knobs) else set()
+        self.act_bytes = layer_activation_bytes(spec, knobs, knobs.micro_batch_size * seq_len, machine.device)
         self.compute_ops: list[str] = []  # the compute stream in program order, for prefetch distances
         self.last_grad: dict[int, str] = {}  # per layer, the op after which its gradient is ready for the optimizer
 

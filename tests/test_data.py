@@ -142,11 +142,19 @@ def test_large_vocab_is_stored_as_uint32(tmp_path):
     assert next(token_data.batches(batch_size=1, seed=0))[0].max() >= 65_536
 
 
-def test_prepare_uses_the_field_and_shows_progress(tmp_path, capsys):
+def test_prepare_uses_the_field_and_shows_progress(tmp_path, capsys, monkeypatch):
+    """The bar hears of each file as it starts and of every token written; it draws on stderr only."""
+    heard = []
+    monkeypatch.setattr(data._FileProgress, "start_file", lambda self, path: heard.append(path.name))
+    monkeypatch.setattr(data._FileProgress, "add_tokens", lambda self, num_tokens: heard.append(num_tokens))
     write_jsonl(tmp_path / "d.jsonl", [{"body": "hi"}])
-    header = prepare([str(tmp_path / "d.jsonl")], tmp_path / "out", field="body", progress=True)
-    assert header["num_tokens"] == 3
-    assert capsys.readouterr().out == ""  # the progress bar goes to stderr
+    (tmp_path / "e.txt").write_text("four")
+    header = prepare([str(tmp_path / "d.jsonl"), str(tmp_path / "e.txt")], tmp_path / "out", field="body",
+                     progress=True)
+    assert header["num_tokens"] == 3 + 5
+    names = [h for h in heard if isinstance(h, str)]
+    assert names == ["d.jsonl", "e.txt"] and sum(h for h in heard if isinstance(h, int)) == 8
+    assert capsys.readouterr().out == ""
 
 
 def test_prepare_overwrites_an_earlier_dataset_only(tmp_path):

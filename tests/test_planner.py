@@ -37,19 +37,19 @@ def test_model_states_count_our_models_real_parameters():
     spec = PRESETS["llama-3.1-8b"]
     real = sum(p.numel() for p in build_model(spec).parameters())
     assert sum(model_state_bytes(real, Knobs(), 1).values()) == 16 * real
-    m = memory(spec, 2048, Knobs(), num_gpus=1, gpus_per_node=1)
+    m = memory(spec, 2048, Knobs(), num_gpus=1, gpus_per_node=1, device="cuda")
     assert m.gpu["weights"] + m.gpu["gradients"] + m.gpu["master_weights"] + m.gpu["optimizer_states"] == 16 * real
 
 
 def test_recompute_and_offload_move_memory_where_they_should():
     spec = PRESETS["tinyllama-1.1b"]
-    act = {parts: layer_activation_bytes(spec, Knobs(recompute=parts), 2048) for parts in
+    act = {parts: layer_activation_bytes(spec, Knobs(recompute=parts), 2048, "cuda") for parts in
            [(), ("swiglu",), ("attention",), ("ffn",), ("block",)]}
     assert act[("block",)] < act[("ffn",)] < act[("swiglu",)] < act[()]
     assert act[("attention",)] < act[()]
     assert act[("block",)] == 2048 * spec.hidden_size * 2
-    base = memory(spec, 2048, Knobs(), 1, 1)
-    off = memory(spec, 2048, Knobs(offload_optimizer=1.0, offload_master=1.0), 1, 1)
+    base = memory(spec, 2048, Knobs(), 1, 1, "cuda")
+    off = memory(spec, 2048, Knobs(offload_optimizer=1.0, offload_master=1.0), 1, 1, "cuda")
     assert off.gpu["optimizer_states"] == 0 and off.gpu["master_weights"] == 0
     assert off.host["optimizer_states"] == base.gpu["optimizer_states"]
 
@@ -123,7 +123,7 @@ def test_activation_timeline_peak_matches_the_analytic_model():
     spec = PRESETS["tinyllama-1.1b"]
     knobs = Knobs(micro_batch_size=4, grad_accum_steps=2)
     sim = simulate(spec, 2048, knobs, load_machine("h200", 1))
-    assert sim.activation_peak_bytes == spec.num_layers * layer_activation_bytes(spec, knobs, 4 * 2048)
+    assert sim.activation_peak_bytes == spec.num_layers * layer_activation_bytes(spec, knobs, 4 * 2048, "cuda")
 
 
 def test_a_serial_step_is_the_sum_of_its_ops():

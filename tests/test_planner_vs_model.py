@@ -250,7 +250,7 @@ def test_parameter_bytes_follow_the_param_dtype(name, knobs, dtype):
     spec = PRESETS[name]
     model = build_model(spec).to(dtype)
     state_bytes = sum(t.nbytes for t in model.state_dict().values())
-    m = memory(spec, SEQ, knobs, num_gpus=1, gpus_per_node=1)
+    m = memory(spec, SEQ, knobs, num_gpus=1, gpus_per_node=1, device="cuda")
     assert m.gpu["weights"] == m.gpu["gradients"] == state_bytes
     numel = sum(t.numel() for t in model.state_dict().values())
     assert m.gpu["master_weights"] == (4 * numel if dtype == torch.bfloat16 else 0)
@@ -268,6 +268,7 @@ def cuda_block(name: str, parts: tuple[str, ...]):
     return model.blocks[0], block_inputs(spec, "cuda", torch.bfloat16)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real bf16 kernels)")
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-0.5b", "qwen3-8b", "llama-2-7b"])
 @pytest.mark.parametrize("parts", KNOBS["recompute"].choices, ids=lambda p: "+".join(p) or "none")
@@ -277,10 +278,11 @@ def test_on_cuda_saved_bytes_match_the_planner(name, parts):
     seed and offset (two int64 scalars)."""
     block, inputs = cuda_block(name, parts)
     kept = block_saved_bytes(block, inputs)
-    planned = layer_activation_bytes(PRESETS[name], Knobs(recompute=parts), BATCH * SEQ)
+    planned = layer_activation_bytes(PRESETS[name], Knobs(recompute=parts), BATCH * SEQ, "cuda")
     assert sum(n for n, _, _ in kept.values()) == pytest.approx(planned, abs=64), kept
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real attention kernels)")
 @pytest.mark.parametrize("parts", [(), ("attention",)], ids=["none", "attention"])
 def test_on_cuda_attention_flops_match_the_planner(parts):
@@ -297,6 +299,7 @@ def test_on_cuda_attention_flops_match_the_planner(parts):
     assert attention / 2 == flops["forward.attention"] + flops["backward.attention"] + recomputed, counts
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real allocator)")
 def test_on_cuda_the_loss_peaks_at_the_planned_workspace():
     """Measured on an H200 (2026-11-30): 12 bytes per logit and 1 KiB, during log-softmax's backward; the

@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 
 from fastml import hwprofiles
-from fastml.plan import MEMORY_CATEGORIES, TIME_COMPONENTS, Predicted, Training, describe_knobs
+from fastml.plan import MEMORY_CATEGORIES, TIME_COMPONENTS, Knobs, Plan, Predicted, Training, describe_knobs
 from fastml.planner.planner import make_plan
 from fastml.spec import PRESETS
 from fastml.executor.apply import build_training_model
@@ -154,9 +154,10 @@ def test_the_step_calls_its_hooks(tmp_path):
 
 
 def test_mfu_uses_the_peak_of_the_plans_matmul_dtype(monkeypatch):
+    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype: None)  # no measured CPU profile cached
     assert peak_flops(torch.device("cpu"), "fp32") == (None, "cpu fp32: its profile has no fp32 peak, MFU n/a")
     monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype: {"fp32": 2e12}.get(dtype))
-    assert peak_flops(torch.device("cpu"), "fp32") == (2e12, "cpu dense fp32 2 TFLOP/s")
+    assert peak_flops(torch.device("cpu"), "fp32") == (2e12, "cpu measured fp32 2 TFLOP/s")
     assert peak_flops(torch.device("cpu"), "bf16")[0] is None
 
 
@@ -181,8 +182,8 @@ def test_the_run_shows_its_knobs_and_host_memory_beside_the_prediction(tmp_path)
 
 @pytest.mark.parametrize("dtype, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_parameters_take_the_plans_dtype_not_the_devices(dtype, expected):
-    plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=1, device="cpu",
-                     overrides=[f"knobs.param_dtype={dtype}", f"knobs.matmul_dtype={dtype}"]).plan
+    plan = Plan(model=PRESETS["tiny"], training=Training(seq_len=64, global_batch_tokens=64 * 4, steps=1),
+                knobs=Knobs(micro_batch_size=4, param_dtype=dtype, matmul_dtype=dtype))
     model = build_training_model(plan, torch.device("cpu"))
     assert {p.dtype for p in model.parameters()} == {expected}
     assert model.logits(torch.zeros((1, 8), dtype=torch.long)).dtype == expected  # the matmuls compute in it too
