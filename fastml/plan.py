@@ -182,14 +182,16 @@ KNOBS: dict[str, KnobInfo] = {
 }
 
 
-def describe_knobs(knobs: Knobs) -> str:
-    """The knobs in a line: the micro-batch and accumulation, then every knob that differs from its default."""
-    parts = [f"mb {knobs.micro_batch_size} x {knobs.grad_accum_steps}"]
+def describe_knobs(knobs: Knobs, against: Knobs | None = None) -> str:
+    """The knobs in a line: the micro-batch and accumulation, then every knob that differs from its default; or,
+    given another plan's knobs `against`, only what differs from those."""
+    same_batch = against is not None and against.micro_batch_size == knobs.micro_batch_size
+    parts = [] if same_batch else [f"mb {knobs.micro_batch_size} x {knobs.grad_accum_steps}"]
     for f in dataclasses.fields(Knobs):
-        value = getattr(knobs, f.name)
-        if KNOBS[f.name].kind != "batch" and value != f.default:
-            parts.append(f"{f.name}={','.join(value) if isinstance(value, tuple) else value}")
-    return "  ".join(parts)
+        value, base = getattr(knobs, f.name), f.default if against is None else getattr(against, f.name)
+        if KNOBS[f.name].kind != "batch" and value != base:
+            parts.append(f"{f.name}={(','.join(value) or 'none') if isinstance(value, tuple) else value}")
+    return "  ".join(parts) or "the same knobs"
 
 
 def knob_names(kind: str) -> tuple[str, ...]:

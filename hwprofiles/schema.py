@@ -43,6 +43,7 @@ class NodeSection:
     gpus_per_node: int
     host_memory_bytes: int
     h2d_all_gpus_bytes_per_s: float
+    """All GPUs of the node copying from host at once: the shared PCIe root complex's limit."""
     cpu_adam_params_per_s: float
     host_copy_bytes_per_s: float
     nic_bytes_per_s: float

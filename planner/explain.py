@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fastml.plan import KNOBS, TIME_COMPONENTS, Knobs, Plan
+from fastml.plan import TIME_COMPONENTS, Knobs, Plan, describe_knobs
 from fastml.planner.search import Candidate, Problem, evaluate, make_knobs, micro_batch_choices, num_knobs_set
 from fastml.planner.simulate import simulate
 
@@ -104,14 +104,7 @@ def _memory_difference(chosen: Plan, runner_up: Plan) -> str:
 
 def knob_differences(chosen: Knobs, other: Knobs) -> str:
     """`other`'s knobs where they differ from `chosen`'s: the micro-batch split, then each knob by name."""
-    parts = []
-    if other.micro_batch_size != chosen.micro_batch_size:
-        parts.append(f"mb {other.micro_batch_size} x {other.grad_accum_steps}")
-    for f in dataclasses.fields(Knobs):
-        value = getattr(other, f.name)
-        if KNOBS[f.name].kind != "batch" and value != getattr(chosen, f.name):
-            parts.append(f"{f.name}={(','.join(value) or 'none') if isinstance(value, tuple) else value}")
-    return "  ".join(parts) or "the same knobs"
+    return describe_knobs(other, against=chosen)
 
 
 def percent(fraction: float) -> str:

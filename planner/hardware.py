@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fastml import hwprofiles
 from fastml.config import check_range, fail, read_json
-from fastml.hwprofiles.schema import HardwareProfile, parse_profile
+from fastml.hwprofiles.schema import HardwareProfile, NodeSection as Node, parse_profile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,17 +63,6 @@ class Gpu:
             return self.gemm_efficiency[-1][1]
         (g0, e0), (g1, e1) = self.gemm_efficiency[i - 1], self.gemm_efficiency[i]
         return e0 + (e1 - e0) * math.log(g / g0) / math.log(g1 / g0)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Node:
-    gpus_per_node: int
-    host_memory_bytes: int
-    h2d_all_gpus_bytes_per_s: float
-    """All GPUs of the node copying from host at once: the shared PCIe root complex's limit."""
-    cpu_adam_params_per_s: float
-    host_copy_bytes_per_s: float
-    nic_bytes_per_s: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,7 +177,7 @@ def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
                 gemm_efficiency=tuple(sorted(gpu.gemm_efficiency)), hbm_bytes_per_s=gpu.hbm_bytes_per_s,
                 gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.gemm_shapes},
                 h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, p2p=gpu.p2p, nvlink_bytes_per_s=gpu.nvlink_bytes_per_s),
-        node=Node(**dataclasses.asdict(node)), num_gpus=node.gpus_per_node,
+        node=node, num_gpus=node.gpus_per_node,
         collective_latency_s=p.collectives.latency_s, bus_bytes_per_s=dict(p.collectives.bus_bytes_per_s),
         usd_per_gpu_hour=p.price.usd_per_gpu_hour if p.price else 0.0,
         watts_per_gpu=p.power.watts_per_gpu if p.power else 0.0)

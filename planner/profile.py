@@ -76,8 +76,7 @@ def _query(nvml, function: str, *args):
 
 def _host() -> dict:
     # On some VMs memory is added as it is used, so this can read low; the user can edit the written file.
-    return {"memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "num_cpus": os.cpu_count(),
-            "driver_version": None}
+    return {"memory_bytes": hwprofiles.host_memory_bytes(), "num_cpus": os.cpu_count(), "driver_version": None}
 
 
 def _gpu(nvml, index: int, handle) -> dict:

@@ -172,8 +172,8 @@ def test_a_new_run_into_a_used_checkpoint_dir_is_refused_in_one_line(workdir):
     refused = run(workdir, "reference")
     assert refused.returncode == 2, refused.stderr
     assert refused.stderr.strip().splitlines() == [
-        f"fastml: error: ck-reference: holds 3 checkpoints (steps 4, 6, 8) of an earlier run; continue that run with "
-        f"--resume, or start a new one with --start-over (which moves them into a new directory "
+        "fastml: error: ck-reference: holds 3 checkpoints (steps 4, 6, 8) of an earlier run; continue that run with "
+        "--resume, or start a new one with --start-over (which moves them into a new directory "
         f"ck-reference/old-run-TIME)"]
     shutil.copytree(workdir / "ck-reference", workdir / "ck-again")
     again = run(workdir, "again", "--start-over", "--steps", "2")
