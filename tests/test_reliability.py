@@ -174,7 +174,7 @@ def test_a_new_run_into_a_used_checkpoint_dir_is_refused_in_one_line(workdir):
     assert refused.stderr.strip().splitlines() == [
         "fastml: error: ck-reference: holds 3 checkpoints (steps 4, 6, 8) of an earlier run; continue that run with "
         "--resume, or start a new one with --start-over (which moves them into a new directory "
-        f"ck-reference/old-run-TIME)"]
+        "ck-reference/old-run-TIME)"]
     shutil.copytree(workdir / "ck-reference", workdir / "ck-again")
     again = run(workdir, "again", "--start-over", "--steps", "2")
     assert again.returncode == 0, again.stderr
