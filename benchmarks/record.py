@@ -40,6 +40,12 @@ def gpu_tag() -> str:
 
 
 def _commit() -> str | None:
-    # The GPU machine gets a copy of the tree without .git: the caller passes the commit there.
-    return os.environ.get("GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                          text=True).stdout.strip() or None
+    """$GIT_COMMIT (the GPU machine's copy of the tree carries no trustworthy history), else HEAD, marked "+dirty"
+    when tracked files differ from it: a figure is never credited to a commit whose code did not run."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    head = git("rev-parse", "HEAD")
+    if not head:
+        return None
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
