@@ -4,7 +4,8 @@ Runs `pytest -m gpu` (the tests CI skips for want of a GPU) and a 30-step run of
 this machine, and writes benchmarks/results/gpu_check.json: the commit, machine and date, passed / failed / skipped
 with the name of every test that did not pass, and the smoke run's steady tokens/s. Exits 1 when a test failed.
 
-    GIT_COMMIT=$(git rev-parse HEAD) python benchmarks/gpu_check.py      # on the GPU machine (no .git there)
+    GIT_COMMIT=<the commit> python benchmarks/gpu_check.py    # on the GPU machine: its copy of the tree has no
+                                                               # trustworthy git history (benchmarks/record.py)
 """
 
 from __future__ import annotations
