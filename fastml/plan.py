@@ -194,6 +194,23 @@ def describe_knobs(knobs: Knobs, against: Knobs | None = None) -> str:
     return "  ".join(parts) or "the same knobs"
 
 
+# Which parameter groups ("embed", "blocks.N", "head": executor/optim.py `layer_groups`) each offload knob moves
+# to host memory. The fraction counts blocks from the first; the embedding and the LM head (with the final norm)
+# follow the optimizer and master knobs at 1.0. Their weights and gradients stay on the GPU: streaming the
+# embedding table for a lookup would move far more than it saves.
+WHOLE_MODEL_OFFLOAD = ("offload_optimizer", "offload_master")
+
+
+def offloaded_groups(knobs: Knobs, name: str, num_layers: int) -> frozenset[str]:
+    """The parameter groups that offload knob `name` places in host memory (for offload_residuals: the blocks whose
+    input activations go to the host)."""
+    fraction = getattr(knobs, name)
+    groups = {f"blocks.{i}" for i in range(round(fraction * num_layers))}
+    if fraction == 1.0 and name in WHOLE_MODEL_OFFLOAD:
+        groups |= {"embed", "head"}
+    return frozenset(groups)
+
+
 def knob_names(kind: str) -> tuple[str, ...]:
     return tuple(name for name, info in KNOBS.items() if info.kind == kind)
 
