@@ -1,5 +1,6 @@
 """Turns the plan's knobs into changes of the plain model, one function per concern, applied in torchtitan's order:
-module conversions (fp8 linears, in a later version), then recompute, then compile (then sharding and offload).
+module conversions (fp8 linears, in a later version), then recompute, then compile, then offload (sharding comes
+in a later version).
 Each keeps what the ones before it did: recompute wraps the forward of the modules a conversion has put in place,
 and compile traces that wrapped forward. The model is still on the meta device throughout; `build_training_model`
 materializes it last, in the plan's parameter dtype."""
@@ -15,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from fastml.config import fail
 from fastml.plan import KNOBS, Knobs, Plan
 from fastml.executor.model import Transformer, build_model, materialize
+from fastml.executor.offload import HostOffload
 from fastml.executor.optim import DTYPES
 
 
@@ -28,10 +30,16 @@ def check_supported(knobs: Knobs) -> None:
 
 
 def build_training_model(plan: Plan, device: torch.device) -> Transformer:
-    """Meta model, plan applied, then materialized on `device` in the plan's parameter dtype; the matmuls compute in
-    that dtype too (fp32 with fp32 parameters, bf16 with bf16: `Knobs` allows no other pairing but fp8, refused)."""
+    """Meta model, plan applied, then materialized on `device` in the plan's parameter dtype (the matmuls compute in
+    that dtype too: fp32 with fp32 parameters, bf16 with bf16; `Knobs` allows no other pairing but fp8, refused),
+    streamed blocks' weights straight into host memory. Its offload engine is `model.offload`."""
     model = apply_plan(build_model(plan.model), plan.knobs)
-    return materialize(model, device, DTYPES[plan.knobs.param_dtype], seed=plan.training.seed)
+    dtype = DTYPES[plan.knobs.param_dtype]
+    offload = HostOffload(model, plan, device)
+    materialize(model, device, dtype, seed=plan.training.seed, keep=offload.keep if offload.streamed else None)
+    offload.install(model, dtype)
+    model.offload = offload
+    return model
 
 
 def apply_plan(model: Transformer, knobs: Knobs) -> Transformer:

@@ -109,9 +109,13 @@ class Transformer(nn.Module):
         """Final hidden states (B, T, h) of token ids (B, T)."""
         x = self.embed(tokens)
         cos, sin = rotary_tables(self.spec, tokens.shape[1], x.device, x.dtype)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for index in range(len(self.blocks)):
+            x = self.run_block(index, x, cos, sin)
         return self.norm(x)
+
+    def run_block(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Block `index` over x; offload (executor/offload.py) replaces it to move weights and inputs around it."""
+        return self.blocks[index](x, cos, sin)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.linear(self(tokens), self.lm_head_weight)  # (B, T, V)
@@ -130,16 +134,20 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, 0.02) matrices, residual projections scaled by 1/sqrt(2L) (GPT-2); ones for norms."""
-        std = 0.02
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                scale = 1 / math.sqrt(2 * self.spec.num_layers) if name.endswith(("out.weight", "down.weight")) else 1
-                p.normal_(0.0, std * scale, generator=generator)
+            self.init_parameter(name, p, generator)
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, p: torch.Tensor, generator: torch.Generator | None = None) -> None:
+        """Normal(0, 0.02) matrices, residual projections scaled by 1/sqrt(2L) (GPT-2); ones for norms. Called in
+        parameter order, so that one generator gives the same weights however they are placed."""
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            scale = 1 / math.sqrt(2 * self.spec.num_layers) if name.endswith(("out.weight", "down.weight")) else 1
+            p.normal_(0.0, 0.02 * scale, generator=generator)
 
 
 def _lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -182,10 +190,20 @@ def build_model(spec: ModelSpec) -> Transformer:
         return Transformer(spec)
 
 
-def materialize(model: Transformer, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> Transformer:
-    """Allocates a meta model's parameters on `device` in `dtype` and initializes them from `seed`."""
+def materialize(model: Transformer, device: torch.device | str, dtype: torch.dtype, seed: int = 0,
+                keep=None) -> Transformer:
+    """Allocates a meta model's parameters on `device` in `dtype` and initializes them from `seed`. With `keep`,
+    parameter by parameter: `keep(name, p)` returns where each initialized parameter lives from then on (host
+    memory for offloaded ones), so that a model larger than the GPU never sits on it whole."""
     model.to(dtype)  # still on meta: costs nothing, and memory is allocated once, in the final dtype
-    model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    model.init_weights(generator)
+    if keep is None:
+        model.to_empty(device=device)
+        model.init_weights(generator)
+        return model
+    model.to_empty(device="cpu")  # dense, so that `.data` may take tensors of any device; no page is touched
+    for name, p in model.named_parameters():
+        p.data = torch.empty_like(p, device=device)
+        model.init_parameter(name, p, generator)
+        p.data = keep(name, p)
     return model

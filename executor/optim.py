@@ -10,7 +10,9 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from fastml.config import fail
-from fastml.plan import Training
+from fastml.plan import Knobs, Training, offloaded_groups
+from fastml.executor import cpu_adam
+from fastml.executor.pinned import pinned_empty
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EPS = 1e-8  # torch.optim.AdamW's default
@@ -18,35 +20,58 @@ EPS = 1e-8  # torch.optim.AdamW's default
 
 class AdamW(torch.optim.Optimizer):
     """torch's AdamW arithmetic (fused on a GPU, foreach on a CPU) over one parameter group per layer: the
-    embedding, each block, then the final norm with the LM head (`layer_groups`). A group is what a later version
-    places on the GPU or in host memory, shards, and saves per rank.
+    embedding, each block, then the final norm with the LM head (`layer_groups`), each placed as the plan's offload
+    knobs say (`fastml.plan.offloaded_groups`).
 
     Parameters that are not in `master_dtype` get master copies in the optimizer state ("master"): the step updates
     them and rounds the result into the parameters, making gradients in the master dtype for one group at a time.
     Adam's m and v are in `state_dtype`. Matrices decay, norms and biases do not (the group's "decay" flags).
     `lr` is each group's "lr", set by the training loop (`set_lr`) before each step.
+
+    Offload: a group in offload_optimizer keeps m and v in host memory and steps on the CPU (the C++ AdamW of
+    csrc/, cpu_adam.py), writing its bf16 weights straight into their host copy where the weights are streamed; a
+    group in offload_master keeps its fp32 masters in host memory, and where it steps on the GPU they cross PCIe
+    both ways. Gradients the offload engine keeps in host memory (`offload.host_grad`) are read there.
     """
 
-    def __init__(self, model: nn.Module, training: Training, master_dtype: str = "fp32", state_dtype: str = "fp32"):
-        groups = [{"params": named, "layer": layer, "decay": [p.ndim >= 2 for _, p in named]}
+    def __init__(self, model: nn.Module, training: Training, knobs: Knobs = Knobs(), offload=None):
+        self.offload = offload
+        self.device = offload.device if offload is not None else next(model.parameters()).device
+        num_layers = len(model.blocks) if hasattr(model, "blocks") else 0
+        cpu_steps = offloaded_groups(knobs, "offload_optimizer", num_layers)
+        host_masters = offloaded_groups(knobs, "offload_master", num_layers)
+        groups = [{"params": named, "layer": layer, "decay": [p.ndim >= 2 for _, p in named],
+                   "on_cpu": layer in cpu_steps}
                   for layer, named in layer_groups(model).items()]
         super().__init__(groups, {"lr": training.lr, "betas": (training.beta1, training.beta2), "eps": EPS,
                                   "weight_decay": training.weight_decay})
+        self.clip_coef: torch.Tensor | None = None
+        self.crosses_pcie = bool(cpu_steps or host_masters)
+        master_dtype, state_dtype = DTYPES[knobs.master_dtype], DTYPES[knobs.optimizer_dtype]
         for group in self.param_groups:
+            on_cpu = group["on_cpu"]
+            states_at = torch.device("cpu") if on_cpu else self.device
+            master_at = torch.device("cpu") if group["layer"] in host_masters else self.device
             for p in group["params"]:
-                self.state[p] = self._initial_state(p, DTYPES[master_dtype], DTYPES[state_dtype])
+                self.state[p] = self._initial_state(p, master_dtype, state_dtype, master_at, states_at,
+                                                    pin=not on_cpu and self.device.type == "cuda")
 
     @staticmethod
-    def _initial_state(p: torch.Tensor, master_dtype: torch.dtype, state_dtype: torch.dtype) -> dict:
+    def _initial_state(p: torch.Tensor, master_dtype: torch.dtype, state_dtype: torch.dtype,
+                       master_at: torch.device, states_at: torch.device, pin: bool) -> dict:
         if master_dtype != torch.float32:
             fail("knobs.master_dtype", "bf16 master weights need stochastic rounding, which this executor does not "
                                        "do yet; use 'fp32'")
-        master = p.detach().to(master_dtype, copy=True) if p.dtype != master_dtype else p
-        # Fused AdamW reads its step count on the device; foreach AdamW reads it on the host.
-        step_device = p.device if p.is_cuda else "cpu"
-        state = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
-                 "exp_avg": torch.zeros_like(master, dtype=state_dtype),
-                 "exp_avg_sq": torch.zeros_like(master, dtype=state_dtype)}
+        if p.dtype == master_dtype:
+            master = p
+        elif master_at.type == "cpu" and pin:  # host masters a GPU step reads: pinned, for fast asynchronous copies
+            master = pinned_empty(p.numel(), master_dtype, cuda=True).view(p.shape).copy_(p.detach())
+        else:
+            master = p.detach().to(device=master_at, dtype=master_dtype, copy=True)
+        # Fused AdamW reads its step count on the device; foreach AdamW and the C++ one read it on the host.
+        state = {"step": torch.zeros((), dtype=torch.float32, device=states_at),
+                 "exp_avg": torch.zeros_like(master, dtype=state_dtype, device=states_at),
+                 "exp_avg_sq": torch.zeros_like(master, dtype=state_dtype, device=states_at)}
         if master is not p:
             state["master"] = master
         return state
@@ -55,29 +80,101 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             group["lr"] = lr
 
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        host = self.offload.host_grad(p) if self.offload is not None else None
+        return host if host is not None else p.grad
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """torch.nn.utils.clip_grad_norm_'s arithmetic, over gradients wherever they are: the norm of each
+        gradient on the GPU (those in host memory had theirs taken before they left, offload.grad_norms), the norm
+        of those norms in parameter order, and the GPU gradients scaled in place. Gradients in host memory are
+        scaled by `clip_coef` when they are stepped. Returns the norm before clipping."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        here = [p for p in params if p.grad is not None]
+        norms = dict(zip(here, torch._foreach_norm([p.grad for p in here], 2))) if here else {}
+        if self.offload is not None:
+            norms.update(self.offload.grad_norms)
+        ordered = [norms[p] for p in params if p in norms]
+        if not ordered:
+            return 0.0
+        total = torch.linalg.vector_norm(torch.stack([n.to(ordered[0].device) for n in ordered]), 2)
+        self.clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if here:
+            torch._foreach_mul_([p.grad for p in here], self.clip_coef.to(here[0].grad.device))
+        return total.item()
+
     @torch.no_grad()
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("this AdamW takes no closure: the training loop computes the loss before the step")
+        if self.offload is not None:
+            self.offload.finish_backward()
         for group in self.param_groups:
             for decays in (True, False):
-                params = [p for p, d in zip(group["params"], group["decay"]) if d == decays and p.grad is not None]
+                params = [p for p, d in zip(group["params"], group["decay"])
+                          if d == decays and self._grad(p) is not None]
                 if params:
-                    self._step(group, params, group["weight_decay"] if decays else 0.0)
+                    step = self._cpu_step if group["on_cpu"] else self._step
+                    step(group, params, group["weight_decay"] if decays else 0.0)
+        if self.device.type == "cuda" and self.crosses_pcie:
+            torch.cuda.current_stream().synchronize()  # host copies written without blocking are complete
 
     def _step(self, group: dict, params: list[torch.Tensor], weight_decay: float) -> None:
+        """The step on the training device; master weights, gradients or weights kept in host memory come over
+        and what changed goes back."""
         states = [self.state[p] for p in params]
-        masters = [s.get("master", p) for s, p in zip(states, params)]
-        grads = [p.grad.to(m.dtype) for p, m in zip(params, masters)]  # a copy only where the dtypes differ
-        fused = params[0].is_cuda
+        homes = [s.get("master", p) for s, p in zip(states, params)]
+        masters = [m.to(self.device, non_blocking=True) for m in homes]  # the same tensor where it is here
+        grads = [self._device_grad(p, m.dtype) for p, m in zip(params, masters)]
+        fused = self.device.type == "cuda"
         beta1, beta2 = group["betas"]
         adamw(
             masters, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
             [s["step"] for s in states], foreach=not fused, fused=fused, amsgrad=False, beta1=beta1, beta2=beta2,
             lr=group["lr"], weight_decay=weight_decay, eps=group["eps"], maximize=False)
+        for home, master in zip(homes, masters):
+            if home is not master:
+                home.copy_(master, non_blocking=True)
         rounded = [(p, m) for p, m in zip(params, masters) if m is not p]
-        if rounded:
-            torch._foreach_copy_(*map(list, zip(*rounded)))
+        resident = [(p, m) for p, m in rounded if p.device == m.device]
+        if resident:
+            torch._foreach_copy_(*map(list, zip(*resident)))
+        for p, m in rounded:
+            if p.device != m.device:  # a streamed weight: rounded here, then to its host copy
+                p.copy_(m.to(p.dtype))
+
+    def _device_grad(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The clipped gradient of `p` on the training device, in `dtype`: one kept in host memory comes over and
+        is clipped here as the GPU's own gradients were."""
+        if p.grad is not None:
+            return p.grad.to(dtype)  # a copy only where the dtypes differ
+        grad = self.offload.host_grad(p).to(self.device, non_blocking=True)
+        if self.clip_coef is not None:
+            grad.mul_(self.clip_coef.to(grad.device))
+        return grad.to(dtype)
+
+    def _cpu_step(self, group: dict, params: list[torch.Tensor], weight_decay: float) -> None:
+        """The step in host memory with the C++ AdamW, parameter by parameter: a gradient, master or weight on the
+        GPU comes over and goes back around it."""
+        beta1, beta2 = group["betas"]
+        scale = self.clip_coef.item() if self.clip_coef is not None else 1.0
+        for p in params:
+            state = self.state[p]
+            host_grad = self.offload.host_grad(p) if self.offload is not None else None
+            grad, grad_scale = (host_grad, scale) if host_grad is not None else (p.grad.cpu(), 1.0)
+            home = state.get("master", p.detach())
+            master = home.cpu()  # `home` itself where it is in host memory
+            weight = None
+            if "master" in state:  # the rounded weights: into the host copy of a streamed weight, or over to the GPU
+                weight = p.detach() if p.device.type == "cpu" else torch.empty(p.shape, dtype=p.dtype)
+            state["step"] += 1
+            cpu_adam.adamw_step_(master, state["exp_avg"], state["exp_avg_sq"], grad, weight, group["lr"], beta1,
+                                 beta2, group["eps"], weight_decay, int(state["step"]), grad_scale)
+            if master is not home:
+                home.copy_(master)
+            if weight is not None and p.device.type != "cpu":
+                p.copy_(weight)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Everything a resumed run needs, by parameter name: master weights (where the parameters are not their own)
@@ -107,10 +204,14 @@ def layer_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
     groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            parts = name.split(".")
-            layer = ".".join(parts[:2]) if parts[0] == "blocks" else "embed" if parts[0] == "embed" else "head"
-            groups.setdefault(layer, []).append((name, p))
+            groups.setdefault(layer_of(name), []).append((name, p))
     return groups
+
+
+def layer_of(name: str) -> str:
+    """The parameter group of the parameter called `name` (`layer_groups`)."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else "embed" if parts[0] == "embed" else "head"
 
 
 def lr_at(step: int, training: Training) -> float:

@@ -29,8 +29,11 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
     """Optimizer step `step` (from 0) over grad_accum_steps micro-batches; returns its loss, lr and gradient norm. A
     step whose loss or gradient norm is not finite leaves the weights and optimizer state as they were ("skipped")."""
     knobs = plan.knobs
+    offload = optimizer.offload
     loss_sum = torch.zeros((), device=device)
     for micro in range(knobs.grad_accum_steps):
+        if offload is not None:
+            offload.begin_micro_batch(micro, last=micro == knobs.grad_accum_steps - 1)
         inputs, targets = next(batches)
         loss = model.loss(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True),
                           knobs.lm_head_chunks)
@@ -40,7 +43,7 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
         if micro == 0:
             hooks.after_first_backward(step + 1)
     clip = plan.training.grad_clip
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf")).item()
+    grad_norm = optimizer.clip_grad_norm_(clip if clip > 0 else float("inf"))
     loss_value = loss_sum.item() / knobs.grad_accum_steps
     skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
     lr = lr_at(step, plan.training)

@@ -92,7 +92,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
 def _model_and_optimizer(plan: Plan, device: torch.device) -> tuple[torch.nn.Module, AdamW]:
     torch.manual_seed(plan.training.seed)
     model = build_training_model(plan, device)
-    return model, AdamW(model, plan.training, plan.knobs.master_dtype, plan.knobs.optimizer_dtype)
+    return model, AdamW(model, plan.training, plan.knobs, model.offload)
 
 
 def _log(record: dict, log) -> None:

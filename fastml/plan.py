@@ -170,7 +170,7 @@ KNOBS: dict[str, KnobInfo] = {
                                         ("ffn", "attention"), ("block",))),
     "lm_head_chunks": KnobInfo("speed", (1, 2, 4, 8, 16)),
     "compile": KnobInfo("speed", (False, True)),
-    **{name: KnobInfo("offload", FRACTIONS, executor_runs=(0.0,)) for name in (
+    **{name: KnobInfo("offload", FRACTIONS) for name in (
         "offload_optimizer", "offload_master", "offload_gradients", "offload_residuals", "offload_weights")},
     **{name: KnobInfo("shard", (False, True), executor_runs=(False,), multi_gpu=True) for name in (
         "shard_optimizer", "shard_gradients", "shard_weights", "cache_weights_on_host")},

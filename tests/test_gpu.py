@@ -48,7 +48,7 @@ def test_bf16_training_keeps_fp32_masters_in_the_optimizer_state():
     plan = gpu_plan(1, micro_batch_size=4)
     assert (plan.knobs.param_dtype, plan.knobs.master_dtype, plan.knobs.optimizer_dtype) == ("bf16", "fp32", "fp32")
     model = build_training_model(plan, torch.device("cuda"))
-    optimizer = AdamW(model, plan.training, plan.knobs.master_dtype, plan.knobs.optimizer_dtype)
+    optimizer = AdamW(model, plan.training, plan.knobs, model.offload)
     for p in model.parameters():
         assert p.dtype == torch.bfloat16 and p.is_cuda
         state = optimizer.state[p]

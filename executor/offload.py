@@ -1,0 +1,288 @@
+"""The plan's offload knobs for weights, gradients and residuals on one GPU: what lives in pinned host memory, and
+the copies that bring it to the GPU just before it is needed and send it back as soon as it is made.
+
+Per block (a parameter group of optim.layer_groups), as `fastml.plan.offloaded_groups` names them:
+- offload_weights: the block's bf16 weights live in pinned host memory; a parameter points at its host copy except
+  while the block runs, when it points at a GPU copy fetched on the host-to-device stream one block ahead (forward
+  and backward, every micro-batch).
+- offload_gradients: once backward has accumulated a block's gradients they go to pinned host memory on the
+  device-to-host stream and leave the GPU. Micro-batches after the first fetch the sum so far back one block ahead,
+  so that backward adds into it as it would without offload (the same arithmetic, bit for bit).
+- offload_residuals: a block's input (the residual stream, all that block recompute keeps) goes to the host after
+  the block's forward, its GPU storage freed, and comes back one block ahead of the block's backward.
+Master weights and Adam states are the optimizer's (optim.py). On a CPU plan the "GPU" is the CPU: the same code
+runs with plain copies, which is how CI tests it.
+
+Ordering: every copy waits for the compute stream's work so far, and compute waits for a copy's event before the
+block that needs it. A GPU buffer is allocated on the compute stream; one read by a copy stream after compute has
+let it go is marked with `record_stream`, so that the allocator does not hand it out before the copy is done.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastml.plan import Plan, offloaded_groups
+from fastml.executor.optim import layer_groups, layer_of
+from fastml.executor.pinned import pinned_empty
+
+
+class Copier:
+    """The host-to-device and device-to-host copy streams of a GPU; plain synchronous copies on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.h2d = torch.cuda.Stream(device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+
+    def copy(self, stream, pairs: list[tuple[torch.Tensor, torch.Tensor]], after=None):
+        """Copies each (destination, source) on `stream` once the compute stream's work so far and the event `after`
+        are done; returns the event marking the copies' end (None on a CPU, where they are done already)."""
+        if not self.cuda:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
+        stream.wait_stream(torch.cuda.current_stream())
+        if after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        return stream.record_event()
+
+    def wait(self, event) -> None:
+        """The compute stream waits for a copy."""
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity in forward; its backward runs `callback` just before the backward of what produced its input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, callback) -> torch.Tensor:
+        ctx.callback = callback
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.callback()
+        return grad, None
+
+
+class _Flat:
+    """One pinned host buffer holding several blocks' tensors back to back, with a view per parameter name."""
+
+    def __init__(self, shapes: dict[str, torch.Size], dtype: torch.dtype, cuda: bool):
+        self.buffer = pinned_empty(sum(shape.numel() for shape in shapes.values()), dtype, cuda)
+        self.views: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, shape in shapes.items():
+            self.views[name] = self.buffer[offset:offset + shape.numel()].view(shape)
+            offset += shape.numel()
+
+
+class HostOffload:
+    """Weights, gradients and block inputs in host memory, as the plan's offload knobs say (see the module's
+    docstring). Built on the meta model: `keep` places freshly initialized parameters (materialize replaces the
+    meta ones), then `install` hooks the model."""
+
+    def __init__(self, model: nn.Module, plan: Plan, device: torch.device):
+        knobs, num_layers = plan.knobs, plan.model.num_layers
+        self.device = device
+        self.copier = Copier(device)
+        self.shapes = {layer: {name: p.shape for name, p in named} for layer, named in layer_groups(model).items()}
+        self.streamed = offloaded_groups(knobs, "offload_weights", num_layers)
+        self.grads_out = offloaded_groups(knobs, "offload_gradients", num_layers)
+        self.residuals_out = offloaded_groups(knobs, "offload_residuals", num_layers)
+        self.weights: _Flat | None = None
+        self.grads: _Flat | None = None
+        self.residuals: dict[str, torch.Tensor] = {}
+        self._fetched: dict[str, tuple[list[torch.Tensor], object]] = {}  # group -> GPU tensors, copy event
+        self._residual_events: dict[str, object] = {}  # group -> event of its input's copy to the host
+        self._saved_inputs: dict[str, torch.Tensor] = {}  # group -> the block input whose storage went to host
+        self._grad_events: dict[str, object] = {}  # group -> event of its gradients' copy to the host
+        self._grad_sum_events: dict[str, object] = {}  # group -> event of its gradient sums' copy back
+        self._accumulated: dict[str, int] = {}  # group -> parameters whose gradient this backward has accumulated
+        self.grad_norms: dict[nn.Parameter, torch.Tensor] = {}  # offloaded gradients' norms, taken on the GPU
+        self.micro_batch, self.last_micro_batch = 0, True
+
+    # --- placement -------------------------------------------------------------------------------------------
+
+    def keep(self, name: str, p: nn.Parameter) -> torch.Tensor:
+        """Where a parameter lives once initialized: its host copy for a streamed block, else where it is."""
+        if layer_of(name) not in self.streamed:
+            return p.data
+        if self.weights is None:
+            self.weights = _Flat(self._shapes(self.streamed), p.dtype, self.copier.cuda)
+        host = self.weights.views[name]
+        host.copy_(p.data)
+        return host
+
+    def _shapes(self, layers: frozenset[str]) -> dict[str, torch.Size]:
+        return {name: shape for layer, shapes in self.shapes.items() if layer in layers for name, shape in shapes.items()}
+
+    def install(self, model: nn.Module, param_dtype: torch.dtype) -> None:
+        """Hooks the materialized model: its blocks run through `run_block`, and backward reports each parameter's
+        gradient."""
+        named = layer_groups(model)
+        self.params = {layer: [p for _, p in params] for layer, params in named.items()}
+        self.group_of = {p: layer for layer, params in self.params.items() for p in params}
+        self.name_of = {p: name for params in named.values() for name, p in params}
+        if self.grads_out:
+            self.grads = _Flat(self._shapes(self.grads_out), param_dtype, self.copier.cuda)
+        for name in self.streamed | self.grads_out:
+            for p in self.params[name]:
+                p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+        if self.active:
+            self.blocks = model.blocks
+            model.run_block = self.run_block  # an instance attribute: Transformer.forward calls it for each block
+
+    @property
+    def active(self) -> bool:
+        return bool(self.streamed or self.grads_out or self.residuals_out)
+
+    # --- the step's phases, called by step.py ------------------------------------------------------------------
+
+    def begin_micro_batch(self, index: int, last: bool) -> None:
+        self.micro_batch, self.last_micro_batch = index, last
+        if index == 0:
+            self.grad_norms.clear()
+
+    def host_grad(self, p: nn.Parameter) -> torch.Tensor | None:
+        """The step's gradient of `p` in host memory (complete after `finish_backward`); None if it stays on the
+        GPU."""
+        return self.grads.views.get(self.name_of[p]) if self.grads is not None else None
+
+    def finish_backward(self) -> None:
+        """Waits for the last gradients to reach the host, before the CPU reads them."""
+        for event in self._grad_events.values():
+            if event is not None:
+                event.synchronize()
+        self._grad_events.clear()
+
+    # --- forward and backward of one block ---------------------------------------------------------------------
+
+    def run_block(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        name = f"blocks.{index}"
+        self._acquire(name)
+        self._fetch_weights(f"blocks.{index + 1}")
+        out = self.blocks[index](x, cos, sin)
+        self._release(name)
+        if name in self.residuals_out:
+            self._residual_to_host(name, x)
+        return _BeforeBackward.apply(out, lambda: self._before_backward(index))
+
+    def _before_backward(self, index: int) -> None:
+        """Runs as backward reaches block `index`: its weights, input and gradient sums must be on the GPU, and the
+        block below's are fetched meanwhile."""
+        name = f"blocks.{index}"
+        self._fetch_for_backward(name)
+        self._acquire(name)
+        self.copier.wait(self._residual_events.pop(name, None))
+        self.copier.wait(self._grad_sum_events.pop(name, None))
+        if index > 0:
+            self._fetch_for_backward(f"blocks.{index - 1}")
+
+    def _fetch_for_backward(self, name: str) -> None:
+        self._fetch_weights(name)
+        self._fetch_residual(name)
+        self._fetch_grad_sums(name)
+
+    # weights
+
+    def _fetch_weights(self, name: str) -> None:
+        if name not in self.streamed or name in self._fetched:
+            return
+        host = [self.weights.views[self.name_of[p]] for p in self.params[name]]
+        gpu = [torch.empty_like(h, device=self.device) for h in host]
+        self._fetched[name] = gpu, self.copier.copy(self.copier.h2d, list(zip(gpu, host)))
+
+    def _acquire(self, name: str) -> None:
+        if name not in self.streamed:
+            return
+        self._fetch_weights(name)
+        gpu, event = self._fetched[name]
+        self.copier.wait(event)
+        for p, tensor in zip(self.params[name], gpu):
+            p.data = tensor
+
+    def _release(self, name: str) -> None:
+        """Points the block's parameters back at their host copies; the GPU copies go back to the allocator, on the
+        compute stream that used them."""
+        if name not in self.streamed:
+            return
+        self._fetched.pop(name, None)
+        for p in self.params[name]:
+            p.data = self.weights.views[self.name_of[p]]
+
+    # residuals
+
+    def _residual_to_host(self, name: str, x: torch.Tensor) -> None:
+        storage = x.untyped_storage()
+        if not x.is_contiguous() or storage.nbytes() != x.nbytes:
+            raise RuntimeError(f"{name}: its input does not own its storage; offload_residuals cannot move it")
+        host = self.residuals.get(name)
+        if host is None or host.shape != x.shape:
+            host = self.residuals[name] = pinned_empty(x.numel(), x.dtype, self.copier.cuda).view(x.shape)
+        self._residual_events[name] = self.copier.copy(self.copier.d2h, [(host, x.detach())])
+        if self.copier.cuda:
+            x.record_stream(self.copier.d2h)
+        storage.resize_(0)  # every view of it (autograd's saved ones included) comes back in _fetch_residual
+        self._saved_inputs[name] = x
+
+    def _fetch_residual(self, name: str) -> None:
+        x = self._saved_inputs.pop(name, None)
+        if x is None:
+            return
+        x.untyped_storage().resize_(x.nbytes)
+        # Written through `.data`, which does not count as a change of x: autograd's saved views of x stay valid.
+        self._residual_events[name] = self.copier.copy(self.copier.h2d, [(x.data, self.residuals[name])],
+                                                       after=self._residual_events.get(name))
+
+    # gradients
+
+    def _fetch_grad_sums(self, name: str) -> None:
+        """Micro-batches after the first add into the sum so far: it comes back from the host before the block's
+        backward, which waits for it in _before_backward."""
+        params = self.params.get(name, ())
+        if name not in self.grads_out or self.micro_batch == 0 or name in self._grad_sum_events:
+            return
+        host = [self.grads.views[self.name_of[p]] for p in params]
+        gpu = [torch.empty_like(h, device=self.device) for h in host]
+        self._grad_sum_events[name] = self.copier.copy(self.copier.h2d, list(zip(gpu, host)),
+                                                       after=self._grad_events.pop(name, None))
+        for p, g in zip(params, gpu):
+            p.grad = g
+
+    def _on_grad_accumulated(self, p: nn.Parameter) -> None:
+        name = self.group_of[p]
+        self._accumulated[name] = self._accumulated.get(name, 0) + 1
+        if self._accumulated[name] < len(self.params[name]):
+            return
+        self._accumulated[name] = 0
+        if name in self.grads_out:
+            self._grads_to_host(name)
+        self._release(name)
+
+    def _grads_to_host(self, name: str) -> None:
+        params = self.params[name]
+        grads = [p.grad for p in params]
+        if self.last_micro_batch:  # clipping's norms, taken where the gradients are (optim.AdamW.clip_grad_norm_)
+            self.grad_norms.update(zip(params, torch._foreach_norm(grads, 2)))
+        self._grad_events[name] = self.copier.copy(self.copier.d2h, [(self.grads.views[self.name_of[p]], g)
+                                                                     for p, g in zip(params, grads)])
+        for p, g in zip(params, grads):
+            if self.copier.cuda:
+                g.record_stream(self.copier.d2h)
+            p.grad = None
+
+    # --- what the meter reports --------------------------------------------------------------------------------
+
+    def host_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The pinned host buffers by memory category."""
+        tensors = {"weights": [self.weights.buffer] if self.weights else [],
+                   "gradients": [self.grads.buffer] if self.grads else [],
+                   "activations": list(self.residuals.values())}
+        return {k: v for k, v in tensors.items() if v}

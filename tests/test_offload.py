@@ -1,0 +1,68 @@
+"""Offload changes where tensors live, not the math: each offload knob alone and all together give the losses of a
+run without offload. On a CPU the "GPU" is the CPU and copies are plain ones, so this tests the bookkeeping (which
+tensors move, when gradients are summed, which optimizer step runs where); tests/test_gpu.py runs the same on CUDA
+streams."""
+
+import json
+
+import pytest
+import torch
+
+from fastml.plan import Knobs, Plan, Training, offloaded_groups
+from fastml.spec import PRESETS
+from fastml.executor.apply import build_training_model
+from fastml.executor.optim import AdamW
+from fastml.executor.train import train
+
+SAME_ARITHMETIC = ["offload_weights", "offload_gradients", "offload_residuals", "offload_master"]
+
+
+def cpu_plan(steps=3, **knobs):
+    """bf16 parameters with fp32 masters, as on a GPU, so that offload moves masters and bf16 copies around; three
+    micro-batches a step, so that offloaded gradients are summed across them."""
+    return Plan(model=PRESETS["tiny"], training=Training(seq_len=32, global_batch_tokens=32 * 6, steps=steps),
+                knobs=Knobs(micro_batch_size=2, grad_accum_steps=3, **knobs))
+
+
+def run_losses(tmp_path, name, **knobs):
+    train(cpu_plan(**knobs), log_json=tmp_path / name, show_progress=False)
+    return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_losses(tmp_path_factory.mktemp("ref"), "none.jsonl")
+
+
+@pytest.mark.parametrize("knob", SAME_ARITHMETIC)
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_an_offload_knob_that_only_moves_tensors_changes_no_loss(tmp_path, reference, knob, fraction):
+    assert run_losses(tmp_path, "offload.jsonl", **{knob: fraction}) == reference
+
+
+def test_the_cpu_optimizer_step_matches_within_rounding(tmp_path, reference):
+    """offload_optimizer steps on the CPU with the C++ AdamW: the same formula, in another order of operations."""
+    losses = run_losses(tmp_path, "cpu_adam.jsonl", offload_optimizer=1.0)
+    assert losses[0] == reference[0]  # the first loss comes before any step
+    assert losses == pytest.approx(reference, rel=2e-3)
+
+
+def test_every_knob_together_with_recompute(tmp_path):
+    everything = {name: 1.0 for name in SAME_ARITHMETIC + ["offload_optimizer"]}
+    plain = run_losses(tmp_path, "plain.jsonl", recompute=("block",), offload_optimizer=1.0)
+    assert run_losses(tmp_path, "all.jsonl", recompute=("block",), **everything) == plain
+
+
+def test_offloaded_tensors_live_in_host_buffers():
+    plan = cpu_plan(offload_weights=0.5, offload_gradients=0.5, offload_master=1.0, offload_optimizer=1.0)
+    model = build_training_model(plan, torch.device("cpu"))
+    optimizer = AdamW(model, plan.training, plan.knobs, model.offload)
+    streamed = offloaded_groups(plan.knobs, "offload_weights", plan.model.num_layers)
+    assert streamed == {f"blocks.{i}" for i in range(plan.model.num_layers // 2)}
+    for group in optimizer.param_groups:
+        assert group["on_cpu"]  # the optimizer knob at 1.0 takes the embedding and head too
+        for p in group["params"]:
+            in_host_buffer = model.offload.weights.views.get(model.offload.name_of[p])
+            assert (in_host_buffer is not None) == (group["layer"] in streamed)
+            if in_host_buffer is not None:
+                assert p.data_ptr() == in_host_buffer.data_ptr()
