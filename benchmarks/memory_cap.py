@@ -1,0 +1,117 @@
+"""A big model on a small GPU: Llama-3.1-8B under a 16 GiB cap of the H200's memory (`--gpu-mem 16GiB`, the plan
+`fastml plan --gpu-mem 16GiB --full-precision` chooses) against the same model uncapped with its best plan, at the
+same tokens per optimizer step; then each offload knob alone and together on a smaller model, predicted against
+measured. Each run is its own process, so that its cap, pinned memory and peak figures are its own.
+Writes benchmarks/results/memory_cap-<gpu>.json; runs already there are kept unless run again.
+
+    python benchmarks/memory_cap.py                      # everything
+    python benchmarks/memory_cap.py --runs capped,uncapped
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from record import RESULTS, gpu_tag, write_result
+
+BIG = "llama-3.1-8b"
+SMALL = "qwen2.5-0.5b"
+CAP = "16GiB"
+KNOB_RUNS = {  # name -> knobs pinned on the small model (the rest at their defaults), recompute kept as the base
+    "small-none": {},
+    "small-weights": {"offload_weights": 1.0},
+    "small-gradients": {"offload_gradients": 1.0},
+    "small-residuals": {"offload_residuals": 1.0},
+    "small-master": {"offload_master": 1.0},
+    "small-optimizer": {"offload_optimizer": 1.0},
+    "small-all": {name: 1.0 for name in ("offload_weights", "offload_gradients", "offload_residuals",
+                                         "offload_master", "offload_optimizer")},
+}
+SMALL_BASE = {"micro_batch_size": 4, "recompute": ["block"]}
+
+
+def plan_command(name: str, path: Path) -> list[str]:
+    if name == "capped":
+        return ["fastml", "plan", "--model", BIG, "--gpu-mem", CAP, "--full-precision", "-o", str(path)]
+    if name == "uncapped":
+        return ["fastml", "plan", "--model", BIG, "--full-precision", "-o", str(path)]
+    from fastml.plan import pinned
+    sets = [arg for s in pinned(**SMALL_BASE, **KNOB_RUNS[name]) for arg in ("--set", s)]
+    return ["fastml", "plan", "--model", SMALL, "--full-precision", *sets, "-o", str(path)]
+
+
+def run_one(name: str, steps: int, workdir: Path) -> dict:
+    """Plans and trains one run in child processes; returns the plan's knobs and predictions beside what the run
+    measured."""
+    plan_path, log = workdir / f"{name}.plan.json", workdir / f"{name}.jsonl"
+    subprocess.run(plan_command(name, plan_path), check=True, stdout=subprocess.DEVNULL)
+    run = ["fastml", "run", str(plan_path), "--steps", str(steps), "--no-progress", "--log-json", str(log)]
+    if name == "capped":
+        run += ["--gpu-mem", CAP]
+    started = time.perf_counter()
+    done = subprocess.run(run, capture_output=True, text=True)
+    wall_s = time.perf_counter() - started
+    plan = json.loads(plan_path.read_text())
+    predicted = plan["predicted"]
+    result = {"name": name, "model": plan["model"]["name"], "knobs": plan["knobs"], "steps": steps,
+              "wall_s": round(wall_s, 1), "exit_code": done.returncode,
+              "predicted": {"step_time_s": predicted["step_time_s"], "tokens_per_s": predicted["tokens_per_s"],
+                            "peak_gpu_memory_bytes": predicted["peak_memory_bytes"],
+                            "gpu_memory_bytes": predicted["memory_bytes"],
+                            "host_memory_bytes": sum(predicted["host_memory_bytes"].values()),
+                            "host_memory_by_category": predicted["host_memory_bytes"]}}
+    if done.returncode != 0:
+        result["error"] = done.stderr.strip().splitlines()[-5:]
+        return result
+    summary = json.loads(log.read_text().splitlines()[-1])["summary"] if _has_summary(log) else None
+    records = [json.loads(line) for line in log.read_text().splitlines() if '"step"' in line]
+    steady = sorted(r["step_time_s"] for r in records[1:]) or [records[0]["step_time_s"]]
+    step_time_s = steady[len(steady) // 2]
+    result["measured"] = {"step_time_s": step_time_s,
+                          "tokens_per_s": plan["training"]["global_batch_tokens"] / step_time_s,
+                          "peak_gpu_memory_bytes": max(r["peak_gpu_memory_bytes"] or 0 for r in records),
+                          "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"],
+                          "summary": summary}
+    result["stderr_tail"] = done.stderr.strip().splitlines()[-30:]
+    return result
+
+
+def _has_summary(log: Path) -> bool:
+    lines = log.read_text().splitlines()
+    return bool(lines) and '"summary"' in lines[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default=",".join(["capped", "uncapped", *KNOB_RUNS]))
+    parser.add_argument("--steps", type=int, default=20, help="steps of the 8B runs (default: 20)")
+    parser.add_argument("--small-steps", type=int, default=8)
+    args = parser.parse_args()
+    filename = f"memory_cap-{gpu_tag()}.json"
+    previous = json.loads((RESULTS / filename).read_text()) if (RESULTS / filename).exists() else {}
+    runs = {r["name"]: r for r in previous.get("plans", [])}
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"memory-cap-{os.getpid()}"
+    workdir.mkdir(parents=True)
+    for name in args.runs.split(","):
+        steps = args.steps if name in ("capped", "uncapped") else args.small_steps
+        print(f"{name}: planning and training {steps} steps", flush=True)
+        runs[name] = run_one(name, steps, workdir)
+        print(json.dumps({k: runs[name].get(k) for k in ("knobs", "predicted", "measured", "error")}), flush=True)
+    figures = {"plans": list(runs.values())}
+    capped, uncapped = runs.get("capped", {}).get("measured"), runs.get("uncapped", {}).get("measured")
+    if capped and uncapped:
+        figures.update(capped_tokens_per_s=capped["tokens_per_s"], uncapped_tokens_per_s=uncapped["tokens_per_s"],
+                       capped_vs_uncapped=capped["tokens_per_s"] / uncapped["tokens_per_s"],
+                       capped_peak_gpu_memory_bytes=capped["peak_gpu_memory_bytes"])
+    path = write_result(filename, figures)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
