@@ -20,6 +20,8 @@ let it go is marked with `record_stream`, so that the allocator does not hand it
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -103,7 +105,7 @@ class HostOffload:
         self._residual_events: dict[str, object] = {}  # group -> event of its input's copy to the host
         self._saved_inputs: dict[str, torch.Tensor] = {}  # group -> the block input whose storage went to host
         self._grad_events: dict[str, object] = {}  # group -> event of its gradients' copy to the host
-        self._grad_sum_events: dict[str, object] = {}  # group -> event of its gradient sums' copy back
+        self._grad_sums: dict[str, tuple[list[torch.Tensor], object]] = {}  # group -> sums so far on the GPU, event
         self._accumulated: dict[str, int] = {}  # group -> parameters whose gradient this backward has accumulated
         self.grad_norms: dict[nn.Parameter, torch.Tensor] = {}  # offloaded gradients' norms, taken on the GPU
         self.micro_batch, self.last_micro_batch = 0, True
@@ -168,7 +170,8 @@ class HostOffload:
         name = f"blocks.{index}"
         self._acquire(name)
         self._fetch_weights(f"blocks.{index + 1}")
-        out = self.blocks[index](x, cos, sin)
+        with self._weights_saved_by_reference(name):
+            out = self.blocks[index](x, cos, sin)
         self._release(name)
         if name in self.residuals_out:
             self._residual_to_host(name, x)
@@ -181,7 +184,11 @@ class HostOffload:
         self._fetch_for_backward(name)
         self._acquire(name)
         self.copier.wait(self._residual_events.pop(name, None))
-        self.copier.wait(self._grad_sum_events.pop(name, None))
+        if name in self._grad_sums:  # assigned only now: a gradient must be on its parameter's device
+            sums, event = self._grad_sums.pop(name)
+            self.copier.wait(event)
+            for p, g in zip(self.params[name], sums):
+                p.grad = g
         if index > 0:
             self._fetch_for_backward(f"blocks.{index - 1}")
 
@@ -198,6 +205,25 @@ class HostOffload:
         host = [self.weights.views[self.name_of[p]] for p in self.params[name]]
         gpu = [torch.empty_like(h, device=self.device) for h in host]
         self._fetched[name] = gpu, self.copier.copy(self.copier.h2d, list(zip(gpu, host)))
+
+    def _weights_saved_by_reference(self, name: str):
+        """While a streamed block runs forward, autograd saves its weights (or views of them, such as a transpose)
+        by a reference to the parameter, not to the GPU copy, which would stay alive until backward: backward
+        rebuilds each from the copy fetched for it then."""
+        if name not in self.streamed:
+            return contextlib.nullcontext()
+        owners = {p.untyped_storage().data_ptr(): p for p in self.params[name]}
+
+        def pack(t: torch.Tensor):
+            owner = owners.get(t.untyped_storage().data_ptr())
+            return t if owner is None else (owner, t.shape, t.stride(), t.storage_offset())
+
+        def unpack(saved):
+            if isinstance(saved, torch.Tensor):
+                return saved
+            owner, shape, stride, offset = saved
+            return owner.data.as_strided(shape, stride, offset)
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def _acquire(self, name: str) -> None:
         if name not in self.streamed:
@@ -246,15 +272,12 @@ class HostOffload:
     def _fetch_grad_sums(self, name: str) -> None:
         """Micro-batches after the first add into the sum so far: it comes back from the host before the block's
         backward, which waits for it in _before_backward."""
-        params = self.params.get(name, ())
-        if name not in self.grads_out or self.micro_batch == 0 or name in self._grad_sum_events:
+        if name not in self.grads_out or self.micro_batch == 0 or name in self._grad_sums:
             return
-        host = [self.grads.views[self.name_of[p]] for p in params]
+        host = [self.grads.views[self.name_of[p]] for p in self.params[name]]
         gpu = [torch.empty_like(h, device=self.device) for h in host]
-        self._grad_sum_events[name] = self.copier.copy(self.copier.h2d, list(zip(gpu, host)),
-                                                       after=self._grad_events.pop(name, None))
-        for p, g in zip(params, gpu):
-            p.grad = g
+        self._grad_sums[name] = gpu, self.copier.copy(self.copier.h2d, list(zip(gpu, host)),
+                                                      after=self._grad_events.pop(name, None))
 
     def _on_grad_accumulated(self, p: nn.Parameter) -> None:
         name = self.group_of[p]
