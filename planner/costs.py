@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from fastml.plan import Knobs
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, has_fp32_masters,
-                                   layer_activation_bytes, loss_tensor_bytes, param_bytes)
+from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, has_fp32_masters,
+                                   loss_tensor_bytes, param_bytes)
 from fastml.spec import ModelSpec
 
 # Flash attention's backward does 5 matmuls of the forward's size against the forward's 2 (FlashAttention-2,
@@ -34,17 +34,26 @@ class Costs:
     layer_recompute: float
     head_forward_backward: float
     grad_accumulate: float
-    """Adding a micro-batch's gradients to the accumulated ones (all micro-batches after the first)."""
-    gpu_optimizer: float
-    """The optimizer step of the parameters that stay on the GPU, and gradient clipping."""
-    cpu_optimizer_layer: float
-    """CPU Adam over one layer's offloaded optimizer share."""
+    """Adding a micro-batch's gradients to the accumulated ones (all micro-batches after the first), on the GPU
+    for every block, offloaded gradients included (they come back to be added to)."""
+    grad_clip: float
+    """Gradient clipping's read of every gradient for the global norm, before any optimizer step."""
+    gpu_adam_per_param: float
+    """The GPU optimizer step of one parameter (a GPU steps its share of each group where the optimizer is
+    sharded)."""
+    cpu_adam_per_param: float
+    """The CPU's AdamW of one parameter (csrc/, at the profile's measured rate)."""
+    h2d_per_byte: float
+    d2h_per_byte: float
+    """One byte crossing PCIe, on one GPU's share of the node's PCIe root."""
     layer_weights_h2d: float
-    layer_master_transfer: float
-    """One layer's fp32 master weights (or Adam states) crossing PCIe one way, for an optimizer step that runs
-    where they are not."""
+    layer_grads_h2d: float
+    """A block's accumulated gradients back to the GPU, to add the next micro-batch's to."""
     layer_grads_d2h: float
-    layer_activations_transfer: float
+    layer_input_d2h: float
+    """A block's input activation (`memory.block_input_bytes`) to the host after its forward pass, and back
+    before its backward pass."""
+    layer_input_h2d: float
     layer_weight_gather: float
     layer_grad_reduce: float
     """Per layer: reduce-scatter (sharded gradients, every micro-batch) or all-reduce (last micro-batch only)."""
@@ -117,22 +126,17 @@ def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Cost
     head += hbm(2 * sum(loss_tensor_bytes(knobs).values()) * t * spec.vocab_size)
 
     p = spec.num_params()
-    layer_params = spec.layer_params()
-    layer_bytes = layer_params * param_bytes(knobs)
-    on_gpu = 1 - knobs.offload_optimizer
-    shard = machine.num_gpus if knobs.shard_optimizer else 1
-    # The step, and gradient clipping's read of every gradient.
-    optimizer = hbm(p * on_gpu / shard * optimizer_step_bytes(knobs) + p * param_bytes(knobs))
-    layer_act = layer_activation_bytes(spec, knobs, t, machine.device)
+    layer_bytes = spec.layer_params() * param_bytes(knobs)
+    h2d, d2h = 1 / machine.h2d_bytes_per_s(), 1 / machine.d2h_bytes_per_s()
+    block_input = block_input_bytes(spec, knobs, t)
     return Costs(
         layer_forward=forward, layer_backward=backward, layer_recompute=recompute, head_forward_backward=head,
         grad_accumulate=hbm(2 * p * param_bytes(knobs) / (machine.num_gpus if knobs.shard_gradients else 1)),
-        gpu_optimizer=optimizer,
-        cpu_optimizer_layer=layer_params / shard / machine.node.cpu_adam_params_per_s,
-        layer_weights_h2d=layer_bytes / machine.h2d_bytes_per_s(),
-        layer_master_transfer=layer_params * FP32_BYTES / shard / machine.h2d_bytes_per_s(),
-        layer_grads_d2h=layer_bytes / machine.d2h_bytes_per_s(),
-        layer_activations_transfer=layer_act / machine.d2h_bytes_per_s(),
+        grad_clip=hbm(p * param_bytes(knobs)),
+        gpu_adam_per_param=hbm(optimizer_step_bytes(knobs)), cpu_adam_per_param=1 / machine.node.cpu_adam_params_per_s,
+        h2d_per_byte=h2d, d2h_per_byte=d2h,
+        layer_weights_h2d=layer_bytes * h2d, layer_grads_h2d=layer_bytes * h2d, layer_grads_d2h=layer_bytes * d2h,
+        layer_input_d2h=block_input * d2h, layer_input_h2d=block_input * h2d,
         layer_weight_gather=collective_s("all_gather", layer_bytes, machine, knobs.comm),
         layer_grad_reduce=collective_s("reduce_scatter" if knobs.shard_gradients else "all_reduce", layer_bytes,
                                        machine, knobs.comm),

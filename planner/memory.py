@@ -6,6 +6,9 @@ the plan, including knobs the executor does not run yet, in the dtypes the knobs
   Adam m and v (4 B each) per parameter: 16 B, of which ZeRO stages 1/2/3 shard the last 12, then the gradients,
   then the weights over the data-parallel GPUs (Rajbhandari et al. 2020, "ZeRO", section 3.1 and figure 1); fp32
   parameters (CPU training) are their own masters: 4 + 4 + 8 = 16 B too, none of it master copies;
+- offload: each parameter group (the embedding, each block, the final norm with the LM head) keeps each of its
+  tensors on the GPU or the host as fastml.plan.offloaded_groups says, and what streams between them passes through
+  STREAM_BUFFER_LAYERS GPU buffers (`Placement`, `memory`); the executor's offload holds exactly these;
 - activations: the tensors autograd saves per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation",
   section 4.1, recounted for our model: fused qkv, SwiGLU, grouped-query attention, a fused attention kernel that
   keeps only its output and log-sum-exp instead of the s x s score matrix). tests/test_planner_vs_model.py measures
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fastml.plan import MEMORY_CATEGORIES, Knobs
+from fastml.plan import MEMORY_CATEGORIES, Knobs, offloaded_groups
 from fastml.spec import ModelSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
@@ -179,52 +182,165 @@ def head_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: st
     return per_token * tokens
 
 
+def block_input_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
+    """A block's input, the residual stream: what block recompute keeps, and what offload_residuals moves to the
+    host (every recompute choice keeps it, as the first norm's input)."""
+    return spec.hidden_size * activation_bytes(knobs) * tokens
+
+
+def group_params(spec: ModelSpec) -> dict[str, int]:
+    """Parameters of each optimizer group (executor/optim.py `layer_groups`), in model order: the embedding, the
+    blocks, and the final norm with the LM head (the norm alone when the head is the tied embedding)."""
+    embedding = spec.vocab_size * spec.hidden_size
+    groups = {"embed": embedding} | {f"blocks.{i}": spec.layer_params() for i in range(spec.num_layers)}
+    groups["head"] = spec.hidden_size + (0 if spec.tied_embeddings else embedding)
+    return groups
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which parameter groups keep what in host memory (fastml.plan.offloaded_groups), and so where each group's
+    optimizer step runs and what crosses PCIe for it: the executor's offload."""
+
+    knobs: Knobs
+    streamed_weights: frozenset[str]
+    host_gradients: frozenset[str]
+    host_masters: frozenset[str]
+    """Only of low-precision parameters: fp32 ones are their own masters, and bf16 masters are the weights."""
+    cpu_steps: frozenset[str]
+    """The groups whose Adam m and v live on the host: the CPU steps them."""
+    host_inputs: frozenset[str]
+    """The blocks whose input activations go to the host between forward and backward."""
+
+    def master_on_host(self, group: str) -> bool:
+        """Whether the weights the optimizer updates live on the host: the fp32 masters, or without them the
+        weights themselves where they are streamed."""
+        if has_fp32_masters(self.knobs):
+            return group in self.host_masters
+        return group in self.streamed_weights
+
+    def gpu_step_workspace(self, group: str) -> int:
+        """Per parameter, the temporary GPU buffers of a GPU step of `group`: its gradient in fp32 (the copy of a
+        low-precision gradient, or the one fetched from the host) and its master where that lives on the host."""
+        fp32_gradient = has_fp32_masters(self.knobs) or group in self.host_gradients
+        return FP32_BYTES * fp32_gradient + (master_bytes(self.knobs) if self.master_on_host(group) else 0)
+
+    def gpu_step_transfers(self, group: str) -> tuple[int, int]:
+        """Per parameter, the bytes a GPU step of `group` fetches from the host (its gradient and master where they
+        live there) and sends back after it (the updated master, and the rounded weights where they are streamed:
+        the host holds their only copy)."""
+        k = self.knobs
+        master = master_bytes(k) if self.master_on_host(group) else 0
+        gradient = param_bytes(k) if group in self.host_gradients else 0
+        rounded = param_bytes(k) if has_fp32_masters(k) and group in self.streamed_weights else 0
+        return gradient + master, master + rounded
+
+    def cpu_step_transfers(self, group: str) -> tuple[int, int]:
+        """Per parameter, the bytes a CPU step of `group` needs from the GPU (its gradient and master where they are
+        there) and sends back to it (the master, and the new weights to their GPU copy: none where the weights are
+        streamed, as the CPU writes the host copy itself)."""
+        k = self.knobs
+        master = 0 if self.master_on_host(group) else master_bytes(k)
+        gradient = 0 if group in self.host_gradients else param_bytes(k)
+        weights = param_bytes(k) if has_fp32_masters(k) and group not in self.streamed_weights else 0
+        return gradient + master, master + weights
+
+    def cpu_staged_bytes(self, group: str) -> int:
+        """Per parameter, the pinned staging a CPU step of `group` passes its transfers through: what comes down
+        and what goes back, a master that makes the round trip counted once (it is updated in place)."""
+        down, up = self.cpu_step_transfers(group)
+        return down + up - (0 if self.master_on_host(group) else master_bytes(self.knobs))
+
+
+def placement(spec: ModelSpec, knobs: Knobs) -> Placement:
+    def groups(name: str) -> frozenset[str]:
+        return offloaded_groups(knobs, name, spec.num_layers)
+    return Placement(knobs=knobs, streamed_weights=groups("offload_weights"),
+                     host_gradients=groups("offload_gradients"),
+                     host_masters=groups("offload_master") if has_fp32_masters(knobs) else frozenset(),
+                     cpu_steps=groups("offload_optimizer"), host_inputs=groups("offload_residuals"))
+
+
+def master_bytes(knobs: Knobs) -> int:
+    """Bytes of the weight the optimizer updates, per parameter: the fp32 master, or the parameter itself."""
+    return FP32_BYTES if has_fp32_masters(knobs) else param_bytes(knobs)
+
+
 def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_node: int,
            device: str) -> Memory:
     """Peak bytes on one GPU (or the CPU's memory for `device` "cpu"), and host bytes of one node, for training
-    `spec` with `knobs`."""
-    layer_params = spec.layer_params()
-    states = model_state_bytes(spec.num_params(), knobs, num_gpus)
-    offloaded = {"weights": knobs.offload_weights, "gradients": knobs.offload_gradients,
-                 "master_weights": knobs.offload_master, "optimizer_states": knobs.offload_optimizer}
-    gpu = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
-    host = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
-    for category, total in states.items():
-        on_host = total * offloaded[category]
-        gpu[category] = total - on_host
-        host[category] = on_host * gpus_per_node
-    streamed_layer = layer_params * param_bytes(knobs)
-    if knobs.offload_weights or knobs.shard_weights:
-        gpu["weights"] += STREAM_BUFFER_LAYERS * streamed_layer
-    if knobs.offload_gradients:
-        gpu["gradients"] += STREAM_BUFFER_LAYERS * streamed_layer
-    if knobs.cache_weights_on_host and knobs.shard_weights:
-        host["weights"] += spec.num_params() * param_bytes(knobs)  # one full copy per node, shared by its GPUs
+    `spec` with `knobs`: each parameter group's tensors where `Placement` puts them, as the executor holds them."""
+    place = placement(spec, knobs)
+    gpu, host = _model_states(spec, knobs, place, num_gpus)
+    streamed_layer = spec.layer_params() * param_bytes(knobs)
+    # Blocks whose weights or gradients live on the host pass through STREAM_BUFFER_LAYERS GPU buffers (gathered
+    # shards of sharded weights too).
+    weight_buffers = STREAM_BUFFER_LAYERS if knobs.shard_weights else len(place.streamed_weights)
+    gpu["weights"] += min(STREAM_BUFFER_LAYERS, weight_buffers) * streamed_layer
+    gpu["gradients"] += min(STREAM_BUFFER_LAYERS, len(place.host_gradients)) * streamed_layer
 
     tokens = knobs.micro_batch_size * seq_len
-    layer_act = layer_activation_bytes(spec, knobs, tokens, device)
-    offloaded_layers = round(knobs.offload_residuals * spec.num_layers)
-    resident_layers = spec.num_layers - offloaded_layers + min(offloaded_layers, STREAM_BUFFER_LAYERS)
-    # A recomputed layer rebuilds all its activations during its backward pass: one layer's worth at a time.
-    rebuilt = layer_activation_bytes(spec, replace(knobs, recompute=()), tokens, device) if knobs.recompute else 0
-    gpu["activations"] = resident_layers * layer_act + rebuilt + head_activation_bytes(spec, knobs, tokens, device)
-    host["activations"] = offloaded_layers * layer_act * gpus_per_node
-
+    gpu["activations"], host["activations"] = _activations(spec, knobs, place, tokens, device)
     backward_workspace = loss_workspace_bytes(spec, knobs, tokens)
     if knobs.matmul_dtype == "fp8":
         backward_workspace += spec.layer_matmul_params() * DTYPE_BYTES["fp8"]  # one layer's weights cast to fp8
-    # The optimizer steps one parameter group at a time (executor/optim.py: a block, the embedding or the LM head),
-    # making fp32 gradients for that group only, and only of low-precision parameters stepped on the GPU.
-    largest_group = max(layer_params, spec.vocab_size * spec.hidden_size)
-    gpu_steps = has_fp32_masters(knobs) and knobs.offload_optimizer < 1
-    optimizer_workspace = FP32_BYTES * largest_group if gpu_steps else 0
+    optimizer_workspace = _gpu_optimizer_workspace(spec, place)
     # The optimizer runs after the backward pass has freed the activations: the larger phase sets the peak.
     if optimizer_workspace > gpu["activations"] + backward_workspace:
-        gpu["activations"], backward_workspace = 0.0, optimizer_workspace
+        gpu["activations"], backward_workspace = 0, optimizer_workspace
     gpu["workspace"] = backward_workspace
-    host["workspace"] = PROCESS_HOST_BYTES * gpus_per_node
+    host["workspace"] = PROCESS_HOST_BYTES + _cpu_staging_bytes(spec, knobs, place, num_gpus)
     if num_gpus > 1:
         gpu["comm_buffers"] = STREAM_BUFFER_LAYERS * streamed_layer
         if knobs.comm == "memcpy":  # pinned host staging for the host-routed collectives
-            host["comm_buffers"] = STREAM_BUFFER_LAYERS * streamed_layer * gpus_per_node
+            host["comm_buffers"] = STREAM_BUFFER_LAYERS * streamed_layer
+    host = {k: v * gpus_per_node for k, v in host.items()}  # each GPU's process has its own host tensors
+    if knobs.cache_weights_on_host and knobs.shard_weights:
+        host["weights"] += spec.num_params() * param_bytes(knobs)  # one full copy per node, shared by its GPUs
     return Memory(gpu={k: int(v) for k, v in gpu.items()}, host={k: int(v) for k, v in host.items()})
+
+
+# The knob that moves each model-state category of a parameter group to the host.
+_OFFLOADED_BY = {"weights": "streamed_weights", "gradients": "host_gradients", "master_weights": "host_masters",
+                 "optimizer_states": "cpu_steps"}
+
+
+def _model_states(spec: ModelSpec, knobs: Knobs, place: Placement,
+                  num_gpus: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Weights, master weights, gradients and optimizer states of one GPU and of its process on the host, group by
+    group (ZeRO's counts, `model_state_bytes`, per group). Host copies are pinned where a GPU copy reads or writes
+    them and pageable where only the CPU does (masters and Adam states of CPU-stepped groups): the same bytes."""
+    gpu = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
+    host = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
+    for group, num_params in group_params(spec).items():
+        for category, num_bytes in model_state_bytes(num_params, knobs, num_gpus).items():
+            on_host = group in getattr(place, _OFFLOADED_BY[category])
+            (host if on_host else gpu)[category] += num_bytes
+    return gpu, host
+
+
+def _activations(spec: ModelSpec, knobs: Knobs, place: Placement, tokens: int, device: str) -> tuple[int, int]:
+    """Activation bytes on the GPU at the backward pass's start, and on the host: an offloaded block's input goes to
+    the host after its forward pass and comes back ahead of its backward pass, STREAM_BUFFER_LAYERS at a time on
+    the GPU; the block's other saved tensors stay on the GPU."""
+    num_offloaded = len(place.host_inputs)
+    block_input = block_input_bytes(spec, knobs, tokens)
+    saved = spec.num_layers * layer_activation_bytes(spec, knobs, tokens, device)
+    saved -= (num_offloaded - min(num_offloaded, STREAM_BUFFER_LAYERS)) * block_input
+    # A recomputed layer rebuilds all its activations during its backward pass: one layer's worth at a time.
+    rebuilt = layer_activation_bytes(spec, replace(knobs, recompute=()), tokens, device) if knobs.recompute else 0
+    return saved + rebuilt + head_activation_bytes(spec, knobs, tokens, device), num_offloaded * block_input
+
+
+def _gpu_optimizer_workspace(spec: ModelSpec, place: Placement) -> int:
+    """The GPU's optimizer steps one parameter group at a time (executor/optim.py), with temporary buffers for that
+    group only (`Placement.gpu_step_workspace`): the largest sets the workspace."""
+    sizes = group_params(spec)
+    return max((sizes[g] * place.gpu_step_workspace(g) for g in sizes if g not in place.cpu_steps), default=0)
+
+
+def _cpu_staging_bytes(spec: ModelSpec, knobs: Knobs, place: Placement, num_gpus: int) -> int:
+    """Pinned host memory through which the CPU-stepped groups' transfers pass, one group at a time."""
+    shard = num_gpus if knobs.shard_optimizer else 1
+    sizes = group_params(spec)
+    return max((sizes[g] * place.cpu_staged_bytes(g) // shard for g in place.cpu_steps), default=0)

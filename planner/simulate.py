@@ -13,6 +13,7 @@ duration stands for the rest; the trace repeats the middle one's ops in their pl
 from __future__ import annotations
 
 import re
+from collections import deque
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -20,7 +21,8 @@ import networkx as nx
 from fastml.plan import TIME_COMPONENTS, Knobs
 from fastml.planner.costs import costs
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import has_fp32_masters, layer_activation_bytes
+from fastml.planner.memory import (STREAM_BUFFER_LAYERS, block_input_bytes, group_params, layer_activation_bytes,
+                                   placement)
 from fastml.spec import ModelSpec
 
 SIMULATED_MICRO_BATCHES = 3
@@ -72,7 +74,11 @@ def build_graph(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -
 
 class _StepGraph:
     """One optimizer step's ops, added in program order; each op depends on the ops named and, implicitly, on the
-    ops added before it to its resource."""
+    ops added before it to its resource. What crosses PCIe follows `memory.Placement`, the executor's offload:
+    streamed weights come up before each forward and backward pass of their block; an offloaded block input goes
+    down after the block's forward pass and comes back before its backward pass; offloaded gradients go down after
+    each backward pass and, from the second micro-batch on, come back before it to be added to. Each stream passes
+    through STREAM_BUFFER_LAYERS GPU buffers, so a copy runs one block ahead of the compute using it."""
 
     def __init__(self, spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine):
         self.graph = nx.DiGraph()
@@ -80,17 +86,18 @@ class _StepGraph:
         self.knobs = knobs
         self.num_layers = spec.num_layers
         self.multi = machine.num_gpus > 1
-
-        def layers(fraction: float) -> set[int]:
-            return set(range(round(fraction * spec.num_layers)))
-        self.streamed = layers(knobs.offload_weights)
-        self.offloaded_acts = layers(knobs.offload_residuals)
-        self.offloaded_grads = layers(knobs.offload_gradients)
-        self.cpu_adam = layers(knobs.offload_optimizer)
-        self.offloaded_master = layers(knobs.offload_master) if has_fp32_masters(knobs) else set()
-        self.act_bytes = layer_activation_bytes(spec, knobs, knobs.micro_batch_size * seq_len, machine.device)
+        self.place = placement(spec, knobs)
+        self.group_params = group_params(spec)
+        self.optimizer_shard = machine.num_gpus if knobs.shard_optimizer else 1
+        tokens = knobs.micro_batch_size * seq_len
+        self.act_bytes = layer_activation_bytes(spec, knobs, tokens, machine.device)
+        self.input_bytes = block_input_bytes(spec, knobs, tokens)
         self.compute_ops: list[str] = []  # the compute stream in program order, for prefetch distances
-        self.last_grad: dict[int, str] = {}  # per layer, the op after which its gradient is ready for the optimizer
+        self.streamed = {"weights": self.place.streamed_weights, "inputs": self.place.host_inputs,
+                         "gradients": self.place.host_gradients}
+        # Per stream, the op after which each GPU buffer's last block is done with it, oldest first.
+        self.buffer_users = {kind: deque(maxlen=STREAM_BUFFER_LAYERS) for kind in self.streamed}
+        self.last_grad: dict[int, str] = {}  # per layer, the op after which its gradient is final (GPU or host)
 
     def add(self, name: str, resource: str, duration_s: float, category: str, deps=(), **attrs) -> str:
         self.graph.add_node(name, resource=resource, duration=duration_s, category=category, **attrs)
@@ -108,9 +115,18 @@ class _StepGraph:
         """A double buffer frees when the compute op two back is done."""
         return self.compute_ops[-2] if len(self.compute_ops) >= 2 else None
 
+    def buffer_free(self, kind: str) -> str | None:
+        """The op after which the GPU buffer the next block of stream `kind` takes is free: the one its block two
+        back used, the buffers being taken in turn."""
+        users = self.buffer_users[kind]
+        return users[0] if len(users) == STREAM_BUFFER_LAYERS else None
+
     def fetch_weights(self, layer: int, tag: str, backward: bool) -> str | None:
         k, c = self.knobs, self.c
-        if layer in self.streamed or (backward and k.shard_weights and k.cache_weights_on_host):
+        if _block(layer) in self.place.streamed_weights:
+            return self.add(f"h2d weights L{layer} {tag}", "h2d", c.layer_weights_h2d, "offload",
+                            [self.buffer_free("weights")])
+        if backward and k.shard_weights and k.cache_weights_on_host:
             return self.add(f"h2d weights L{layer} {tag}", "h2d", c.layer_weights_h2d, "offload",
                             [self.prefetch_slot()])
         if k.shard_weights and self.multi:
@@ -118,60 +134,118 @@ class _StepGraph:
                             [self.prefetch_slot()])
         return None
 
+    def release(self, kind: str, layer: int, op: str) -> None:
+        """`op` is the last to use the block's GPU buffer of stream `kind`, if it has one: the buffer frees after it."""
+        if _block(layer) in self.streamed[kind]:
+            self.buffer_users[kind].append(op)
+
     def forward(self, m: int) -> None:
+        c = self.c
         for layer in range(self.num_layers):
             ready = self.fetch_weights(layer, f"mb{m} fwd", backward=False)
-            fwd = self.compute(f"fwd L{layer} mb{m}", self.c.layer_forward, "compute", [ready],
-                               alloc=(f"act {m} {layer}", self.act_bytes))
-            if layer in self.offloaded_acts:
-                self.add(f"d2h acts L{layer} mb{m}", "d2h", self.c.layer_activations_transfer, "offload", [fwd],
-                         free=f"act {m} {layer}")
+            offloaded = _block(layer) in self.place.host_inputs
+            kept = [(f"act {m} {layer}", self.act_bytes - offloaded * self.input_bytes)]
+            if offloaded:
+                kept.append((f"input {m} {layer}", self.input_bytes))
+            fwd = self.compute(f"fwd L{layer} mb{m}", c.layer_forward, "compute", [ready], alloc=kept)
+            self.release("weights", layer, fwd)
+            if offloaded:
+                self.add(f"d2h input L{layer} mb{m}", "d2h", c.layer_input_d2h, "offload", [fwd],
+                         free=[f"input {m} {layer}"])
 
     def backward(self, m: int, last: bool) -> None:
         c = self.c
         for layer in reversed(range(self.num_layers)):
             deps = [self.fetch_weights(layer, f"mb{m} bwd", backward=True)]
-            if layer in self.offloaded_acts:
-                deps.append(self.add(f"h2d acts L{layer} mb{m}", "h2d", c.layer_activations_transfer, "offload",
-                                     [f"d2h acts L{layer} mb{m}", self.prefetch_slot()],
-                                     alloc=(f"act {m} {layer}", self.act_bytes)))
+            freed = [f"act {m} {layer}"]
+            if _block(layer) in self.place.host_inputs:
+                deps.append(self.add(f"h2d input L{layer} mb{m}", "h2d", c.layer_input_h2d, "offload",
+                                     [f"d2h input L{layer} mb{m}", self.buffer_free("inputs")],
+                                     alloc=[(f"input {m} {layer}", self.input_bytes)]))
+                freed.append(f"input {m} {layer}")
             if self.knobs.recompute:
                 self.compute(f"recompute L{layer} mb{m}", c.layer_recompute, "recompute", deps)
                 deps = []
-            accumulate = c.grad_accumulate / self.num_layers if m > 0 and layer not in self.offloaded_grads else 0.0
-            grad = self.compute(f"bwd L{layer} mb{m}", c.layer_backward + accumulate, "compute", deps,
-                                free=f"act {m} {layer}", micro_batch=m)
+            accumulate = c.grad_accumulate / self.num_layers if m > 0 else 0.0
+            grad = self.compute(f"bwd L{layer} mb{m}", c.layer_backward + accumulate, "compute",
+                                [*deps, *self.fetch_gradients(layer, m)], free=freed, micro_batch=m)
+            self.release("weights", layer, grad)
+            self.release("inputs", layer, grad)
             if self.multi and (self.knobs.shard_gradients or last):
                 grad = self.add(f"reduce grads L{layer} mb{m}", "comm", c.layer_grad_reduce, "comm", [grad])
-            if layer in self.offloaded_grads:
+            if _block(layer) in self.place.host_gradients:
                 grad = self.add(f"d2h grads L{layer} mb{m}", "d2h", c.layer_grads_d2h, "offload", [grad])
+                self.release("gradients", layer, grad)
             self.last_grad[layer] = grad
 
-    def optimizer_step(self) -> None:
-        """On the CPU for layers whose Adam states live there, on the GPU for the others; master weights kept on
-        the other side cross PCIe both ways."""
-        c = self.c
-        gpu_steps_with_host_master = self.offloaded_master - self.cpu_adam
-        fetch = [self.add(f"h2d master L{layer}", "h2d", c.layer_master_transfer, "offload", [self.last_grad[layer]])
-                 for layer in sorted(gpu_steps_with_host_master)]
-        optimizer = self.compute("optimizer (GPU)", c.gpu_optimizer, "optimizer", [*self.last_grad.values(), *fetch])
-        for layer in sorted(gpu_steps_with_host_master):
-            self.add(f"d2h master L{layer}", "d2h", c.layer_master_transfer, "offload", [optimizer])
-        for layer in sorted(self.cpu_adam):
-            self.cpu_adam_step(layer)
-        if self.multi and self.knobs.shard_optimizer and not self.knobs.shard_weights:
-            self.add("gather updated weights", "comm", c.step_weight_gather, "comm", [optimizer])
+    def fetch_gradients(self, layer: int, m: int) -> list[str | None]:
+        """What the backward pass of an offloaded-gradient block waits for: a free gradient buffer, and from the
+        second micro-batch on the accumulated gradients, back from the host to be added to."""
+        if _block(layer) not in self.place.host_gradients:
+            return []
+        free = self.buffer_free("gradients")
+        if m == 0:
+            return [free]
+        return [self.add(f"h2d grads L{layer} mb{m}", "h2d", self.c.layer_grads_h2d, "offload",
+                         [f"d2h grads L{layer} mb{m - 1}", free])]
 
-    def cpu_adam_step(self, layer: int) -> None:
+    def optimizer_step(self) -> None:
+        """After the whole backward pass and gradient clipping (the global norm needs every gradient): the CPU
+        steps the groups whose Adam states live on the host, one after another, while the copy engines bring
+        their inputs down and their results up; the GPU steps the others, fetching what they keep on the host into
+        one group's workspace at a time."""
+        clip = self.compute("clip gradients", self.c.grad_clip, "optimizer", list(self.last_grad.values()))
+        on_cpu = [g for g in self.group_params if g in self.place.cpu_steps]
+        on_gpu = [g for g in self.group_params if g not in self.place.cpu_steps]
+        cpu_inputs = {group: self.cpu_inputs_down(group, clip) for group in on_cpu}  # first: they wait for nothing
+        resident = [g for g in on_gpu if self.place.gpu_step_transfers(g) == (0, 0)]
+        updated = []
+        if resident:
+            num_params = sum(self.share(g) for g in resident)
+            updated.append(self.compute("optimizer (GPU)", num_params * self.c.gpu_adam_per_param, "optimizer"))
+        workspace_free = None
+        for group in on_gpu:
+            if group not in resident:
+                workspace_free = self.gpu_step_from_host(group, clip, workspace_free)
+                updated.append(workspace_free)
+        updated += [self.cpu_step(group, clip, cpu_inputs[group]) for group in on_cpu]
+        if self.multi and self.knobs.shard_optimizer and not self.knobs.shard_weights:
+            self.add("gather updated weights", "comm", self.c.step_weight_gather, "comm", updated)
+
+    def share(self, group: str) -> float:
+        """The parameters of `group` that this GPU's optimizer steps."""
+        return self.group_params[group] / self.optimizer_shard
+
+    def gpu_step_from_host(self, group: str, clip: str, workspace_free: str | None) -> str:
         c = self.c
-        deps = [self.last_grad[layer]]
-        if layer not in self.offloaded_master:
-            deps.append(self.add(f"d2h master L{layer}", "d2h", c.layer_master_transfer, "offload", deps))
-        step = self.add(f"cpu adam L{layer}", "cpu", c.cpu_optimizer_layer, "optimizer", deps)
-        if layer not in self.offloaded_master:
-            self.add(f"h2d master L{layer}", "h2d", c.layer_master_transfer, "offload", [step])
-        if layer not in self.streamed:  # the updated bf16 weights go back to their GPU copy
-            self.add(f"h2d new weights L{layer}", "h2d", c.layer_weights_h2d, "offload", [step])
+        fetch_bytes, back_bytes = (n * self.share(group) for n in self.place.gpu_step_transfers(group))
+        fetch = None
+        if fetch_bytes:
+            fetch = self.add(f"h2d optimizer inputs {group}", "h2d", fetch_bytes * c.h2d_per_byte, "offload",
+                             [clip, workspace_free])
+        step = self.compute(f"optimizer {group} (GPU)", self.share(group) * c.gpu_adam_per_param, "optimizer",
+                            [fetch, workspace_free])
+        if not back_bytes:
+            return step
+        return self.add(f"d2h updated {group}", "d2h", back_bytes * c.d2h_per_byte, "offload", [step])
+
+    def cpu_inputs_down(self, group: str, clip: str) -> str | None:
+        down_bytes = self.place.cpu_step_transfers(group)[0] * self.share(group)
+        if not down_bytes:
+            return None
+        return self.add(f"d2h optimizer inputs {group}", "d2h", down_bytes * self.c.d2h_per_byte, "offload", [clip])
+
+    def cpu_step(self, group: str, clip: str, inputs: str | None) -> str:
+        step = self.add(f"cpu adam {group}", "cpu", self.share(group) * self.c.cpu_adam_per_param, "optimizer",
+                        [clip, inputs])
+        up_bytes = self.place.cpu_step_transfers(group)[1] * self.share(group)
+        if not up_bytes:
+            return step
+        return self.add(f"h2d updated {group}", "h2d", up_bytes * self.c.h2d_per_byte, "offload", [step])
+
+
+def _block(layer: int) -> str:
+    return f"blocks.{layer}"
 
 
 def _schedule(graph: nx.DiGraph) -> None:
@@ -188,29 +262,39 @@ def _schedule(graph: nx.DiGraph) -> None:
 
 def _breakdown(graph: nx.DiGraph, window_start: float, window_end: float) -> dict[str, float]:
     """Splits [window_start, window_end] by what the compute stream did: its own ops by their category, and
-    its idle gaps by the kind of op it was waiting for."""
+    its idle time by the kinds of op it was waiting for (`_charge_wait`)."""
     time_s = dict.fromkeys(TIME_COMPONENTS, 0.0)
     cursor = window_start
-    ops = sorted((d for _, d in graph.nodes(data=True) if d["resource"] == "compute"), key=lambda d: d["start"])
-    for op in ops:
+    ops = sorted((n for n, d in graph.nodes(data=True) if d["resource"] == "compute"),
+                 key=lambda n: graph.nodes[n]["start"])
+    for name in ops:
+        op = graph.nodes[name]
         start, end = max(op["start"], window_start), min(op["end"], window_end)
         if end <= start:
             continue
         if start > cursor:
-            time_s[_waited_for(graph, op)] += start - cursor
+            _charge_wait(graph, op["blocker"], cursor, start, time_s)
         time_s[op["category"]] += end - start
         cursor = end
     if window_end > cursor:  # the step ends with work off the compute stream (CPU optimizer, transfers, comm)
-        last = max((d for _, d in graph.nodes(data=True)), key=lambda d: d["end"])
-        time_s[_WAIT_COMPONENT.get(last["category"], "other")] += window_end - cursor
+        last = max(graph.nodes, key=lambda n: graph.nodes[n]["end"])
+        _charge_wait(graph, last, cursor, window_end, time_s)
     return time_s
 
 
-def _waited_for(graph: nx.DiGraph, op: dict) -> str:
-    blocker = op.get("blocker")
-    if blocker is None:
-        return "other"
-    return _WAIT_COMPONENT.get(graph.nodes[blocker]["category"], "other")
+def _charge_wait(graph: nx.DiGraph, name: str | None, wait_start: float, wait_end: float,
+                 time_s: dict[str, float]) -> None:
+    """Charges the compute stream's wait [wait_start, wait_end), which op `name` ends, along the chain of ops that
+    held each other back (each starts when its blocker ends): each op's part of the wait to the component of its
+    kind, so a transfer that waited for the CPU's optimizer step counts as optimizer time."""
+    while name is not None:
+        op = graph.nodes[name]
+        start, end = max(op["start"], wait_start), min(op["end"], wait_end)
+        if end > start:
+            time_s[_WAIT_COMPONENT.get(op["category"], "other")] += end - start
+        if op["start"] <= wait_start:
+            return
+        name = op["blocker"]
 
 
 def _micro_batch_ends(graph: nx.DiGraph) -> list[float]:
@@ -233,13 +317,12 @@ def _memory_timeline(graph: nx.DiGraph) -> list[tuple[float, int]]:
     """Activation bytes resident on the GPU over the step: allocated when an op starts, freed when one ends."""
     sizes, events = {}, []
     for _, d in graph.nodes(data=True):
-        if "alloc" in d:
-            key, num_bytes = d["alloc"]
+        for key, num_bytes in d.get("alloc", ()):
             sizes[key] = num_bytes
             events.append((d["start"], num_bytes))
     for _, d in graph.nodes(data=True):
-        if "free" in d:
-            events.append((d["end"], -sizes[d["free"]]))
+        for key in d.get("free", ()):
+            events.append((d["end"], -sizes[key]))
     timeline, resident = [(0.0, 0)], 0
     for time, delta in sorted(events, key=lambda e: (e[0], e[1])):  # frees first at equal times
         resident += delta

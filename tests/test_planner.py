@@ -136,7 +136,8 @@ def test_a_serial_step_is_the_sum_of_its_ops():
     sim = simulate(spec, 2048, knobs, machine)
     per_micro_batch = layers * (c.layer_forward + c.layer_backward) + c.head_forward_backward
     compute = n * per_micro_batch + (n - 1) * c.grad_accumulate
-    expected = {"compute": compute, "recompute": n * layers * c.layer_recompute, "optimizer": c.gpu_optimizer}
+    optimizer = c.grad_clip + spec.num_params() * c.gpu_adam_per_param
+    expected = {"compute": compute, "recompute": n * layers * c.layer_recompute, "optimizer": optimizer}
     assert sim.time_s == pytest.approx(dict.fromkeys(TIME_COMPONENTS, 0.0) | expected)
     assert sim.step_time_s == pytest.approx(sum(expected.values()))
 

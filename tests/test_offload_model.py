@@ -1,0 +1,186 @@
+"""The planner's model of offload against what the executor does with each offload knob: which parameter groups
+move (fastml.plan.offloaded_groups), the bytes each puts on the GPU and the host (planner/memory.py), and the
+copies and optimizer steps of the simulated step (planner/simulate.py)."""
+
+import dataclasses
+
+import pytest
+
+from fastml.executor.model import build_model
+from fastml.executor.optim import layer_groups
+from fastml.plan import Knobs
+from fastml.planner.costs import costs
+from fastml.planner.hardware import load_machine
+from fastml.planner.memory import (PROCESS_HOST_BYTES, STREAM_BUFFER_LAYERS, block_input_bytes, group_params,
+                                   layer_activation_bytes, memory)
+from fastml.planner.simulate import simulate
+from fastml.spec import PRESETS
+
+SEQ = 2048
+ALL_OFFLOADED = dict(offload_optimizer=1.0, offload_master=1.0, offload_gradients=1.0, offload_weights=1.0,
+                     offload_residuals=1.0)
+
+
+def gpu_and_host(knobs: Knobs, model: str = "tinyllama-1.1b", seq_len: int = SEQ):
+    m = memory(PRESETS[model], seq_len, knobs, num_gpus=1, gpus_per_node=1, device="cuda")
+    return m.gpu, m.host
+
+
+def sizes(model: str) -> tuple[int, int, int]:
+    """Parameters of a block, of the embedding and of the head group (final norm and LM head)."""
+    groups = group_params(PRESETS[model])
+    return groups["blocks.0"], groups["embed"], groups["head"]
+
+
+# ---------------------------------------------------------------------------------------------------- groups
+
+
+@pytest.mark.parametrize("model", ["tinyllama-1.1b", "llama-3.2-1b", "qwen3-8b"])
+def test_groups_are_the_executors_optimizer_groups(model):
+    """Untied and tied LM heads, qk-norm: each group holds exactly the parameters of the executor's group."""
+    real = {name: sum(p.numel() for _, p in named) for name, named in layer_groups(build_model(PRESETS[model])).items()}
+    assert group_params(PRESETS[model]) == real
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+
+
+def test_offloaded_gradients_are_one_host_copy_whatever_the_accumulation():
+    """Gradients of offloaded blocks live on the host once (accumulated on the GPU, a block at a time); the GPU
+    keeps the embedding's and the head's, and STREAM_BUFFER_LAYERS blocks' in flight."""
+    block, embed, head = sizes("tinyllama-1.1b")
+    layers = PRESETS["tinyllama-1.1b"].num_layers
+    for accumulation in (1, 8):
+        gpu, host = gpu_and_host(Knobs(grad_accum_steps=accumulation, offload_gradients=1.0))
+        assert host["gradients"] == 2 * layers * block
+        assert gpu["gradients"] == 2 * (embed + head) + 2 * STREAM_BUFFER_LAYERS * block
+    half_gpu, half_host = gpu_and_host(Knobs(grad_accum_steps=8, offload_gradients=0.5))
+    assert half_host["gradients"] == 2 * 11 * block  # round(0.5 x 22)
+    assert half_gpu["gradients"] == 2 * (embed + head + 11 * block) + 2 * STREAM_BUFFER_LAYERS * block
+
+
+@pytest.mark.parametrize("recompute", [(), ("block",)], ids=["none", "block"])
+def test_residual_offload_moves_exactly_the_block_inputs(recompute):
+    """Blocks x hidden x tokens x 2 bytes go to the host; the GPU keeps each block's other saved tensors and
+    STREAM_BUFFER_LAYERS inputs in flight."""
+    spec, tokens = PRESETS["tinyllama-1.1b"], 2 * SEQ
+    base = Knobs(micro_batch_size=2, recompute=recompute)
+    gpu, host = gpu_and_host(base)
+    off_gpu, off_host = gpu_and_host(dataclasses.replace(base, offload_residuals=0.5))
+    block_input = spec.hidden_size * tokens * 2
+    assert block_input_bytes(spec, base, tokens) == block_input
+    assert off_host["activations"] == 11 * block_input and host["activations"] == 0
+    assert gpu["activations"] - off_gpu["activations"] == (11 - STREAM_BUFFER_LAYERS) * block_input
+    if recompute:  # block recompute keeps nothing else: the block input is all a block saves
+        assert layer_activation_bytes(spec, base, tokens, "cuda") == block_input
+
+
+@pytest.mark.parametrize("knob, category, bytes_per_param", [
+    ("offload_optimizer", "optimizer_states", 8), ("offload_master", "master_weights", 4)])
+def test_embedding_and_head_follow_the_optimizer_and_masters_only_at_fraction_one(knob, category, bytes_per_param):
+    block, embed, head = sizes("tinyllama-1.1b")
+    partial_gpu, partial_host = gpu_and_host(Knobs(**{knob: 0.75}))
+    assert partial_host[category] == bytes_per_param * 16 * block  # round(0.75 x 22) blocks
+    assert partial_gpu[category] == bytes_per_param * (6 * block + embed + head)
+    whole_gpu, whole_host = gpu_and_host(Knobs(**{knob: 1.0}))
+    assert whole_gpu[category] == 0
+    assert whole_host[category] == bytes_per_param * PRESETS["tinyllama-1.1b"].num_params()
+
+
+@pytest.mark.parametrize("knob, category", [("offload_weights", "weights"), ("offload_gradients", "gradients")])
+def test_weights_and_gradients_of_the_embedding_and_head_stay_on_the_gpu(knob, category):
+    block, embed, head = sizes("tinyllama-1.1b")
+    gpu, host = gpu_and_host(Knobs(**{knob: 1.0}))
+    assert host[category] == 2 * 22 * block
+    assert gpu[category] == 2 * (embed + head) + 2 * STREAM_BUFFER_LAYERS * block  # the streaming buffers
+
+
+def test_host_memory_is_the_offloaded_tensors_staging_and_the_process():
+    """Everything offloaded: pinned bf16 weights and gradients of the blocks, fp32 masters and Adam m, v of every
+    group, the block inputs, one group's staging (the largest: the head's gradient down and new weights up) and the
+    process itself."""
+    spec = PRESETS["tinyllama-1.1b"]
+    block, embed, head = sizes("tinyllama-1.1b")
+    _, host = gpu_and_host(Knobs(recompute=("block",), **ALL_OFFLOADED))
+    expected = {"weights": 2 * 22 * block, "gradients": 2 * 22 * block, "master_weights": 4 * spec.num_params(),
+                "optimizer_states": 8 * spec.num_params(), "activations": 22 * spec.hidden_size * SEQ * 2,
+                "workspace": PROCESS_HOST_BYTES + (2 + 2) * max(embed, head), "comm_buffers": 0}
+    assert host == expected
+
+
+def test_gpu_steps_of_host_masters_need_one_groups_workspace():
+    """With the masters on the host and the optimizer on the GPU, a group's step fetches its master into fp32
+    workspace beside its fp32 gradient: 8 bytes per parameter of the largest group, which at a short sequence sets
+    the GPU's peak (the optimizer runs after the backward pass has freed the activations)."""
+    block, embed, head = sizes("llama-3.1-8b")
+    short = Knobs(recompute=("block",), lm_head_chunks=16)
+    gpu, _ = gpu_and_host(dataclasses.replace(short, offload_master=1.0), "llama-3.1-8b", seq_len=256)
+    assert gpu["workspace"] == 8 * max(embed, head, block) and gpu["activations"] == 0
+    resident, _ = gpu_and_host(short, "llama-3.1-8b", seq_len=256)
+    assert resident["workspace"] == 4 * max(embed, head, block)  # the fp32 gradient copy alone
+    cpu_steps, _ = gpu_and_host(dataclasses.replace(short, offload_master=1.0, offload_optimizer=1.0),
+                                "llama-3.1-8b", seq_len=256)
+    assert cpu_steps["workspace"] < resident["workspace"]  # no GPU step: the loss's workspace again
+
+
+# ---------------------------------------------------------------------------------------------------- simulation
+
+
+def simulated(**knobs):
+    machine = load_machine("h200", 1)
+    k = Knobs(micro_batch_size=1, grad_accum_steps=3, recompute=("block",), **knobs)
+    return simulate(PRESETS["tinyllama-1.1b"], SEQ, k, machine), costs(PRESETS["tinyllama-1.1b"], SEQ, k, machine)
+
+
+def test_accumulated_gradients_come_back_before_each_later_backward_pass():
+    sim, _ = simulated(offload_gradients=0.5)
+    graph = sim.graph
+    fetched = {n for n in graph if n.startswith("h2d grads")}
+    assert fetched == {f"h2d grads L{layer} mb{m}" for layer in range(11) for m in (1, 2)}
+    for layer in range(11):
+        for m in (1, 2):
+            fetch = f"h2d grads L{layer} mb{m}"
+            assert graph.has_edge(f"d2h grads L{layer} mb{m - 1}", fetch)
+            assert graph.has_edge(fetch, f"bwd L{layer} mb{m}")
+            assert graph.nodes[fetch]["end"] <= graph.nodes[f"bwd L{layer} mb{m}"]["start"]
+    assert not any(n.startswith("d2h grads L11 ") for n in graph)  # blocks past the fraction keep theirs
+
+
+def test_the_cpu_optimizer_starts_after_the_last_backward_pass_and_clipping():
+    sim, c = simulated(**ALL_OFFLOADED)
+    graph = sim.graph
+    spec = PRESETS["tinyllama-1.1b"]
+    steps = [n for n in graph if n.startswith("cpu adam")]
+    assert steps == [f"cpu adam {group}" for group in group_params(spec)]
+    backward_end = max(d["end"] for n, d in graph.nodes(data=True) if n.startswith(("bwd", "d2h grads")))
+    assert graph.nodes["clip gradients"]["start"] >= backward_end
+    assert min(graph.nodes[n]["start"] for n in steps) >= graph.nodes["clip gradients"]["end"]
+    cpu_seconds = sum(graph.nodes[n]["duration"] for n in steps)
+    assert cpu_seconds == pytest.approx(spec.num_params() / load_machine("h200", 1).node.cpu_adam_params_per_s)
+    assert sim.time_s["optimizer"] >= cpu_seconds  # the GPU waits for it: nothing overlaps it yet
+    # Streamed blocks' new weights are written to their host copy; the embedding's and head's go up to the GPU.
+    assert {n for n in graph if n.startswith("h2d updated")} == {"h2d updated embed", "h2d updated head"}
+
+
+def test_streamed_weights_come_up_before_every_pass_one_block_ahead():
+    sim, _ = simulated(offload_weights=1.0)
+    graph = sim.graph
+    for m in range(3):
+        for tag, compute in (("fwd", "fwd"), ("bwd", "recompute")):
+            for layer in range(22):
+                fetch = f"h2d weights L{layer} mb{m} {tag}"
+                assert graph.has_edge(fetch, f"{compute} L{layer} mb{m}")
+    # Two buffers: block 5's forward copy waits for block 3's forward to be done with its buffer.
+    assert graph.nodes["h2d weights L5 mb1 fwd"]["start"] >= graph.nodes["fwd L3 mb1"]["end"]
+    # In the backward pass a buffer frees after the block's backward (block 5's after block 7's).
+    assert graph.nodes["h2d weights L5 mb1 bwd"]["start"] >= graph.nodes["bwd L7 mb1"]["end"]
+
+
+def test_offloaded_inputs_leave_two_on_the_gpu():
+    """With block recompute a block keeps only its input, and with every input offloaded at most
+    STREAM_BUFFER_LAYERS are on the GPU at once, as memory() counts them."""
+    sim, _ = simulated(offload_residuals=1.0)
+    spec = PRESETS["tinyllama-1.1b"]
+    assert sim.activation_peak_bytes == STREAM_BUFFER_LAYERS * block_input_bytes(spec, Knobs(), SEQ)
+    graph = sim.graph
+    assert graph.has_edge("fwd L4 mb0", "d2h input L4 mb0") and graph.has_edge("h2d input L4 mb0", "recompute L4 mb0")
