@@ -10,7 +10,7 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from fastml.config import fail
-from fastml.plan import Knobs, Training, offloaded_groups
+from fastml.plan import CPU_STEP_CHUNK, Knobs, Training, offloaded_groups
 from fastml.executor import cpu_adam
 from fastml.executor.pinned import pinned_empty
 
@@ -155,26 +155,33 @@ class AdamW(torch.optim.Optimizer):
         return grad.to(dtype)
 
     def _cpu_step(self, group: dict, params: list[torch.Tensor], weight_decay: float) -> None:
-        """The step in host memory with the C++ AdamW, parameter by parameter: a gradient, master or weight on the
-        GPU comes over and goes back around it."""
+        """The step in host memory with the C++ AdamW, parameter by parameter. A gradient, master or weight on the
+        GPU comes over and goes back around it in slices of CPU_STEP_CHUNK elements, so that the host needs
+        little memory beyond the tensors that live there."""
         beta1, beta2 = group["betas"]
         scale = self.clip_coef.item() if self.clip_coef is not None else 1.0
         for p in params:
             state = self.state[p]
-            host_grad = self.offload.host_grad(p) if self.offload is not None else None
-            grad, grad_scale = (host_grad, scale) if host_grad is not None else (p.grad.cpu(), 1.0)
-            home = state.get("master", p.detach())
-            master = home.cpu()  # `home` itself where it is in host memory
-            weight = None
-            if "master" in state:  # the rounded weights: into the host copy of a streamed weight, or over to the GPU
-                weight = p.detach() if p.device.type == "cpu" else torch.empty(p.shape, dtype=p.dtype)
             state["step"] += 1
-            cpu_adam.adamw_step_(master, state["exp_avg"], state["exp_avg_sq"], grad, weight, group["lr"], beta1,
-                                 beta2, group["eps"], weight_decay, int(state["step"]), grad_scale)
-            if master is not home:
-                home.copy_(master)
-            if weight is not None and p.device.type != "cpu":
-                p.copy_(weight)
+            host_grad = self.offload.host_grad(p) if self.offload is not None else None
+            grad, grad_scale = (host_grad, scale) if host_grad is not None else (p.grad, 1.0)  # GPU ones are clipped
+            master = state.get("master", p.detach())
+            # The rounded weights: into the host copy of a streamed weight, or over to the GPU.
+            weight = p.detach() if "master" in state else None
+            flat = [t.view(-1) if t is not None else None
+                    for t in (master, state["exp_avg"], state["exp_avg_sq"], grad, weight)]
+            for start in range(0, p.numel(), CPU_STEP_CHUNK):
+                master_s, m_s, v_s, grad_s, weight_s = [t[start:start + CPU_STEP_CHUNK] if t is not None else None
+                                                        for t in flat]
+                master_here, weight_here = master_s.cpu(), None  # `.cpu()` of a host tensor is that tensor
+                if weight_s is not None:
+                    weight_here = weight_s if weight_s.device.type == "cpu" else torch.empty_like(weight_s, device="cpu")
+                cpu_adam.adamw_step_(master_here, m_s, v_s, grad_s.cpu(), weight_here, group["lr"], beta1, beta2,
+                                     group["eps"], weight_decay, int(state["step"]), grad_scale)
+                if master_here is not master_s:
+                    master_s.copy_(master_here)
+                if weight_here is not None and weight_here is not weight_s:
+                    weight_s.copy_(weight_here)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Everything a resumed run needs, by parameter name: master weights (where the parameters are not their own)

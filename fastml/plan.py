@@ -201,6 +201,11 @@ def describe_knobs(knobs: Knobs, against: Knobs | None = None) -> str:
 WHOLE_MODEL_OFFLOAD = ("offload_optimizer", "offload_master")
 
 
+# The executor's CPU optimizer step moves a GPU-resident gradient, master or weight to and from host memory in
+# slices of this many elements (executor/optim.py), so that its host staging stays small (planner/memory.py).
+CPU_STEP_CHUNK = 2**26
+
+
 def offloaded_groups(knobs: Knobs, name: str, num_layers: int) -> frozenset[str]:
     """The parameter groups that offload knob `name` places in host memory (for offload_residuals: the blocks whose
     input activations go to the host)."""

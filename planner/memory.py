@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fastml.plan import MEMORY_CATEGORIES, Knobs, offloaded_groups
+from fastml.plan import CPU_STEP_CHUNK, MEMORY_CATEGORIES, Knobs, offloaded_groups
 from fastml.spec import ModelSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
@@ -340,7 +340,9 @@ def _gpu_optimizer_workspace(spec: ModelSpec, place: Placement) -> int:
 
 
 def _cpu_staging_bytes(spec: ModelSpec, knobs: Knobs, place: Placement, num_gpus: int) -> int:
-    """Pinned host memory through which the CPU-stepped groups' transfers pass, one group at a time."""
+    """Host memory through which the CPU-stepped groups' transfers pass: one slice of CPU_STEP_CHUNK elements of
+    one parameter at a time (executor/optim.py)."""
     shard = num_gpus if knobs.shard_optimizer else 1
     sizes = group_params(spec)
-    return max((sizes[g] * place.cpu_staged_bytes(g) // shard for g in place.cpu_steps), default=0)
+    return max((min(sizes[g] // shard, CPU_STEP_CHUNK) * place.cpu_staged_bytes(g) for g in place.cpu_steps),
+               default=0)
