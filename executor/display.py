@@ -7,7 +7,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from fastml.plan import Plan, describe_knobs
+from fastml.plan import MEMORY_CATEGORIES, Plan, describe_knobs
+from fastml.executor.device import predicted_host_bytes
 
 
 def print_knobs(console: Console, plan: Plan) -> None:
@@ -49,19 +50,48 @@ def print_summary(console: Console, plan: Plan, summary: dict) -> None:
     for name, measured, expected in rows:
         table.add_row(name, measured, expected or "-")
     console.print(table)
+    if _measured_by_category(summary):
+        console.print(memory_table(plan, summary))
     console.print(f"MFU against {summary['mfu_peak']}; steady state = median of steps after the first; "
                   f"total {summary['total_time_s']:.1f} s")
 
 
-def predicted_host_bytes(plan: Plan) -> int:
-    """The host memory the plan predicts: its host total, plus on a CPU its "GPU" total (there the GPU is the host)."""
+def memory_table(plan: Plan, summary: dict) -> Table:
+    """Memory by the planner's categories, predicted beside measured (executor/meter.py's `gpu_memory` and
+    `host_memory` say what each measured figure is): GPU and host on a GPU; on a CPU, whose "GPU" is its host
+    memory, host only."""
     p = plan.predicted
-    host = sum(p.host_memory_bytes.values())
-    return host + p.peak_memory_bytes if plan.hardware.device == "cpu" else host
+    on_gpu = plan.hardware.device == "cuda"
+    table = Table(title="memory by category")
+    table.add_column("")
+    columns = [("GPU predicted", p and p.memory_bytes), ("GPU measured", summary["memory_bytes"])] if on_gpu else []
+    host_predicted = p and ({name: p.host_memory_bytes[name] + (0 if on_gpu else p.memory_bytes[name])
+                             for name in MEMORY_CATEGORIES})
+    columns += [("host predicted", host_predicted), ("host measured", summary["host_memory_bytes"])]
+    for title, _ in columns:
+        table.add_column(title, justify="right")
+    for name in MEMORY_CATEGORIES:
+        table.add_row(name, *("-" if values is None else _size(values[name]) for _, values in columns))
+    return table
+
+
+def _measured_by_category(summary: dict) -> bool:
+    """Whether the run measured memory by category (the step calls the meter for it)."""
+    measured = [summary.get("memory_bytes") or {}, summary.get("host_memory_bytes") or {}]
+    return any(value is not None for values in measured for value in values.values())
 
 
 def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
+
+
+def _size(num_bytes: int | None) -> str:
+    """Bytes in GiB, or MiB below one GiB (a small model's figures), "n/a" where not measured."""
+    if num_bytes is None:
+        return "n/a"
+    if num_bytes == 0:
+        return "0"
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
 
 
 def _gib(num_bytes: int | None, digits: int = 2) -> str:

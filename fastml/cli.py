@@ -173,6 +173,11 @@ def cmd_run(args: argparse.Namespace) -> None:
     if args.checkpoint_interval is not None:
         overrides.append(f"training.checkpoint_interval={args.checkpoint_interval}")
     plan = with_overrides(load_plan(args.plan), overrides)
+    if args.gpu_mem is not None:
+        from fastml.executor.device import with_gpu_memory_cap
+        from fastml.planner.hardware import parse_bytes
+
+        plan = with_gpu_memory_cap(plan, parse_bytes(args.gpu_mem, "--gpu-mem"))
     try:
         train(plan, steps=args.steps, log_json=args.log_json, show_progress=not args.no_progress,
               resume=args.resume, start_over=args.start_over, keep_checkpoints=args.keep_checkpoints,
@@ -300,6 +305,8 @@ def _add_run_command(sub) -> None:
     run.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                      help="override a value of the plan (repeatable)")
     run.add_argument("--no-progress", action="store_true", help="no live progress display")
+    run.add_argument("--gpu-mem", help="cap this process's GPU memory, e.g. 16GiB, so that a large GPU behaves like a "
+                                       "smaller one (overrides the plan's hardware.gpu_memory_bytes)")
     run.add_argument("--checkpoint-dir", help="write checkpoints here (overrides training.checkpoint_dir)")
     run.add_argument("--checkpoint-interval", type=int,
                      help="steps between checkpoints; 0: only at the end (overrides training.checkpoint_interval)")
