@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -25,9 +26,10 @@ class StepHooks:
 
 
 def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: int, device: torch.device,
-               hooks: StepHooks = StepHooks()) -> dict:
+               hooks: StepHooks = StepHooks(), meter=None) -> dict:
     """Optimizer step `step` (from 0) over grad_accum_steps micro-batches; returns its loss, lr and gradient norm. A
-    step whose loss or gradient norm is not finite leaves the weights and optimizer state as they were ("skipped")."""
+    step whose loss or gradient norm is not finite leaves the weights and optimizer state as they were ("skipped").
+    A `meter` (meter.py) measures memory by category as the step goes."""
     knobs = plan.knobs
     offload = optimizer.offload
     loss_sum = torch.zeros((), device=device)
@@ -35,13 +37,16 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
         if offload is not None:
             offload.begin_micro_batch(micro, last=micro == knobs.grad_accum_steps - 1)
         inputs, targets = next(batches)
-        loss = model.loss(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True),
-                          knobs.lm_head_chunks)
+        with meter.forward() if meter is not None else contextlib.nullcontext():
+            loss = model.loss(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True),
+                              knobs.lm_head_chunks)
         loss = hooks.after_loss(step + 1, loss)
         (loss / knobs.grad_accum_steps).backward()
         loss_sum += loss.detach()
         if micro == 0:
             hooks.after_first_backward(step + 1)
+    if meter is not None:
+        meter.sample_states()  # every gradient is complete, no optimizer temporary exists yet
     clip = plan.training.grad_clip
     grad_norm = optimizer.clip_grad_norm_(clip if clip > 0 else float("inf"))
     loss_value = loss_sum.item() / knobs.grad_accum_steps

@@ -19,7 +19,7 @@ from fastml.plan import Plan
 from fastml.executor import display, faults, snapshot
 from fastml.executor.apply import build_training_model
 from fastml.executor.data import TokenData
-from fastml.executor.device import check_hardware, training_device
+from fastml.executor.device import apply_memory_cap, check_hardware, check_host_memory, training_device
 from fastml.executor.meter import Meter
 from fastml.executor.optim import AdamW
 from fastml.executor.step import train_step
@@ -49,6 +49,8 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     console = console or Console(stderr=True)
     device = training_device(plan)
     check_hardware(plan, device, strict, console)
+    check_host_memory(plan)
+    apply_memory_cap(plan, device, console)
     run = snapshot.open_run(plan, resume=resume, start_over=start_over, keep=keep_checkpoints,
                             say=lambda message: console.print(message, markup=False))
     model, optimizer = _model_and_optimizer(plan, device)
@@ -61,7 +63,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     # Every valid micro-batch divides the sequences of a step, so it divides what a checkpoint has consumed.
     batches = data.batches(micro, plan.training.seed, start=position.sequences // micro)
     sequences_per_step = micro * plan.knobs.grad_accum_steps
-    meter = Meter(plan, device)
+    meter = Meter(plan, device, tensors_by_category=lambda: memory_tensors(model, optimizer))
     hooks = faults.step_hooks()
     with _log_file(log_json, position.step if resume else None) as log, \
             display.progress(console, show_progress) as progress, _StopSignals() as stop:
@@ -69,7 +71,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         bad_in_a_row = 0
         first_step = position.step
         for step in range(first_step, plan.training.steps):
-            record = meter.measure(train_step(model, optimizer, batches, plan, step, device, hooks))
+            record = meter.measure(train_step(model, optimizer, batches, plan, step, device, hooks, meter))
             if step == first_step:  # after the first batch was read: bad data is one line alone, never after it
                 display.print_knobs(console, plan)
             position = snapshot.Position(step + 1, position.sequences + sequences_per_step)
@@ -93,6 +95,18 @@ def _model_and_optimizer(plan: Plan, device: torch.device) -> tuple[torch.nn.Mod
     torch.manual_seed(plan.training.seed)
     model = build_training_model(plan, device)
     return model, AdamW(model, plan.training, plan.knobs, model.offload)
+
+
+def memory_tensors(model: torch.nn.Module, optimizer: AdamW) -> dict[str, list[torch.Tensor]]:
+    """The tensors of each memory category, wherever they are (the meter tells GPU from host by their storage)."""
+    params = list(model.parameters())
+    states = [optimizer.state[p] for p in params]
+    tensors = {"weights": params, "master_weights": [s.get("master") for s in states],
+               "gradients": [p.grad for p in params],
+               "optimizer_states": [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]}
+    for category, held in model.offload.host_tensors().items():
+        tensors[category] = tensors.get(category, []) + held
+    return tensors
 
 
 def _log(record: dict, log) -> None:
