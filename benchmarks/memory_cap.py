@@ -69,22 +69,19 @@ def run_one(name: str, steps: int, workdir: Path) -> dict:
     if done.returncode != 0:
         result["error"] = done.stderr.strip().splitlines()[-5:]
         return result
-    summary = json.loads(log.read_text().splitlines()[-1])["summary"] if _has_summary(log) else None
-    records = [json.loads(line) for line in log.read_text().splitlines() if '"step"' in line]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
     steady = sorted(r["step_time_s"] for r in records[1:]) or [records[0]["step_time_s"]]
     step_time_s = steady[len(steady) // 2]
+    last = records[-1]  # memory by category: the run's peaks, as measured up to its last step
     result["measured"] = {"step_time_s": step_time_s,
                           "tokens_per_s": plan["training"]["global_batch_tokens"] / step_time_s,
-                          "peak_gpu_memory_bytes": max(r["peak_gpu_memory_bytes"] or 0 for r in records),
-                          "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"],
-                          "summary": summary}
-    result["stderr_tail"] = done.stderr.strip().splitlines()[-30:]
+                          "peak_gpu_memory_bytes": last["peak_gpu_memory_bytes"],
+                          "gpu_memory_bytes": last["memory_bytes"],
+                          "host_memory_bytes": sum(v or 0 for v in last["host_memory_bytes"].values()),
+                          "host_memory_by_category": last["host_memory_bytes"],
+                          "losses": [r["loss"] for r in records]}
+    result["stderr_tail"] = done.stderr.strip().splitlines()[-25:]
     return result
-
-
-def _has_summary(log: Path) -> bool:
-    lines = log.read_text().splitlines()
-    return bool(lines) and '"summary"' in lines[-1]
 
 
 def main() -> None:
