@@ -74,7 +74,7 @@ def apply_memory_cap(plan: Plan, device: torch.device, console: Console) -> int 
     # The allocator refuses to grow past fraction x the total that cudaMemGetInfo reports (gpu_total_bytes), but
     # serves from its cache whatever it holds: memory an earlier run of this process cached goes back first.
     torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(cap / total if capped else 1.0, device)
+    torch.cuda.set_per_process_memory_fraction(cap / total if capped else 1.0)  # of the current device
     name = torch.cuda.get_device_name(device)
     console.print(f"GPU memory: capped at {gib(cap)} of the {gib(total)} of the {name}" if capped
                   else f"GPU memory: all {gib(total)} of the {name} (no cap)", markup=False, highlight=False)
