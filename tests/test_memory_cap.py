@@ -18,7 +18,7 @@ from fastml.executor.display import memory_table, print_summary
 from fastml.executor.meter import Meter, gpu_memory, host_memory, storage_bytes
 
 GIB = 2**30
-CUDA = torch.device("cuda")
+CUDA = torch.device("cuda", 0)
 
 
 def tiny_plan(device="cpu", predicted=None, gpu_memory_bytes=0, micro_batch_size=4, grad_accum_steps=1):
