@@ -100,14 +100,18 @@ def main() -> None:
         print(f"{name}: planning and training {steps} steps", flush=True)
         runs[name] = run_one(name, steps, workdir)
         print(json.dumps({k: runs[name].get(k) for k in ("knobs", "predicted", "measured", "error")}), flush=True)
-    figures = {"plans": list(runs.values())}
+        path = write_result(filename, figures(runs))  # after every run: a run cut short keeps the others
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def figures(runs: dict) -> dict:
+    result = {"plans": list(runs.values())}
     capped, uncapped = runs.get("capped", {}).get("measured"), runs.get("uncapped", {}).get("measured")
     if capped and uncapped:
-        figures.update(capped_tokens_per_s=capped["tokens_per_s"], uncapped_tokens_per_s=uncapped["tokens_per_s"],
-                       capped_vs_uncapped=capped["tokens_per_s"] / uncapped["tokens_per_s"],
-                       capped_peak_gpu_memory_bytes=capped["peak_gpu_memory_bytes"])
-    path = write_result(filename, figures)
-    print(f"wrote {path}", file=sys.stderr)
+        result.update(capped_tokens_per_s=capped["tokens_per_s"], uncapped_tokens_per_s=uncapped["tokens_per_s"],
+                      capped_vs_uncapped=capped["tokens_per_s"] / uncapped["tokens_per_s"],
+                      capped_peak_gpu_memory_bytes=capped["peak_gpu_memory_bytes"])
+    return result
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(groups, {"lr": training.lr, "betas": (training.beta1, training.beta2), "eps": EPS,
                                   "weight_decay": training.weight_decay})
         self.clip_coef: torch.Tensor | None = None
+        self.staging = _Staging()
         self.crosses_pcie = bool(cpu_steps or host_masters)
         master_dtype, state_dtype = DTYPES[knobs.master_dtype], DTYPES[knobs.optimizer_dtype]
         for group in self.param_groups:
@@ -156,8 +157,9 @@ class AdamW(torch.optim.Optimizer):
 
     def _cpu_step(self, group: dict, params: list[torch.Tensor], weight_decay: float) -> None:
         """The step in host memory with the C++ AdamW, parameter by parameter. A gradient, master or weight on the
-        GPU comes over and goes back around it in slices of CPU_STEP_CHUNK elements, so that the host needs
-        little memory beyond the tensors that live there."""
+        GPU comes over and goes back around it in slices of CPU_STEP_CHUNK elements through reused pinned buffers
+        (`_Staging`), the way back asynchronous, so that the host needs little memory beyond the tensors that live
+        there and the copies overlap the next slice's arithmetic."""
         beta1, beta2 = group["betas"]
         scale = self.clip_coef.item() if self.clip_coef is not None else 1.0
         for p in params:
@@ -173,15 +175,13 @@ class AdamW(torch.optim.Optimizer):
             for start in range(0, p.numel(), CPU_STEP_CHUNK):
                 master_s, m_s, v_s, grad_s, weight_s = [t[start:start + CPU_STEP_CHUNK] if t is not None else None
                                                         for t in flat]
-                master_here, weight_here = master_s.cpu(), None  # `.cpu()` of a host tensor is that tensor
-                if weight_s is not None:
-                    weight_here = weight_s if weight_s.device.type == "cpu" else torch.empty_like(weight_s, device="cpu")
-                cpu_adam.adamw_step_(master_here, m_s, v_s, grad_s.cpu(), weight_here, group["lr"], beta1, beta2,
+                master_here, grad_here = self.staging.fetch(master_s), self.staging.fetch(grad_s)
+                weight_here = self.staging.slot(weight_s) if weight_s is not None else None
+                cpu_adam.adamw_step_(master_here, m_s, v_s, grad_here, weight_here, group["lr"], beta1, beta2,
                                      group["eps"], weight_decay, int(state["step"]), grad_scale)
-                if master_here is not master_s:
-                    master_s.copy_(master_here)
-                if weight_here is not None and weight_here is not weight_s:
-                    weight_s.copy_(weight_here)
+                self.staging.send(master_here, master_s)
+                if weight_here is not None:
+                    self.staging.send(weight_here, weight_s)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Everything a resumed run needs, by parameter name: master weights (where the parameters are not their own)
@@ -203,6 +203,46 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for name, p in zip(group["param_names"], group["params"]):
                 yield name, self.state[p]
+
+
+class _Staging:
+    """Pinned host buffers of CPU_STEP_CHUNK elements through which the CPU step reads and writes GPU tensors:
+    reused (a fresh host allocation per slice would fault in every page), and written back to the GPU without
+    blocking, each buffer reused only once its copy is done. Host tensors pass through untouched."""
+
+    SLOTS = 4
+
+    def __init__(self):
+        self.buffers: dict[torch.dtype, list[tuple[torch.Tensor, list]]] = {}
+        self.turn = 0
+
+    def slot(self, like: torch.Tensor) -> torch.Tensor:
+        """A host tensor shaped like `like`: `like` itself where it is in host memory, else a free pinned buffer."""
+        if like.device.type == "cpu":
+            return like
+        slots = self.buffers.setdefault(like.dtype, [])
+        if len(slots) < self.SLOTS:
+            slots.append((pinned_empty(CPU_STEP_CHUNK, like.dtype, cuda=True), [None]))
+        self.turn = (self.turn + 1) % len(slots)
+        buffer, done = slots[self.turn]
+        if done[0] is not None:
+            done[0].synchronize()  # its last copy to the GPU has finished
+            done[0] = None
+        return buffer[:like.numel()].view(like.shape)
+
+    def fetch(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` in host memory: itself, or a copy in a staging buffer."""
+        here = self.slot(t)
+        if here is not t:
+            here.copy_(t)  # device to host: returns once the copy is done
+        return here
+
+    def send(self, here: torch.Tensor, there: torch.Tensor) -> None:
+        """Writes back a staging buffer to the GPU tensor it stands for, without waiting."""
+        if here is not there:
+            there.copy_(here, non_blocking=True)
+            done = next(done for buffer, done in self.buffers[here.dtype] if buffer.data_ptr() == here.data_ptr())
+            done[0] = torch.cuda.current_stream().record_event()
 
 
 def layer_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:

@@ -70,8 +70,10 @@ def knob_space(problem: Problem, runnable_only: bool, lower_precision: bool) -> 
             choices = tuple(c for c in choices if c in info.executor_runs)
         if name == "matmul_dtype":
             choices = tuple(c for c in choices if c in problem.machine.gpu.peak_flops)
+        # On a CPU the "device" memory is the host's: offload would move tensors within one pool.
+        on_host_already = info.kind == "offload" and problem.machine.shares_host_memory
         searched = len(choices) > 1 and (lower_precision or not info.lower_precision) and (
-            problem.machine.num_gpus > 1 or not info.multi_gpu)
+            problem.machine.num_gpus > 1 or not info.multi_gpu) and not on_host_already
         if searched:
             space[name] = choices
     return space
