@@ -2,7 +2,8 @@
 `fastml plan --gpu-mem 16GiB --full-precision` chooses) against the same model uncapped with its best plan, at the
 same tokens per optimizer step; then each offload knob alone and together on a smaller model, predicted against
 measured. Each run is its own process, so that its cap, pinned memory and peak figures are its own.
-Writes benchmarks/results/memory_cap-<gpu>.json; runs already there are kept unless run again.
+Writes benchmarks/results/memory_cap-<gpu>.json; runs already there are kept unless run again (each names the
+commit it ran).
 
     python benchmarks/memory_cap.py                      # everything
     python benchmarks/memory_cap.py --runs capped,uncapped
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from record import RESULTS, gpu_tag, write_result
+from record import RESULTS, _commit, gpu_tag, write_result
 
 BIG = "llama-3.1-8b"
 SMALL = "qwen2.5-0.5b"
@@ -59,7 +60,8 @@ def run_one(name: str, steps: int, workdir: Path) -> dict:
     wall_s = time.perf_counter() - started
     plan = json.loads(plan_path.read_text())
     predicted = plan["predicted"]
-    result = {"name": name, "model": plan["model"]["name"], "knobs": plan["knobs"], "steps": steps,
+    result = {"name": name, "git_commit": _commit(), "model": plan["model"]["name"], "knobs": plan["knobs"],
+              "steps": steps,
               "wall_s": round(wall_s, 1), "exit_code": done.returncode,
               "predicted": {"step_time_s": predicted["step_time_s"], "tokens_per_s": predicted["tokens_per_s"],
                             "peak_gpu_memory_bytes": predicted["peak_memory_bytes"],
