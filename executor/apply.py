@@ -1,6 +1,6 @@
 """Turns the plan's knobs into changes of the plain model, one function per concern, applied in torchtitan's order:
-module conversions (fp8 linears, in a later version), then recompute, then compile, then offload (sharding comes
-in a later version).
+module conversions (fp8 linears, in a later version), then recompute, then compile (`apply_plan`); then offload,
+as the model is materialized (`build_training_model`; sharding comes in a later version).
 Each keeps what the ones before it did: recompute wraps the forward of the modules a conversion has put in place,
 and compile traces that wrapped forward. The model is still on the meta device throughout; `build_training_model`
 materializes it last, in the plan's parameter dtype."""

@@ -54,6 +54,9 @@ def with_gpu_memory_cap(plan: Plan, cap_bytes: int) -> Plan:
     if cap_bytes > total:
         fail("--gpu-mem", f"{gib(cap_bytes)} is more than the {gib(total)} of this GPU "
                           f"({torch.cuda.get_device_name(device)})")
+    if plan.predicted is not None and plan.predicted.peak_memory_bytes > cap_bytes:
+        fail("--gpu-mem", f"the plan needs {gib(plan.predicted.peak_memory_bytes)} of GPU memory at its peak, more "
+                          f"than the {gib(cap_bytes)} cap; plan for the cap (`fastml plan --gpu-mem SIZE`)")
     return dataclasses.replace(plan, hardware=dataclasses.replace(plan.hardware, gpu_memory_bytes=cap_bytes))
 
 

@@ -158,11 +158,14 @@ class HostOffload:
         return self.grads.views.get(self.name_of[p]) if self.grads is not None else None
 
     def finish_backward(self) -> None:
-        """Waits for the last gradients to reach the host, before the CPU reads them."""
+        """Waits for the last gradients to reach the host, and for the last weights to leave it, before the CPU
+        reads the one and overwrites the other."""
         for event in self._grad_events.values():
             if event is not None:
                 event.synchronize()
         self._grad_events.clear()
+        if self.copier.cuda and self.streamed:
+            self.copier.h2d.synchronize()
 
     # --- forward and backward of one block ---------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from fastml.config import fail
-from fastml.plan import CPU_STEP_CHUNK, Knobs, Training, offloaded_groups
+from fastml.plan import CPU_STEP_CHUNK, STAGING_SLOTS, Knobs, Training, offloaded_groups
 from fastml.executor import cpu_adam
 from fastml.executor.pinned import pinned_empty
 
@@ -46,7 +46,10 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(groups, {"lr": training.lr, "betas": (training.beta1, training.beta2), "eps": EPS,
                                   "weight_decay": training.weight_decay})
         self.clip_coef: torch.Tensor | None = None
-        self.staging = _Staging()
+        largest = max((p.numel() for g in self.param_groups if g["on_cpu"] for p in g["params"]), default=0)
+        self.staging = _Staging(min(largest, CPU_STEP_CHUNK))
+        if cpu_steps:
+            cpu_adam.load()  # built now, before training starts, if this machine has not built it yet
         self.crosses_pcie = bool(cpu_steps or host_masters)
         master_dtype, state_dtype = DTYPES[knobs.master_dtype], DTYPES[knobs.optimizer_dtype]
         for group in self.param_groups:
@@ -98,6 +101,7 @@ class AdamW(torch.optim.Optimizer):
             norms.update(self.offload.grad_norms)
         ordered = [norms[p] for p in params if p in norms]
         if not ordered:
+            self.clip_coef = None
             return 0.0
         total = torch.linalg.vector_norm(torch.stack([n.to(ordered[0].device) for n in ordered]), 2)
         self.clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -119,7 +123,7 @@ class AdamW(torch.optim.Optimizer):
                     step = self._cpu_step if group["on_cpu"] else self._step
                     step(group, params, group["weight_decay"] if decays else 0.0)
         if self.device.type == "cuda" and self.crosses_pcie:
-            torch.cuda.current_stream().synchronize()  # host copies written without blocking are complete
+            torch.cuda.synchronize(self.device)  # copies written without blocking, on any stream, are complete
 
     def _step(self, group: dict, params: list[torch.Tensor], weight_decay: float) -> None:
         """The step on the training device; master weights, gradients or weights kept in host memory come over
@@ -137,7 +141,7 @@ class AdamW(torch.optim.Optimizer):
         for home, master in zip(homes, masters):
             if home is not master:
                 home.copy_(master, non_blocking=True)
-        rounded = [(p, m) for p, m in zip(params, masters) if m is not p]
+        rounded = [(p, m) for p, m, home in zip(params, masters, homes) if home is not p]  # p is no master
         resident = [(p, m) for p, m in rounded if p.device == m.device]
         if resident:
             torch._foreach_copy_(*map(list, zip(*resident)))
@@ -158,8 +162,7 @@ class AdamW(torch.optim.Optimizer):
     def _cpu_step(self, group: dict, params: list[torch.Tensor], weight_decay: float) -> None:
         """The step in host memory with the C++ AdamW, parameter by parameter. A gradient, master or weight on the
         GPU comes over and goes back around it in slices of CPU_STEP_CHUNK elements through reused pinned buffers
-        (`_Staging`), the way back asynchronous, so that the host needs little memory beyond the tensors that live
-        there and the copies overlap the next slice's arithmetic."""
+        (`_Staging`), so that the host needs little memory beyond the tensors that live there."""
         beta1, beta2 = group["betas"]
         scale = self.clip_coef.item() if self.clip_coef is not None else 1.0
         for p in params:
@@ -206,25 +209,27 @@ class AdamW(torch.optim.Optimizer):
 
 
 class _Staging:
-    """Pinned host buffers of CPU_STEP_CHUNK elements through which the CPU step reads and writes GPU tensors:
-    reused (a fresh host allocation per slice would fault in every page), and written back to the GPU without
-    blocking, each buffer reused only once its copy is done. Host tensors pass through untouched."""
+    """Pinned host buffers through which the CPU step reads and writes GPU tensors, a slice (at most CPU_STEP_CHUNK
+    elements) at a time: reused, since a fresh host allocation per slice would fault in every page; written back
+    to the GPU on a side stream without blocking, so that the next slice's arithmetic runs meanwhile, each buffer
+    reused only once its copy is done (SLOTS buffers per dtype). Host tensors pass through untouched. The planner
+    counts these buffers (planner/memory.py, `_cpu_staging_bytes`)."""
 
-    SLOTS = 4
-
-    def __init__(self):
+    def __init__(self, numel: int):
+        self.numel = numel  # the largest slice the step stages
         self.buffers: dict[torch.dtype, list[tuple[torch.Tensor, list]]] = {}
-        self.turn = 0
+        self.turn: dict[torch.dtype, int] = {}
+        self.stream = None
 
     def slot(self, like: torch.Tensor) -> torch.Tensor:
         """A host tensor shaped like `like`: `like` itself where it is in host memory, else a free pinned buffer."""
         if like.device.type == "cpu":
             return like
         slots = self.buffers.setdefault(like.dtype, [])
-        if len(slots) < self.SLOTS:
-            slots.append((pinned_empty(CPU_STEP_CHUNK, like.dtype, cuda=True), [None]))
-        self.turn = (self.turn + 1) % len(slots)
-        buffer, done = slots[self.turn]
+        if len(slots) < STAGING_SLOTS:
+            slots.append((pinned_empty(self.numel, like.dtype, cuda=True), [None]))
+        turn = self.turn[like.dtype] = (self.turn.get(like.dtype, -1) + 1) % len(slots)
+        buffer, done = slots[turn]
         if done[0] is not None:
             done[0].synchronize()  # its last copy to the GPU has finished
             done[0] = None
@@ -239,10 +244,15 @@ class _Staging:
 
     def send(self, here: torch.Tensor, there: torch.Tensor) -> None:
         """Writes back a staging buffer to the GPU tensor it stands for, without waiting."""
-        if here is not there:
+        if here is there:
+            return
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(there.device)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
             there.copy_(here, non_blocking=True)
-            done = next(done for buffer, done in self.buffers[here.dtype] if buffer.data_ptr() == here.data_ptr())
-            done[0] = torch.cuda.current_stream().record_event()
+        done = next(done for buffer, done in self.buffers[here.dtype] if buffer.data_ptr() == here.data_ptr())
+        done[0] = self.stream.record_event()
 
 
 def layer_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:

@@ -15,7 +15,8 @@ def pinned_empty(numel: int, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
     if cuda and numel:
         cudart = torch.cuda.cudart()
         torch.cuda.check_error(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
-        # Unregistered when the tensor goes (views keep it alive through their `_base`): freed memory still
-        # registered would make the next registration of those pages fail.
+        # Unregistered when this tensor object goes: freed memory still registered would make the next
+        # registration of those pages fail. The caller keeps it (views made by slicing keep it through `_base`;
+        # a parameter given a view through `.data` does not).
         weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
     return tensor

@@ -194,16 +194,17 @@ def describe_knobs(knobs: Knobs, against: Knobs | None = None) -> str:
     return "  ".join(parts) or "the same knobs"
 
 
+# The executor's CPU optimizer step moves a GPU-resident gradient, master or weight to and from host memory in
+# slices of this many elements, through STAGING_SLOTS pinned buffers per dtype (executor/optim.py), so that its host
+# staging stays small (planner/memory.py).
+CPU_STEP_CHUNK = 2**26
+STAGING_SLOTS = 2
+
 # Which parameter groups ("embed", "blocks.N", "head": executor/optim.py `layer_groups`) each offload knob moves
 # to host memory. The fraction counts blocks from the first; the embedding and the LM head (with the final norm)
 # follow the optimizer and master knobs at 1.0. Their weights and gradients stay on the GPU: streaming the
 # embedding table for a lookup would move far more than it saves.
 WHOLE_MODEL_OFFLOAD = ("offload_optimizer", "offload_master")
-
-
-# The executor's CPU optimizer step moves a GPU-resident gradient, master or weight to and from host memory in
-# slices of this many elements (executor/optim.py), so that its host staging stays small (planner/memory.py).
-CPU_STEP_CHUNK = 2**26
 
 
 def offloaded_groups(knobs: Knobs, name: str, num_layers: int) -> frozenset[str]:

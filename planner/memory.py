@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fastml.plan import CPU_STEP_CHUNK, MEMORY_CATEGORIES, Knobs, offloaded_groups
+from fastml.plan import CPU_STEP_CHUNK, MEMORY_CATEGORIES, STAGING_SLOTS, Knobs, offloaded_groups
 from fastml.spec import ModelSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
@@ -340,9 +340,10 @@ def _gpu_optimizer_workspace(spec: ModelSpec, place: Placement) -> int:
 
 
 def _cpu_staging_bytes(spec: ModelSpec, knobs: Knobs, place: Placement, num_gpus: int) -> int:
-    """Host memory through which the CPU-stepped groups' transfers pass: one slice of CPU_STEP_CHUNK elements of
-    one parameter at a time (executor/optim.py)."""
+    """Host memory through which the CPU-stepped groups' transfers pass: STAGING_SLOTS pinned buffers of at most
+    CPU_STEP_CHUNK elements per dtype (executor/optim.py), sized here by the largest group rather than the largest
+    parameter (an upper bound for small models, exact where a parameter exceeds a slice)."""
     shard = num_gpus if knobs.shard_optimizer else 1
     sizes = group_params(spec)
-    return max((min(sizes[g] // shard, CPU_STEP_CHUNK) * place.cpu_staged_bytes(g) for g in place.cpu_steps),
-               default=0)
+    return STAGING_SLOTS * max((min(sizes[g] // shard, CPU_STEP_CHUNK) * place.cpu_staged_bytes(g)
+                                for g in place.cpu_steps), default=0)

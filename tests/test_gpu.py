@@ -130,6 +130,19 @@ def test_offload_that_only_moves_tensors_changes_no_loss_on_gpu(tmp_path, no_off
     assert offload_losses(tmp_path, "offload.jsonl", **knobs) == no_offload_losses
 
 
+@pytest.mark.parametrize("recompute", [(), ("ffn", "norm")])
+def test_streamed_weights_and_offloaded_inputs_without_block_recompute(tmp_path, recompute):
+    """Without block recompute autograd saves the streamed weights (and views of them) and tensors that share the
+    offloaded block input's storage: the weights are rebuilt from the copy fetched for backward, the input's storage
+    refilled, and the losses do not change."""
+    def losses(name, **knobs):
+        with deterministic():
+            _, records = run(tmp_path, name, steps=4, micro_batch_size=4, recompute=recompute, **knobs)
+        return [r["loss"] for r in records]
+    assert losses("offload.jsonl", offload_weights=1.0, offload_residuals=1.0, offload_gradients=0.5) == \
+        losses("plain.jsonl")
+
+
 def test_offloaded_optimizer_steps_on_the_cpu_within_rounding(tmp_path, no_offload_losses):
     """The C++ AdamW on the CPU: the same formula in another order of operations, so the fp32 masters differ in
     their last bits and a bf16 weight now and then rounds the other way."""

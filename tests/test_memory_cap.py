@@ -171,6 +171,9 @@ def test_a_gpu_memory_cap_above_the_gpu_or_for_a_cpu_is_refused(fake_gpu):
     capped = with_gpu_memory_cap(tiny_plan("cuda", gpu_memory_bytes=6 * GIB), 4 * GIB)  # --gpu-mem wins
     assert capped.hardware.gpu_memory_bytes == 4 * GIB
     assert fake_gpu == []  # checked only: the cap is set by the run (apply_memory_cap)
+    big = tiny_plan("cuda", predicted=predicted(gpu={"weights": 5 * GIB}))
+    with pytest.raises(UserError, match=r"--gpu-mem: the plan needs 5.00 GiB .* more than the 4.00 GiB cap"):
+        with_gpu_memory_cap(big, 4 * GIB)
 
 
 def test_the_cap_in_effect_is_set_and_said_in_one_line(fake_gpu):

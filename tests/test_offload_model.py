@@ -8,7 +8,7 @@ import pytest
 
 from fastml.executor.model import build_model
 from fastml.executor.optim import layer_groups
-from fastml.plan import Knobs
+from fastml.plan import STAGING_SLOTS, Knobs
 from fastml.planner.costs import costs
 from fastml.planner.hardware import load_machine
 from fastml.planner.memory import (PROCESS_HOST_BYTES, STREAM_BUFFER_LAYERS, block_input_bytes, group_params,
@@ -97,14 +97,16 @@ def test_weights_and_gradients_of_the_embedding_and_head_stay_on_the_gpu(knob, c
 
 def test_host_memory_is_the_offloaded_tensors_staging_and_the_process():
     """Everything offloaded: pinned bf16 weights and gradients of the blocks, fp32 masters and Adam m, v of every
-    group, the block inputs, one group's staging (the largest: the head's gradient down and new weights up) and the
+    group, the block inputs, the staging of the largest group (the head's gradient down and new weights up, in
+    STAGING_SLOTS buffers each) and the
     process itself."""
     spec = PRESETS["tinyllama-1.1b"]
     block, embed, head = sizes("tinyllama-1.1b")
     _, host = gpu_and_host(Knobs(recompute=("block",), **ALL_OFFLOADED))
     expected = {"weights": 2 * 22 * block, "gradients": 2 * 22 * block, "master_weights": 4 * spec.num_params(),
                 "optimizer_states": 8 * spec.num_params(), "activations": 22 * spec.hidden_size * SEQ * 2,
-                "workspace": PROCESS_HOST_BYTES + (2 + 2) * max(embed, head), "comm_buffers": 0}
+                "workspace": PROCESS_HOST_BYTES + STAGING_SLOTS * (2 + 2) * max(embed, head),
+                "comm_buffers": 0}
     assert host == expected
 
 
