@@ -46,10 +46,16 @@ def test_accumulation_matches_one_big_micro_batch(tmp_path):
     assert whole == pytest.approx(split, rel=1e-4)
 
 
-# The losses of 6 steps of the tiny model on a CPU (micro-batch 4 x accumulation 2, fp32), recorded at b31c843.
-# A change that does not change the math (a refactor of the executor, recompute) must leave them bit-identical.
-PINNED_LOSSES = [6.1043701171875, 5.603823661804199, 4.802225112915039, 4.742988586425781, 4.496884346008301,
-                 4.411572456359863]
+# The losses of 6 steps of the tiny model on a CPU (micro-batch 4 x accumulation 2, fp32): recorded at b31c843 on the
+# CI machine, and at d57ac9b (the same math) on a 2-core AMD EPYC with AVX2 only, whose BLAS kernels round one step
+# differently. A change that does not change the math (a refactor of the executor, recompute) must leave them
+# bit-identical to one of these.
+PINNED_LOSSES = {
+    "ci": [6.1043701171875, 5.603823661804199, 4.802225112915039, 4.742988586425781, 4.496884346008301,
+           4.411572456359863],
+    "epyc-avx2": [6.1043701171875, 5.603823661804199, 4.802225112915039, 4.742988586425781, 4.496883392333984,
+                  4.411572456359863],
+}
 
 
 @pytest.mark.parametrize("recompute", ["[]", '["block"]'])
@@ -58,7 +64,8 @@ def test_cpu_losses_are_the_pinned_ones(tmp_path, recompute):
     plan = make_plan(seq_len=64, global_batch_tokens=64 * 8, steps=6, device="cpu", overrides=pins).plan
     assert (plan.knobs.grad_accum_steps, plan.knobs.recompute) == (2, () if recompute == "[]" else ("block",))
     train(plan, log_json=tmp_path / "log.jsonl", show_progress=False)
-    assert [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()] == PINNED_LOSSES
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert losses in PINNED_LOSSES.values()
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
