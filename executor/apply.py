@@ -1,6 +1,6 @@
 """Turns the plan's knobs into changes of the plain model, one function per concern, applied in torchtitan's order:
-module conversions (fp8 linears, in a later version), then recompute, then compile (`apply_plan`); then offload,
-as the model is materialized (`build_training_model`; sharding comes in a later version).
+module conversions (fp8 linears, in a later version), then recompute, then compile (`apply_plan`); then sharding
+and offload, as the model is materialized (`build_training_model`).
 Each keeps what the ones before it did: recompute wraps the forward of the modules a conversion has put in place,
 and compile traces that wrapped forward. The model is still on the meta device throughout; `build_training_model`
 materializes it last, in the plan's parameter dtype."""
@@ -17,7 +17,9 @@ from fastml.config import fail
 from fastml.plan import KNOBS, Knobs, Plan
 from fastml.executor.model import Transformer, build_model, materialize
 from fastml.executor.offload import HostOffload
-from fastml.executor.optim import DTYPES
+from fastml.executor.optim import DTYPES, layer_groups
+from fastml.executor.shard import DataParallel
+from fastml.executor.world import SINGLE, World
 
 
 def check_supported(knobs: Knobs) -> None:
@@ -29,14 +31,21 @@ def check_supported(knobs: Knobs) -> None:
                                   f"without --hw) or pin --set knobs.{name}={runs[0]!r}")
 
 
-def build_training_model(plan: Plan, device: torch.device) -> Transformer:
+def build_training_model(plan: Plan, device: torch.device, world: World = SINGLE, comm=None) -> Transformer:
     """Meta model, plan applied, then materialized on `device` in the plan's parameter dtype (the matmuls compute in
     that dtype too: fp32 with fp32 parameters, bf16 with bf16; `Knobs` allows no other pairing but fp8, refused),
-    streamed blocks' weights straight into host memory. Its offload engine is `model.offload`."""
+    streamed blocks' weights straight into host memory, sharded ones straight into this rank's shard. Its offload
+    engine is `model.offload`, and in a world of several ranks its data-parallel engine `model.offload.parallel`
+    (shard.py, over the collectives `comm`)."""
     model = apply_plan(build_model(plan.model), plan.knobs)
     dtype = DTYPES[plan.knobs.param_dtype]
-    offload = HostOffload(model, plan, device)
-    materialize(model, device, dtype, seed=plan.training.seed, keep=offload.keep if offload.streamed else None)
+    parallel = None
+    if world.distributed:
+        shapes = {layer: {name: p.shape for name, p in named} for layer, named in layer_groups(model).items()}
+        parallel = DataParallel(plan, world, device, comm, shapes, dtype)
+    offload = HostOffload(model, plan, device, parallel)
+    materialize(model, device, dtype, seed=plan.training.seed,
+                keep=offload.keep if offload.places_parameters else None)
     offload.install(model, dtype)
     model.offload = offload
     return model

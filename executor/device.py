@@ -12,19 +12,31 @@ from rich.console import Console
 from fastml import hwprofiles
 from fastml.config import fail
 from fastml.plan import Plan
+from fastml.executor.world import SINGLE, World
 
 
-def training_device(plan: Plan) -> torch.device:
+def training_device(plan: Plan, world: World = SINGLE) -> torch.device:
+    """This rank's device: the GPU of its local rank, or the CPU, whose cores the node's ranks share."""
     if plan.hardware.device == "cuda":
         # Segments that grow in place leave less memory stranded between differently sized blocks (read by the
         # allocator at its first use, so set before anything is allocated).
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        if not torch.cuda.is_available():
-            fail("hardware.device", "the plan is for a GPU but none is available here; plan again on this "
-                                    "machine (`fastml plan`)")
-    if plan.hardware.num_gpus > 1:
-        fail("hardware.num_gpus", f"{plan.hardware.num_gpus}: this executor trains on one device only so far")
-    return torch.device("cuda" if plan.hardware.device == "cuda" else "cpu")
+        check_gpus(plan)
+        return torch.device("cuda", world.local_rank) if world.distributed else torch.device("cuda")
+    if world.distributed:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_size))
+    return torch.device("cpu")
+
+
+def check_gpus(plan: Plan) -> None:
+    """This node has the GPUs the plan gives it."""
+    if not torch.cuda.is_available():
+        fail("hardware.device", "the plan is for a GPU but none is available here; plan again on this machine "
+                                "(`fastml plan`)")
+    present = torch.cuda.device_count()
+    if plan.hardware.gpus_per_node > present:
+        fail("hardware.gpus_per_node", f"the plan is for {plan.hardware.gpus_per_node} GPUs per node but this one "
+                                       f"has {present}; plan again on this machine (`fastml plan`)")
 
 
 def check_hardware(plan: Plan, device: torch.device, strict: bool, console: Console) -> None:
@@ -105,13 +117,13 @@ def predicted_host_bytes(plan: Plan) -> int:
     """The host memory the plan predicts: its host total, plus on a CPU its "GPU" total (there the GPU is the host)."""
     p = plan.predicted
     host = sum(p.host_memory_bytes.values())
-    return host + p.peak_memory_bytes if plan.hardware.device == "cpu" else host
+    return host + plan.hardware.gpus_per_node * p.peak_memory_bytes if plan.hardware.device == "cpu" else host
 
 
 def _host_needs(plan: Plan) -> str:
     """What the plan's host memory holds, its largest parts first."""
     p = plan.predicted
-    parts = dict(p.host_memory_bytes) | ({"training on the CPU": p.peak_memory_bytes}
+    parts = dict(p.host_memory_bytes) | ({"training on the CPU": plan.hardware.gpus_per_node * p.peak_memory_bytes}
                                           if plan.hardware.device == "cpu" else {})
     ranked = sorted(((n, b) for n, b in parts.items() if b), key=lambda part: -part[1])
     return ", ".join(f"{name} {gib(num_bytes)}" for name, num_bytes in ranked)

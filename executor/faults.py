@@ -1,5 +1,6 @@
 """Faults injected on purpose, for the reliability tests: the environment variable FASTML_FAULTS lists them as
-`kind@step` or `kind@first-last`, comma-separated, for example `kill-mid-step@5,nan-loss@3-4`.
+`kind@step` or `kind@first-last`, comma-separated, for example `kill-mid-step@5,nan-loss@3-4`; `kind@step:R` strikes
+only the rank R of a job of several ranks (`kill-mid-checkpoint@4:1`).
 
 Kinds: `kill-mid-step` (SIGKILL after the first micro-batch's backward pass), `kill-mid-checkpoint` (SIGKILL after
 the first file of the step's checkpoint is written), `nan-loss` (the step's loss becomes NaN). Steps count from 1.
@@ -21,8 +22,12 @@ ENV = "FASTML_FAULTS"
 @cache
 def _planned() -> dict[str, set[int]]:
     faults: dict[str, set[int]] = {}
+    rank = os.environ.get("RANK", "0")
     for item in filter(None, os.environ.get(ENV, "").split(",")):
-        kind, _, steps = item.strip().partition("@")
+        kind, _, when = item.strip().partition("@")
+        steps, _, on_rank = when.partition(":")
+        if on_rank and on_rank != rank:
+            continue
         first, _, last = steps.partition("-")
         faults.setdefault(kind, set()).update(range(int(first), int(last or first) + 1))
     return faults

@@ -127,9 +127,10 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise UserError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     # "format": "pt" is what transformers expects in the header of a PyTorch safetensors file.
-    save_file({name: compact(t.detach().cpu()) for name, t in tensors.items()}, path, metadata={"format": "pt"})
+    save_file({name: compact(t.detach().cpu()) for name, t in tensors.items()}, path,
+              metadata={"format": "pt", **(metadata or {})})
     fsync(path)
 
 

@@ -59,6 +59,16 @@ class Copier:
             torch.cuda.current_stream().wait_event(event)
 
 
+class _Copied:
+    """A copy's end, to wait for as for a collective (shard.py's gathers)."""
+
+    def __init__(self, copier: Copier, event):
+        self.copier, self.event = copier, event
+
+    def wait(self) -> None:
+        self.copier.wait(self.event)
+
+
 class _BeforeBackward(torch.autograd.Function):
     """Identity in forward; its backward runs `callback` just before the backward of what produced its input."""
 
@@ -90,12 +100,17 @@ class HostOffload:
     docstring). Built on the meta model: `keep` places freshly initialized parameters (materialize replaces the
     meta ones), then `install` hooks the model."""
 
-    def __init__(self, model: nn.Module, plan: Plan, device: torch.device):
+    def __init__(self, model: nn.Module, plan: Plan, device: torch.device, parallel=None):
         knobs, num_layers = plan.knobs, plan.model.num_layers
         self.device = device
         self.copier = Copier(device)
         self.shapes = {layer: {name: p.shape for name, p in named} for layer, named in layer_groups(model).items()}
+        self.parallel = parallel
+        if parallel is not None:
+            parallel.copier = self.copier
+        self.sharded = parallel.sharded if parallel is not None else frozenset()
         self.streamed = offloaded_groups(knobs, "offload_weights", num_layers)
+        self.fetched = self.streamed | self.sharded  # blocks whose weights come to the GPU only to compute
         self.grads_out = offloaded_groups(knobs, "offload_gradients", num_layers)
         self.residuals_out = offloaded_groups(knobs, "offload_residuals", num_layers)
         self.weights: _Flat | None = None
@@ -112,15 +127,32 @@ class HostOffload:
 
     # --- placement -------------------------------------------------------------------------------------------
 
+    @property
+    def places_parameters(self) -> bool:
+        """Whether `keep` places parameters anywhere but where they were initialized."""
+        return bool(self.streamed) or self.parallel is not None
+
     def keep(self, name: str, p: nn.Parameter) -> torch.Tensor:
-        """Where a parameter lives once initialized: its host copy for a streamed block, else where it is."""
-        if layer_of(name) not in self.streamed:
-            return p.data
+        """Where a parameter lives once initialized: its host copy for a streamed block; with several ranks, its
+        group's flat vector or this rank's shard (shard.py, in host memory for a streamed block); else where it is."""
+        group = layer_of(name)
+        if group in self.sharded:
+            return self.parallel.keep(group, name, p, host=group in self.streamed)
+        if group not in self.streamed:
+            return self.parallel.keep(group, name, p, host=False) if self.parallel is not None else p.data
         if self.weights is None:
-            self.weights = _Flat(self._shapes(self.streamed), p.dtype, self.copier.cuda)
+            self.weights = _Flat(self._shapes(self.streamed - self.sharded), p.dtype, self.copier.cuda)
         host = self.weights.views[name]
         host.copy_(p.data)
         return host
+
+    def host_flat(self, group: str) -> torch.Tensor | None:
+        """A streamed block's weights in host memory, as one vector (they lie back to back), or None."""
+        if group not in self.streamed or group in self.sharded:
+            return None
+        views = [self.weights.views[name] for name in self.shapes[group]]
+        start = views[0].storage_offset() - self.weights.buffer.storage_offset()
+        return self.weights.buffer[start:start + sum(v.numel() for v in views)]
 
     def _shapes(self, layers: frozenset[str]) -> dict[str, torch.Size]:
         return {name: shape for layer, shapes in self.shapes.items() if layer in layers for name, shape in shapes.items()}
@@ -134,16 +166,23 @@ class HostOffload:
         self.name_of = {p: name for params in named.values() for name, p in params}
         if self.grads_out:
             self.grads = _Flat(self._shapes(self.grads_out), param_dtype, self.copier.cuda)
-        for name in self.streamed | self.grads_out:
+        hooked = set(self.params) if self.parallel is not None else self.fetched | self.grads_out
+        for name in hooked:
             for p in self.params[name]:
                 p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
         if self.active:
             self.blocks = model.blocks
             model.run_block = self.run_block  # an instance attribute: Transformer.forward calls it for each block
+        if "embed" in self.sharded:  # its backward pass reads no weights: gathered for the lookup alone
+            model.embed.register_forward_pre_hook(lambda module, args: self._acquire("embed"))
+            model.embed.register_forward_hook(lambda module, args, out: self._release("embed"))
+        if "head" in self.sharded:  # the final norm and the LM head, until their gradients are made
+            tied = model.lm_head is None and "embed" in self.sharded
+            model.norm.register_forward_pre_hook(lambda module, args: self._acquire_head(tied))
 
     @property
     def active(self) -> bool:
-        return bool(self.streamed or self.grads_out or self.residuals_out)
+        return bool(self.fetched or self.grads_out or self.residuals_out)
 
     # --- the step's phases, called by step.py ------------------------------------------------------------------
 
@@ -158,8 +197,10 @@ class HostOffload:
         return self.grads.views.get(self.name_of[p]) if self.grads is not None else None
 
     def finish_backward(self) -> None:
-        """Waits for the last gradients to reach the host, and for the last weights to leave it, before the CPU
-        reads the one and overwrites the other."""
+        """Completes the gradients' reductions over the ranks, waits for the last gradients to reach the host, and
+        for the last weights to leave it, before the CPU reads the one and overwrites the other."""
+        if self.parallel is not None:
+            self.parallel.finish()
         for event in self._grad_events.values():
             if event is not None:
                 event.synchronize()
@@ -172,9 +213,11 @@ class HostOffload:
     def run_block(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         name = f"blocks.{index}"
         self._acquire(name)
-        self._fetch_weights(f"blocks.{index + 1}")
+        self._fetch_weights(f"blocks.{index + 1}" if index + 1 < len(self.blocks) else "head")
         with self._weights_saved_by_reference(name):
             out = self.blocks[index](x, cos, sin)
+        if name in self.sharded:
+            self.parallel.gathered(name, [p.data for p in self.params[name]])
         self._release(name)
         if name in self.residuals_out:
             self._residual_to_host(name, x)
@@ -196,25 +239,31 @@ class HostOffload:
             self._fetch_for_backward(f"blocks.{index - 1}")
 
     def _fetch_for_backward(self, name: str) -> None:
-        self._fetch_weights(name)
+        self._fetch_weights(name, backward=True)
         self._fetch_residual(name)
         self._fetch_grad_sums(name)
 
     # weights
 
-    def _fetch_weights(self, name: str) -> None:
-        if name not in self.streamed or name in self._fetched:
+    def _fetch_weights(self, name: str, backward: bool = False) -> None:
+        """Starts bringing a block's weights to the GPU: gathered from the ranks' shards, or copied from the host."""
+        if name not in self.fetched or name in self._fetched:
+            return
+        if name in self.sharded:
+            self._fetched[name] = self.parallel.gather(name, backward)
             return
         host = [self.weights.views[self.name_of[p]] for p in self.params[name]]
         gpu = [torch.empty_like(h, device=self.device) for h in host]
-        self._fetched[name] = gpu, self.copier.copy(self.copier.h2d, list(zip(gpu, host)))
+        self._fetched[name] = gpu, _Copied(self.copier, self.copier.copy(self.copier.h2d, list(zip(gpu, host))))
 
     def _weights_saved_by_reference(self, name: str):
         """While a streamed block runs forward, autograd saves its weights (or views of them, such as a transpose)
         by a reference to the parameter, not to the GPU copy, which would stay alive until backward: backward
         rebuilds each from the copy fetched for it then."""
-        if name not in self.streamed:
+        if name not in self.fetched:
             return contextlib.nullcontext()
+        # A gathered block's parameters are views of one buffer: any of them stands for it (the offsets are the
+        # storage's).
         owners = {p.untyped_storage().data_ptr(): p for p in self.params[name]}
 
         def pack(t: torch.Tensor):
@@ -228,23 +277,32 @@ class HostOffload:
             return owner.data.as_strided(shape, stride, offset)
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
+    def _acquire_head(self, tied: bool) -> None:
+        """The final norm is about to run: the head's weights (and the embedding's, the head's when tied) must be
+        whole; they stay so until their gradients are made."""
+        self._acquire("head")
+        if tied:
+            self._acquire("embed")
+
     def _acquire(self, name: str) -> None:
-        if name not in self.streamed:
+        if name not in self.fetched:
             return
         self._fetch_weights(name)
-        gpu, event = self._fetched[name]
-        self.copier.wait(event)
+        gpu, ready = self._fetched[name]
+        ready.wait()
         for p, tensor in zip(self.params[name], gpu):
-            p.data = tensor
+            p.data = tensor.view(p.shape)
 
     def _release(self, name: str) -> None:
-        """Points the block's parameters back at their host copies; the GPU copies go back to the allocator, on the
-        compute stream that used them."""
-        if name not in self.streamed:
+        """Points the block's parameters back at their host copies (or, sharded, at placeholders without storage);
+        the GPU copies go back to the allocator, on the compute stream that used them."""
+        if name not in self.fetched:
             return
         self._fetched.pop(name, None)
-        for p in self.params[name]:
-            p.data = self.weights.views[self.name_of[p]]
+        homes = self.parallel.placeholder_views(name) if name in self.sharded else \
+            [self.weights.views[self.name_of[p]] for p in self.params[name]]
+        for p, home in zip(self.params[name], homes):
+            p.data = home.view(p.shape)
 
     # residuals
 
@@ -288,7 +346,9 @@ class HostOffload:
         if self._accumulated[name] < len(self.params[name]):
             return
         self._accumulated[name] = 0
-        if name in self.grads_out:
+        if self.parallel is not None:
+            self.parallel.grads_ready(name, self.params[name], self.last_micro_batch, wait=name in self.grads_out)
+        if name in self.grads_out and self.params[name][0].grad is not None:  # not scattered over the ranks
             self._grads_to_host(name)
         self._release(name)
 
@@ -311,4 +371,7 @@ class HostOffload:
         tensors = {"weights": [self.weights.buffer] if self.weights else [],
                    "gradients": [self.grads.buffer] if self.grads else [],
                    "activations": list(self.residuals.values())}
+        if self.parallel is not None:
+            for category, held in self.parallel.host_tensors().items():
+                tensors[category] = tensors[category] + held
         return {k: v for k, v in tensors.items() if v}

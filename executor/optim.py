@@ -12,7 +12,9 @@ from torch.optim.adamw import adamw
 from fastml.config import fail
 from fastml.plan import CPU_STEP_CHUNK, STAGING_SLOTS, Knobs, Training, offloaded_groups
 from fastml.executor import cpu_adam
+from fastml.executor.collectives import agree
 from fastml.executor.pinned import pinned_empty
+from fastml.executor.shard import Layout, Piece
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EPS = 1e-8  # torch.optim.AdamW's default
@@ -32,10 +34,15 @@ class AdamW(torch.optim.Optimizer):
     csrc/, cpu_adam.py), writing its bf16 weights straight into their host copy where the weights are streamed; a
     group in offload_master keeps its fp32 masters in host memory, and where it steps on the GPU they cross PCIe
     both ways. Gradients the offload engine keeps in host memory (`offload.host_grad`) are read there.
+
+    Sharded (shard_optimizer over several ranks, shard.py): a rank keeps state for, and steps, only its shard of
+    each group's flat vector, a part of a parameter (a `Piece`) where the shard boundary cuts one; it reads its
+    shard of the summed gradients, and the updated shard is then gathered into every rank's weights.
     """
 
     def __init__(self, model: nn.Module, training: Training, knobs: Knobs = Knobs(), offload=None):
         self.offload = offload
+        self.parallel = offload.parallel if offload is not None else None
         self.device = offload.device if offload is not None else next(model.parameters()).device
         num_layers = len(model.blocks) if hasattr(model, "blocks") else 0
         cpu_steps = offloaded_groups(knobs, "offload_optimizer", num_layers)
@@ -46,7 +53,9 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(groups, {"lr": training.lr, "betas": (training.beta1, training.beta2), "eps": EPS,
                                   "weight_decay": training.weight_decay})
         self.clip_coef: torch.Tensor | None = None
-        largest = max((p.numel() for g in self.param_groups if g["on_cpu"] for p in g["params"]), default=0)
+        self.pieces = {p: piece for group in self.param_groups for p, piece in self._pieces(group).items()}
+        largest = max((self.pieces[p].end - self.pieces[p].start for g in self.param_groups if g["on_cpu"]
+                       for p in g["params"] if p in self.pieces), default=0)
         self.staging = _Staging(min(largest, CPU_STEP_CHUNK))
         if cpu_steps:
             cpu_adam.load()  # built now, before training starts, if this machine has not built it yet
@@ -57,81 +66,138 @@ class AdamW(torch.optim.Optimizer):
             states_at = torch.device("cpu") if on_cpu else self.device
             master_at = torch.device("cpu") if group["layer"] in host_masters else self.device
             for p in group["params"]:
-                self.state[p] = self._initial_state(p, master_dtype, state_dtype, master_at, states_at,
-                                                    pin=not on_cpu and self.device.type == "cuda")
+                if p in self.pieces:
+                    self.state[p] = self._initial_state(self._weight(group, p), master_dtype, state_dtype,
+                                                        master_at, states_at,
+                                                        pin=not on_cpu and self.device.type == "cuda")
+
+    def _pieces(self, group: dict) -> dict[nn.Parameter, Piece]:
+        """The part of each parameter of `group` this rank steps: all of it, or where its shard cuts it."""
+        params = group["params"]
+        layout = Layout.of({name: p.shape for name, p in zip(group["param_names"], params)}, 1)
+        if self.parallel is not None and self.parallel.scatter:
+            layout = self.parallel.layouts[group["layer"]]
+        return {params[piece.index]: piece for piece in layout.pieces(*layout.range_of(self._rank))}
+
+    @property
+    def _rank(self) -> int:
+        return self.parallel.world.rank if self.parallel is not None and self.parallel.scatter else 0
 
     @staticmethod
-    def _initial_state(p: torch.Tensor, master_dtype: torch.dtype, state_dtype: torch.dtype,
+    def _initial_state(weight: torch.Tensor, master_dtype: torch.dtype, state_dtype: torch.dtype,
                        master_at: torch.device, states_at: torch.device, pin: bool) -> dict:
         if master_dtype != torch.float32:
             fail("knobs.master_dtype", "bf16 master weights need stochastic rounding, which this executor does not "
                                        "do yet; use 'fp32'")
-        if p.dtype == master_dtype:
-            master = p
+        if weight.dtype == master_dtype:
+            master = None
         elif master_at.type == "cpu" and pin:  # host masters a GPU step reads: pinned, for fast asynchronous copies
-            master = pinned_empty(p.numel(), master_dtype, cuda=True).view(p.shape).copy_(p.detach())
+            master = pinned_empty(weight.numel(), master_dtype, cuda=True).view(weight.shape).copy_(weight)
         else:
-            master = p.detach().to(device=master_at, dtype=master_dtype, copy=True)
+            master = weight.to(device=master_at, dtype=master_dtype, copy=True)
+        like = weight if master is None else master
         # Fused AdamW reads its step count on the device; foreach AdamW and the C++ one read it on the host.
         state = {"step": torch.zeros((), dtype=torch.float32, device=states_at),
-                 "exp_avg": torch.zeros_like(master, dtype=state_dtype, device=states_at),
-                 "exp_avg_sq": torch.zeros_like(master, dtype=state_dtype, device=states_at)}
-        if master is not p:
+                 "exp_avg": torch.zeros_like(like, dtype=state_dtype, device=states_at),
+                 "exp_avg_sq": torch.zeros_like(like, dtype=state_dtype, device=states_at)}
+        if master is not None:
             state["master"] = master
         return state
+
+    def _weight(self, group: dict, p: nn.Parameter) -> torch.Tensor:
+        """The weights of `p` this rank updates, where they live: the parameter itself (its host copy while it is
+        streamed), its slice, or its slice of a sharded block's weight shard."""
+        piece = self.pieces[p]
+        if self.parallel is not None and group["layer"] in self.parallel.sharded:
+            shard = self.parallel.shards[group["layer"]]
+            return _as_piece(shard[piece.offset:piece.offset + piece.end - piece.start], p, piece)
+        return _as_piece(p.detach().view(-1)[piece.start:piece.end], p, piece)
+
+    def _master(self, group: dict, p: nn.Parameter) -> torch.Tensor:
+        """What the step updates: the fp32 master, or the weights where they are their own masters."""
+        state = self.state[p]
+        return state["master"] if "master" in state else self._weight(group, p)
 
     def set_lr(self, lr: float) -> None:
         for group in self.param_groups:
             group["lr"] = lr
 
-    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+    def _grad(self, group: dict, p: nn.Parameter) -> tuple[torch.Tensor | None, bool]:
+        """The step's gradient of this rank's piece of `p`, and whether it is in host memory (not clipped yet)."""
+        piece = self.pieces[p]
+        if self.parallel is not None and self.parallel.scatter:
+            shard = self.parallel.grad_shard(group["layer"])
+            if shard is None:
+                return None, False
+            return _as_piece(shard[piece.offset:piece.offset + piece.end - piece.start], p, piece), False
         host = self.offload.host_grad(p) if self.offload is not None else None
-        return host if host is not None else p.grad
+        return (host, True) if host is not None else (p.grad, False)
+
+    def _finish_backward(self) -> None:
+        if self.offload is not None:
+            self.offload.finish_backward()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """torch.nn.utils.clip_grad_norm_'s arithmetic, over gradients wherever they are: the norm of each
         gradient on the GPU (those in host memory had theirs taken before they left, offload.grad_norms), the norm
         of those norms in parameter order, and the GPU gradients scaled in place. Gradients in host memory are
-        scaled by `clip_coef` when they are stepped. Returns the norm before clipping."""
-        params = [p for group in self.param_groups for p in group["params"]]
-        here = [p for p in params if p.grad is not None]
-        norms = dict(zip(here, torch._foreach_norm([p.grad for p in here], 2))) if here else {}
+        scaled by `clip_coef` when they are stepped. Sharded, each rank takes the norm of its shards and the ranks
+        add their squares. Returns the norm before clipping."""
+        self._finish_backward()
+        grads = {p: g for group in self.param_groups for p in group["params"] if p in self.pieces
+                 for g, on_host in [self._grad(group, p)] if g is not None and not on_host}
+        norms = dict(zip(grads, torch._foreach_norm(list(grads.values()), 2))) if grads else {}
         if self.offload is not None:
             norms.update(self.offload.grad_norms)
-        ordered = [norms[p] for p in params if p in norms]
-        if not ordered:
+        ordered = [norms[p] for group in self.param_groups for p in group["params"] if p in norms]
+        if self.parallel is not None and self.parallel.scatter:
+            total = self._sharded_norm(ordered)
+        elif not ordered:
             self.clip_coef = None
             return 0.0
-        total = torch.linalg.vector_norm(torch.stack([n.to(ordered[0].device) for n in ordered]), 2)
+        else:
+            total = torch.linalg.vector_norm(torch.stack([n.to(ordered[0].device) for n in ordered]), 2)
         self.clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if here:
-            torch._foreach_mul_([p.grad for p in here], self.clip_coef.to(here[0].grad.device))
+        if grads:
+            torch._foreach_mul_(list(grads.values()), self.clip_coef.to(self.device))
         return total.item()
+
+    def _sharded_norm(self, norms: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of every rank's shard norms, from each rank's norm of its own."""
+        local = torch.linalg.vector_norm(torch.stack(norms), 2).item() if norms else 0.0
+        ranks = torch.tensor([row[0] for row in agree([local])], dtype=torch.float32)
+        return torch.linalg.vector_norm(ranks, 2).to(self.device)
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
         if closure is not None:
             raise ValueError("this AdamW takes no closure: the training loop computes the loss before the step")
-        if self.offload is not None:
-            self.offload.finish_backward()
+        self._finish_backward()
         for group in self.param_groups:
             for decays in (True, False):
                 params = [p for p, d in zip(group["params"], group["decay"])
-                          if d == decays and self._grad(p) is not None]
+                          if d == decays and p in self.pieces and self._grad(group, p)[0] is not None]
                 if params:
                     step = self._cpu_step if group["on_cpu"] else self._step
                     step(group, params, group["weight_decay"] if decays else 0.0)
+            if self.parallel is not None:
+                self.parallel.gather_updated(group["layer"], self.offload.host_flat(group["layer"]))
         if self.device.type == "cuda" and self.crosses_pcie:
             torch.cuda.synchronize(self.device)  # copies written without blocking, on any stream, are complete
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.parallel is not None:
+            self.parallel.zero_grad()
 
     def _step(self, group: dict, params: list[torch.Tensor], weight_decay: float) -> None:
         """The step on the training device; master weights, gradients or weights kept in host memory come over
         and what changed goes back."""
         states = [self.state[p] for p in params]
-        homes = [s.get("master", p) for s, p in zip(states, params)]
+        homes = [self._master(group, p) for p in params]
         masters = [m.to(self.device, non_blocking=True) for m in homes]  # the same tensor where it is here
-        grads = [self._device_grad(p, m.dtype) for p, m in zip(params, masters)]
+        grads = [self._device_grad(group, p, m.dtype) for p, m in zip(params, masters)]
         fused = self.device.type == "cuda"
         beta1, beta2 = group["betas"]
         adamw(
@@ -141,20 +207,21 @@ class AdamW(torch.optim.Optimizer):
         for home, master in zip(homes, masters):
             if home is not master:
                 home.copy_(master, non_blocking=True)
-        rounded = [(p, m) for p, m, home in zip(params, masters, homes) if home is not p]  # p is no master
-        resident = [(p, m) for p, m in rounded if p.device == m.device]
+        rounded = [(self._weight(group, p), m) for p, m, s in zip(params, masters, states) if "master" in s]
+        resident = [(w, m) for w, m in rounded if w.device == m.device]
         if resident:
             torch._foreach_copy_(*map(list, zip(*resident)))
-        for p, m in rounded:
-            if p.device != m.device:  # a streamed weight: rounded here, then to its host copy
-                p.copy_(m.to(p.dtype))
+        for w, m in rounded:
+            if w.device != m.device:  # a streamed weight: rounded here, then to its host copy
+                w.copy_(m.to(w.dtype))
 
-    def _device_grad(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _device_grad(self, group: dict, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The clipped gradient of `p` on the training device, in `dtype`: one kept in host memory comes over and
         is clipped here as the GPU's own gradients were."""
-        if p.grad is not None:
-            return p.grad.to(dtype)  # a copy only where the dtypes differ
-        grad = self.offload.host_grad(p).to(self.device, non_blocking=True)
+        grad, on_host = self._grad(group, p)
+        if not on_host:
+            return grad.to(dtype)  # a copy only where the dtypes differ
+        grad = grad.to(self.device, non_blocking=True)
         if self.clip_coef is not None:
             grad.mul_(self.clip_coef.to(grad.device))
         return grad.to(dtype)
@@ -168,14 +235,14 @@ class AdamW(torch.optim.Optimizer):
         for p in params:
             state = self.state[p]
             state["step"] += 1
-            host_grad = self.offload.host_grad(p) if self.offload is not None else None
-            grad, grad_scale = (host_grad, scale) if host_grad is not None else (p.grad, 1.0)  # GPU ones are clipped
-            master = state.get("master", p.detach())
+            grad, on_host = self._grad(group, p)
+            grad_scale = scale if on_host else 1.0  # GPU ones are clipped
+            master = self._master(group, p)
             # The rounded weights: into the host copy of a streamed weight, or over to the GPU.
-            weight = p.detach() if "master" in state else None
-            flat = [t.view(-1) if t is not None else None
+            weight = self._weight(group, p) if "master" in state else None
+            flat = [t.reshape(-1) if t is not None else None
                     for t in (master, state["exp_avg"], state["exp_avg_sq"], grad, weight)]
-            for start in range(0, p.numel(), CPU_STEP_CHUNK):
+            for start in range(0, flat[0].numel(), CPU_STEP_CHUNK):
                 master_s, m_s, v_s, grad_s, weight_s = [t[start:start + CPU_STEP_CHUNK] if t is not None else None
                                                         for t in flat]
                 master_here, grad_here = self.staging.fetch(master_s), self.staging.fetch(grad_s)
@@ -188,24 +255,56 @@ class AdamW(torch.optim.Optimizer):
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Everything a resumed run needs, by parameter name: master weights (where the parameters are not their own)
-        and Adam's m, v and step."""
+        and Adam's m, v and step, of this rank's piece of each parameter (`state_ranges` says which part, where it
+        is not all of it)."""
         tensors = {}
         for name, state in self._named_states():
             for key, value in state.items():
                 tensors[f"{key}/{name}"] = value
         return tensors
 
+    def state_ranges(self) -> dict[str, tuple[int, int]]:
+        """For each tensor of `state_tensors` that holds part of its parameter: the elements [start, end) of the
+        flattened parameter it holds."""
+        ranges = {}
+        for group in self.param_groups:
+            for name, p in zip(group["param_names"], group["params"]):
+                piece = self.pieces.get(p)
+                if piece is not None and (piece.start, piece.end) != (0, p.numel()):
+                    for key in self.state[p]:
+                        if key != "step":
+                            ranges[f"{key}/{name}"] = (piece.start, piece.end)
+        return ranges
+
     @torch.no_grad()
+    def load_state(self, read) -> None:
+        """Sets the state from a checkpoint's: `read(key, start, end)` returns elements [start, end) of the flattened
+        tensor `key` (e.g. "exp_avg/embed.weight"), or None where the checkpoint has none (one written before the
+        first step has no Adam state)."""
+        for group in self.param_groups:
+            for name, p in zip(group["param_names"], group["params"]):
+                piece = self.pieces.get(p)
+                for key, value in self.state.get(p, {}).items():
+                    whole = key == "step"
+                    saved = read(f"{key}/{name}", 0 if whole else piece.start, 1 if whole else piece.end)
+                    if saved is not None:
+                        value.copy_(saved.reshape(value.shape))
+
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        for name, state in self._named_states():
-            for key, value in state.items():
-                if f"{key}/{name}" in tensors:  # a checkpoint written before any step has no Adam state
-                    value.copy_(tensors[f"{key}/{name}"])
+        """`load_state` from whole tensors by name."""
+        self.load_state(lambda key, start, end: tensors[key].reshape(-1)[start:end] if key in tensors else None)
 
     def _named_states(self):
         for group in self.param_groups:
             for name, p in zip(group["param_names"], group["params"]):
-                yield name, self.state[p]
+                if p in self.state:
+                    yield name, self.state[p]
+
+
+def _as_piece(flat: torch.Tensor, p: nn.Parameter, piece: Piece) -> torch.Tensor:
+    """A piece's elements shaped as its parameter where it is the whole parameter (so that the state of a run
+    without sharding has the parameters' shapes), else flat."""
+    return flat.view(p.shape) if (piece.start, piece.end) == (0, p.numel()) else flat
 
 
 class _Staging:

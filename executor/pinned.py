@@ -13,10 +13,17 @@ def pinned_empty(numel: int, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
     would hold 16."""
     tensor = torch.empty(numel, dtype=dtype)
     if cuda and numel:
-        cudart = torch.cuda.cudart()
-        torch.cuda.check_error(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
-        # Unregistered when this tensor object goes: freed memory still registered would make the next
-        # registration of those pages fail. The caller keeps it (views made by slicing keep it through `_base`;
-        # a parameter given a view through `.data` does not).
-        weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
+        pin(tensor)
+    return tensor
+
+
+def pin(tensor: torch.Tensor) -> torch.Tensor:
+    """Registers a host tensor's memory (one it owns whole, such as a mapping of shared memory) with the driver, so
+    that the copy engines read and write it directly; unregistered when the tensor object goes."""
+    cudart = torch.cuda.cudart()
+    torch.cuda.check_error(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
+    # Unregistered when this tensor object goes: freed memory still registered would make the next registration of
+    # those pages fail. The caller keeps it (views made by slicing keep it through `_base`; a parameter given a view
+    # through `.data` does not).
+    weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
     return tensor

@@ -15,6 +15,8 @@ Pruning keeps the newest `keep` intact checkpoints of this run and touches no ot
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import os
 import re
 import time
@@ -24,14 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
 
 from fastml.config import UserError, fail, show
 from fastml.plan import KNOBS, Hardware, Plan
 from fastml.executor import faults
 from fastml.executor.files import remove_dir
 from fastml.executor.model import Transformer
+from fastml.executor.optim import layer_of
 from fastml.executor.tensordir import (TrainingState, load_model_state, load_tensor_file, read_manifest,
-                                       save_checkpoint, verify_checkpoint)
+                                       save_checkpoint, verify_checkpoint, write_files)
+from fastml.executor.world import SINGLE, World
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
@@ -44,14 +50,15 @@ SCHEDULE_FIELDS = ("training.steps", "training.lr", "training.min_lr_ratio", "tr
 """Applied from the resumed step on, and said (the cosine decay follows training.steps too)."""
 FREE_FIELDS = frozenset(
     ["model.name", "training.checkpoint_dir", "training.checkpoint_interval"]
-    # Other hardware runs the same math (it breaks bit-exactness, as any other machine does); more GPUs would not.
-    + [f"hardware.{f.name}" for f in dataclasses.fields(Hardware) if f.name != "num_gpus"]
+    # Other hardware runs the same math (it breaks bit-exactness, as any other machine does), and so do more or
+    # fewer GPUs: each step takes the same sequences (the global batch is fixed), summed in another order.
+    + [f"hardware.{f.name}" for f in dataclasses.fields(Hardware)]
     # Where tensors live, what is recomputed, compiled or chunked, and how collectives run change no value.
     + [f"knobs.{name}" for name, info in KNOBS.items() if info.kind in ("recompute", "speed", "offload", "shard",
                                                                          "comm")]
-    # The same sequences in the same order, cut into other micro-batches: the global batch and the number of GPUs
-    # are fixed, so each process has consumed whole steps of micro_batch_size x grad_accum_steps sequences, which
-    # any new micro-batch size (a divisor of that product) divides as well.
+    # The same sequences in the same order, cut into other micro-batches: the global batch is fixed, so the ranks
+    # have consumed whole steps of micro_batch_size x grad_accum_steps x num_gpus sequences, which any new
+    # micro-batch size times number of GPUs (a divisor of that product) divides as well.
     + ["knobs.grad_accum_steps", "knobs.micro_batch_size"])
 """Allowed, and said."""
 
@@ -61,7 +68,7 @@ class Position:
     step: int
     """Optimizer steps done."""
     sequences: int
-    """Sequences of the data consumed by this process."""
+    """Sequences of the data consumed, by all ranks together (so a run resumes at another number of ranks)."""
 
 
 Say = Callable[[str], None]
@@ -71,8 +78,9 @@ class Run:
     """One run's checkpoints in `plan.training.checkpoint_dir` (none without one): `open_run` makes it."""
 
     def __init__(self, plan: Plan, run_id: str, keep: int, say: Say, restore_from: Path | None = None,
-                 saved: TrainingState | None = None, damaged: frozenset[Path] = frozenset()):
+                 saved: TrainingState | None = None, damaged: frozenset[Path] = frozenset(), world: World = SINGLE):
         self.plan = plan
+        self.world = world
         self.root = Path(plan.training.checkpoint_dir) if plan.training.checkpoint_dir else None
         self.run_id = run_id
         self.keep = keep
@@ -88,13 +96,12 @@ class Run:
         if self.restore_from is None:
             return None, Position(0, 0)
         path, saved = self.restore_from, self.saved
-        state = load_model_state(path, self.plan.model)
-        with torch.no_grad():
-            for name, tensor in model.state_dict().items():
-                tensor.copy_(state[name])
-        optimizer.load_state_tensors(load_tensor_file(path, OPTIMIZER_FILE))
+        _load_model(model, load_model_state(path, self.plan.model))
+        with _SavedOptimizer(path) as saved_optimizer:
+            optimizer.load_state(saved_optimizer.read)
         _set_rng(load_tensor_file(path, RNG_FILE))
-        self.say(f"resumed from {path} (step {saved.step})")
+        ranks = f", written by {saved.world_size} ranks" if saved.world_size != self.world.size else ""
+        self.say(f"resumed from {path} (step {saved.step}{ranks})")
         return path, Position(saved.step, saved.sequences)
 
     def save(self, model: Transformer, optimizer, position: Position) -> Path | None:
@@ -102,18 +109,32 @@ class Run:
         if self.root is None:
             return None
         path = self.root / f"step-{position.step:08d}"
-        writer = _run_of(path) if path.exists() else None
+        writer = _run_of(path) if path.exists() and self.world.main else None
         if writer not in (None, self.run_id):
             fail(str(path), f"was written by run {writer}, not by this run ({self.run_id}); two runs are writing "
                             f"into {self.root}: give each its own --checkpoint-dir")
-        state = TrainingState(run_id=self.run_id, step=position.step, sequences=position.sequences, plan=self.plan)
-        save_checkpoint(path, self.plan.model, model.state_dict(), training=state,
-                        tensor_files={OPTIMIZER_FILE: optimizer.state_tensors(), RNG_FILE: _rng_tensors()},
-                        after_each_file=lambda: faults.kill_if_due("kill-mid-checkpoint", position.step))
+        state = TrainingState(run_id=self.run_id, step=position.step, sequences=position.sequences, plan=self.plan,
+                              world_size=self.world.size)
+        model_state = _model_state(model)  # every rank: sharded blocks are gathered
+        ranges = optimizer.state_ranges()
+        # Unsharded, every rank holds the same optimizer state and rank 0 writes it; sharded, each writes its own.
+        optimizer_file = OPTIMIZER_FILE if not ranges else f"optimizer-{self.world.rank:05d}.safetensors"
+        optimizer_files = {optimizer_file: optimizer.state_tensors()} if self.world.main or ranges else {}
+        metadata = {optimizer_file: {"ranges": json.dumps(ranges)}} if ranges else None
+        after_each_file = lambda: faults.kill_if_due("kill-mid-checkpoint", position.step)  # noqa: E731
+        if self.world.main:
+            save_checkpoint(path, self.plan.model, model_state, training=state, metadata=metadata,
+                            tensor_files={**optimizer_files, RNG_FILE: _rng_tensors()}, after_each_file=after_each_file,
+                            others=_other_ranks_files if self.world.distributed else None)
+        else:
+            _write_rank_files(optimizer_files, metadata, after_each_file)
+        if self.world.distributed:
+            dist.barrier()  # the checkpoint is in place: no rank goes on before it is
         self.intact.add(path)
         self.damaged.discard(path)
         self.say(f"checkpoint {path}")
-        self._prune()
+        if self.world.main:
+            self._prune()
         return path
 
     def _prune(self) -> None:
@@ -142,10 +163,28 @@ class Run:
         return path in self.intact
 
 
-def open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say) -> Run:
+def open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say, world: World = SINGLE) -> Run:
     """The run that is starting: with `resume`, the one whose newest intact checkpoint is in the plan's
     checkpoint_dir (refused if that checkpoint's plan differs in what `resume_changes` refuses); else a new one,
-    refused if the directory holds checkpoints, unless `start_over` moves them aside. Checks before any work."""
+    refused if the directory holds checkpoints, unless `start_over` moves them aside. Checks before any work.
+    With several ranks, rank 0 decides and the others follow."""
+    if not world.distributed:
+        return _open_run(plan, resume=resume, start_over=start_over, keep=keep, say=say)
+    decided = [None]
+    if world.main:
+        run = _open_run(plan, resume=resume, start_over=start_over, keep=keep, say=say)
+        decided = [(run.run_id, run.restore_from, sorted(run.damaged))]
+    dist.broadcast_object_list(decided, src=0)
+    if world.main:
+        run.world = world
+        return run
+    run_id, restore_from, damaged = decided[0]
+    saved = read_manifest(restore_from).training if restore_from is not None else None  # rank 0 verified it
+    return Run(plan, run_id, keep, say, restore_from=restore_from, saved=saved, damaged=frozenset(damaged),
+               world=world)
+
+
+def _open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say) -> Run:
     root = plan.training.checkpoint_dir
     if resume and start_over:
         fail("--start-over", "contradicts --resume: resume continues the run in the checkpoint directory, "
@@ -260,6 +299,86 @@ def _move_aside(root: Path, found: list[Path], say: Say) -> None:
     for path in found:
         os.rename(path, aside / path.name)
     say(f"--start-over: moved {_describe(found)} of the earlier run to {aside}; delete it when it is no longer needed")
+
+
+def _model_state(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's weights by name, whole: a sharded block's gathered from the ranks (a collective: every rank
+    calls this)."""
+    state = model.state_dict()
+    parallel = getattr(getattr(model, "offload", None), "parallel", None)
+    for group in sorted(parallel.sharded, key=_block_index) if parallel is not None else ():
+        state.update(parallel.full_weights(group))
+    return state
+
+
+@torch.no_grad()
+def _load_model(model: Transformer, state: dict[str, torch.Tensor]) -> None:
+    parallel = getattr(getattr(model, "offload", None), "parallel", None)
+    sharded = parallel.sharded if parallel is not None else frozenset()
+    for name, tensor in model.state_dict().items():
+        group = layer_of(name)
+        if group in sharded:
+            parallel.load_weights(group, name, state[name])
+        else:
+            tensor.copy_(state[name])
+
+
+def _block_index(group: str) -> int:
+    return int(group.split(".")[1])
+
+
+def _other_ranks_files(tmp: Path) -> dict[str, str]:
+    """Rank 0's side of a checkpoint of several ranks: tells the others where to write, and collects the checksums
+    of what they wrote."""
+    dist.broadcast_object_list([str(tmp)], src=0)
+    checksums = [None] * dist.get_world_size()
+    dist.gather_object({}, checksums, dst=0)
+    return {name: digest for rank_files in checksums for name, digest in rank_files.items()}
+
+
+def _write_rank_files(tensor_files: dict, metadata: dict | None, after_each_file) -> None:
+    """The other ranks' side: their files into rank 0's temporary directory, their checksums back to it."""
+    where = [None]
+    dist.broadcast_object_list(where, src=0)
+    checksums = write_files(Path(where[0]), tensor_files, {}, metadata, after_each_file)
+    dist.gather_object(checksums, None, dst=0)
+
+
+class _SavedOptimizer:
+    """A checkpoint's optimizer state, read by parameter and range from whichever files hold it: optimizer.safetensors
+    (whole tensors, from a run whose optimizer was not sharded), or one file per rank, each with ranges of the
+    flattened tensors (its metadata says which): a run resumes at any number of ranks, sharded or not."""
+
+    def __init__(self, path: Path):
+        whole = path / OPTIMIZER_FILE
+        self.files = [whole] if whole.is_file() else sorted(path.glob("optimizer-*.safetensors"))
+
+    def __enter__(self) -> _SavedOptimizer:
+        self.index: dict[str, list[tuple[object, int, int]]] = {}
+        self.handles = [safe_open(f, framework="pt") for f in self.files]
+        for handle in self.handles:
+            ranges = json.loads((handle.metadata() or {}).get("ranges", "{}"))
+            for key in handle.keys():
+                start, end = ranges.get(key, (0, math.prod(handle.get_slice(key).get_shape())))
+                self.index.setdefault(key, []).append((handle, start, end))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handles.clear()
+
+    def read(self, key: str, start: int, end: int) -> torch.Tensor | None:
+        parts = []
+        for handle, first, last in sorted(self.index.get(key, ()), key=lambda part: part[1]):
+            lo, hi = max(first, start), min(last, end)
+            if lo < hi:
+                parts.append(handle.get_tensor(key).reshape(-1)[lo - first:hi - first])
+        if not parts:
+            return None
+        value = torch.cat(parts)
+        if value.numel() != end - start:
+            fail(str(self.files[0].parent), f"its optimizer files hold {value.numel()} of the elements "
+                                           f"[{start}, {end}) of {key}")
+        return value
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:

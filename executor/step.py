@@ -10,8 +10,10 @@ from typing import Callable
 import torch
 
 from fastml.plan import Plan
+from fastml.executor.collectives import agree
 from fastml.executor.model import Transformer
 from fastml.executor.optim import AdamW, lr_at
+from fastml.executor.world import SINGLE, World
 
 
 @dataclass(frozen=True)
@@ -26,12 +28,19 @@ class StepHooks:
 
 
 def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: int, device: torch.device,
-               hooks: StepHooks = StepHooks(), meter=None) -> dict:
+               hooks: StepHooks = StepHooks(), meter=None, world: World = SINGLE,
+               stop_requested: Callable[[], bool] = lambda: False) -> dict:
     """Optimizer step `step` (from 0) over grad_accum_steps micro-batches; returns its loss, lr and gradient norm. A
     step whose loss or gradient norm is not finite leaves the weights and optimizer state as they were ("skipped").
-    A `meter` (meter.py) measures memory by category as the step goes."""
+    A `meter` (meter.py) measures memory by category as the step goes.
+
+    With several ranks each micro-batch's loss is divided by the micro-batches of all ranks, so that the gradients
+    summed over the ranks (shard.py) are those of one process taking every micro-batch; the ranks then agree on the
+    loss (their mean), on the gradient norm (optim.py) and so on skipping the step, and on whether any of them was
+    asked to stop (`stop_requested`, the record's "stop")."""
     knobs = plan.knobs
     offload = optimizer.offload
+    micro_batches = knobs.grad_accum_steps * world.size
     loss_sum = torch.zeros((), device=device)
     for micro in range(knobs.grad_accum_steps):
         if offload is not None:
@@ -41,15 +50,23 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
             loss = model.loss(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True),
                               knobs.lm_head_chunks)
         loss = hooks.after_loss(step + 1, loss)
-        (loss / knobs.grad_accum_steps).backward()
+        (loss / micro_batches).backward()
         loss_sum += loss.detach()
         if micro == 0:
             hooks.after_first_backward(step + 1)
     if meter is not None:
         meter.sample_states()  # every gradient is complete, no optimizer temporary exists yet
+    loss_value = loss_sum.item() / knobs.grad_accum_steps
+    stop = stop_requested()
+    if world.distributed:
+        # Added in float32 in rank order, as one process adds its micro-batches' losses.
+        rows = agree([loss_sum.item(), float(stop)])
+        total = torch.zeros((), dtype=loss_sum.dtype)
+        for loss_of_rank, _ in rows:
+            total += loss_of_rank
+        loss_value, stop = total.item() / micro_batches, any(stopped for _, stopped in rows)
     clip = plan.training.grad_clip
     grad_norm = optimizer.clip_grad_norm_(clip if clip > 0 else float("inf"))
-    loss_value = loss_sum.item() / knobs.grad_accum_steps
     skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
     lr = lr_at(step, plan.training)
     if not skipped:
@@ -58,4 +75,4 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
     optimizer.zero_grad()
     # JSON has no NaN or infinity: a non-finite figure is logged as null.
     return {"step": step + 1, "loss": loss_value if math.isfinite(loss_value) else None, "lr": lr,
-            "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "skipped": skipped}
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "skipped": skipped, "stop": stop}

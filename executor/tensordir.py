@@ -39,9 +39,11 @@ class TrainingState:
     step: int
     """Optimizer steps done."""
     sequences: int
-    """Sequences of the data consumed by this process."""
+    """Sequences of the data consumed, by all ranks together."""
     plan: Plan
     """The plan the run was following when it wrote the checkpoint."""
+    world_size: int = 1
+    """The ranks that wrote it (each its shard of the optimizer state, where it was sharded)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,9 +95,13 @@ def check_state_dict(spec: ModelSpec, state_dict: dict, where: str) -> None:
 
 def save_checkpoint(directory, spec: ModelSpec, state_dict: dict, *, training: TrainingState | None = None,
                     tensor_files: dict[str, dict[str, torch.Tensor]] | None = None,
-                    json_files: dict[str, dict] | None = None, after_each_file=None) -> None:
-    """Writes a fastml checkpoint atomically: model.safetensors, the further `tensor_files` (name -> tensors) and
-    `json_files` (name -> JSON object), and the manifest. `after_each_file()` runs after each file (fault tests).
+                    json_files: dict[str, dict] | None = None, after_each_file=None,
+                    metadata: dict[str, dict[str, str]] | None = None, others=None) -> None:
+    """Writes a fastml checkpoint atomically: model.safetensors, the further `tensor_files` (name -> tensors, with
+    the safetensors `metadata` of each where given) and `json_files` (name -> JSON object), and the manifest.
+    `after_each_file()` runs after each file (fault tests). With several ranks, `others(tmp)` has the other ranks
+    write their files into the temporary directory too and returns their checksums: the checkpoint appears under
+    its name only once every rank's files are there and durable.
 
     An existing directory is replaced only if it is empty or a fastml checkpoint."""
     check_state_dict(spec, state_dict, "state_dict")
@@ -106,22 +112,30 @@ def save_checkpoint(directory, spec: ModelSpec, state_dict: dict, *, training: T
         fail("save_checkpoint", f"file {bad[0]!r}: tensors go in .safetensors files, other data in .json files "
                                 f"(not {META_FILE})")
     json.dumps(json_files)  # before any file is written: a value that is not JSON fails here
-    files = {**tensor_files, **json_files}
 
     def write(tmp: Path) -> None:
-        checksums = {}
-        for name, content in files.items():
-            if name.endswith(".json"):
-                write_json(tmp / name, content)
-            else:
-                write_safetensors(content, tmp / name)
-            checksums[name] = sha256(tmp / name)
-            if after_each_file:
-                after_each_file()
+        checksums = write_files(tmp, tensor_files, json_files, metadata, after_each_file)
+        if others is not None:
+            checksums |= others(tmp)
         manifest = Manifest(format=FORMAT, version=VERSION, model=spec, files=checksums, training=training)
         write_json(tmp / META_FILE, to_dict(manifest))
 
     write_dir_atomically(directory, write, _is_checkpoint, "a fastml checkpoint")
+
+
+def write_files(directory: Path, tensor_files: dict[str, dict[str, torch.Tensor]], json_files: dict[str, dict],
+                metadata: dict[str, dict[str, str]] | None = None, after_each_file=None) -> dict[str, str]:
+    """Writes and fsyncs the files of (part of) a checkpoint into `directory`; returns their checksums."""
+    checksums = {}
+    for name, content in {**tensor_files, **json_files}.items():
+        if name.endswith(".json"):
+            write_json(directory / name, content)
+        else:
+            write_safetensors(content, directory / name, (metadata or {}).get(name))
+        checksums[name] = sha256(directory / name)
+        if after_each_file:
+            after_each_file()
+    return checksums
 
 
 def _is_checkpoint(directory: Path) -> bool:

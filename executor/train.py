@@ -1,5 +1,6 @@
 """The training loop: builds the model the plan describes, trains it step by step (step.py) under the meter
-(meter.py), checkpoints it, stops cleanly on a signal, and reports measured against predicted (display.py)."""
+(meter.py), checkpoints it, stops cleanly on a signal, and reports measured against predicted (display.py). A plan
+for several ranks runs one such loop per rank (world.py), started by launch.py or torchrun."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ from fastml.config import check_range
 from fastml.plan import Plan
 from fastml.executor import display, faults, snapshot
 from fastml.executor.apply import build_training_model
+from fastml.executor.collectives import make_collectives
 from fastml.executor.data import TokenData
 from fastml.executor.device import apply_memory_cap, check_hardware, check_host_memory, training_device
 from fastml.executor.meter import Meter
 from fastml.executor.optim import AdamW
 from fastml.executor.step import train_step
+from fastml.executor.world import SINGLE, Watchdog, World, check_world, join, launched
 
 
 class TrainingStopped(Exception):
@@ -33,45 +36,88 @@ class TrainingStopped(Exception):
         self.exit_code = exit_code
 
 
+DEFAULT_TIMEOUT_S = 600
+"""How long the ranks of a job wait for each other before it is stopped (`--timeout`); a first step that compiles
+the model can take minutes."""
+
+
 def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = None, show_progress: bool = True,
           console: Console | None = None, resume: bool = False, keep_checkpoints: int = 3,
-          max_nonfinite_steps: int = 5, strict: bool = False, start_over: bool = False) -> dict:
+          max_nonfinite_steps: int = 5, strict: bool = False, start_over: bool = False,
+          timeout_s: float = DEFAULT_TIMEOUT_S, summary_json: str | Path | None = None) -> dict:
     """Runs `plan` for `steps` optimizer steps in all (default: the plan's) and returns the summary of the run.
 
     With `resume`, continues from the newest intact checkpoint in the plan's checkpoint_dir; without it, a directory
     holding checkpoints is refused unless `start_over` moves them aside (snapshot.open_run). SIGINT and SIGTERM
     finish the step, write a checkpoint and raise TrainingStopped; so do `max_nonfinite_steps` skipped steps in a
-    row (without the checkpoint). `strict` refuses a plan made for other hardware instead of warning."""
+    row (without the checkpoint). `strict` refuses a plan made for other hardware instead of warning.
+
+    A plan for several GPUs (or CPU processes) of this node, called outside a launcher, starts one worker process
+    per rank (launch.py) and returns rank 0's summary; under torchrun this process is one rank of the job, and
+    ranks that wait more than `timeout_s` for the others stop the job. `summary_json` receives the summary."""
     if steps is not None:
         plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, steps=steps))
     check_range("--keep-checkpoints", keep_checkpoints, 1)
     check_range("--max-nonfinite-steps", max_nonfinite_steps, 1)
-    console = console or Console(stderr=True)
-    device = training_device(plan)
+    check_range("--timeout", timeout_s, 1)
+    options = dict(log_json=log_json, show_progress=show_progress, resume=resume, keep_checkpoints=keep_checkpoints,
+                   max_nonfinite_steps=max_nonfinite_steps, strict=strict, start_over=start_over, timeout_s=timeout_s)
+    world = launched()
+    if world is None and plan.hardware.num_gpus > 1:
+        from fastml.executor.launch import train_in_workers
+
+        return train_in_workers(plan, console or Console(stderr=True), **options)
+    world = world or SINGLE
+    check_world(plan, world)
+    console = console or Console(stderr=True, quiet=not world.main)
+    cpu_threads = torch.get_num_threads()  # before the ranks of a CPU job share them
+    device = training_device(plan, world)
     check_hardware(plan, device, strict, console)
     check_host_memory(plan)
     apply_memory_cap(plan, device, console)
+    join(plan, world, device, timeout_s)
+    with Watchdog(world, timeout_s) as watchdog:
+        comm = make_collectives(plan.knobs.comm, world, device, watchdog) if world.distributed else None
+        try:
+            summary = _train(plan, world, device, comm, watchdog, console, cpu_threads, **options)
+        finally:
+            if comm is not None:
+                comm.close()
+    if summary_json and world.main:
+        Path(summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, console: Console,
+           cpu_threads: int, *,
+           log_json, show_progress: bool, resume: bool, keep_checkpoints: int, max_nonfinite_steps: int,
+           strict: bool, start_over: bool, timeout_s: float) -> dict:
     run = snapshot.open_run(plan, resume=resume, start_over=start_over, keep=keep_checkpoints,
-                            say=lambda message: console.print(message, markup=False))
-    model, optimizer = _model_and_optimizer(plan, device)
+                            say=lambda message: console.print(message, markup=False), world=world)
+    model, optimizer = _model_and_optimizer(plan, device, world, comm)
     data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
     checkpoint, position = run.restore(model, optimizer)
     if position.step >= plan.training.steps:
         console.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
         return {"steps": 0}
     micro = plan.knobs.micro_batch_size
-    # Every valid micro-batch divides the sequences of a step, so it divides what a checkpoint has consumed.
-    batches = data.batches(micro, plan.training.seed, start=position.sequences // micro)
-    sequences_per_step = micro * plan.knobs.grad_accum_steps
-    meter = Meter(plan, device, tensors_by_category=lambda: memory_tensors(model, optimizer))
+    # Every valid micro-batch (times the ranks) divides the sequences of a step, so it divides what a checkpoint has
+    # consumed, at any number of ranks.
+    batches = data.batches(micro, plan.training.seed, start=position.sequences // (micro * world.size),
+                           rank=world.rank, world_size=world.size)
+    sequences_per_step = micro * plan.knobs.grad_accum_steps * world.size
+    meter = Meter(plan, device, tensors_by_category=lambda: memory_tensors(model, optimizer), cpu_threads=cpu_threads)
     hooks = faults.step_hooks()
-    with _log_file(log_json, position.step if resume else None) as log, \
-            display.progress(console, show_progress) as progress, _StopSignals() as stop:
+    with _log_file(log_json if world.main else None, position.step if resume else None) as log, \
+            display.progress(console, show_progress and world.main) as progress, _StopSignals() as stop:
         task = progress.add_task("training", total=plan.training.steps, completed=position.step, status="")
         bad_in_a_row = 0
         first_step = position.step
         for step in range(first_step, plan.training.steps):
-            record = meter.measure(train_step(model, optimizer, batches, plan, step, device, hooks, meter))
+            watchdog.tick(f"step {step + 1}")
+            record = meter.measure(train_step(model, optimizer, batches, plan, step, device, hooks, meter, world,
+                                              stop_requested=lambda: stop.signal is not None))
+            stopping = record.pop("stop")
             if step == first_step:  # after the first batch was read: bad data is one line alone, never after it
                 display.print_knobs(console, plan)
             position = snapshot.Position(step + 1, position.sequences + sequences_per_step)
@@ -82,30 +128,40 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
                 raise TrainingStopped(
                     f"step {step + 1}: loss or gradient norm not finite {bad_in_a_row} steps in a row; stopped. "
                     f"Last good checkpoint: {checkpoint or 'none'}", exit_code=3)
-            if _checkpoint_due(plan, step + 1) or stop.signal:
+            if _checkpoint_due(plan, step + 1) or stopping:
+                watchdog.allow(timeout_s + CHECKPOINT_S)
                 checkpoint = run.save(model, optimizer, position)
-            if stop.signal:
-                raise TrainingStopped(_stopped_message(plan, step + 1, stop.signal, checkpoint), 128 + stop.signal)
+            if stopping:
+                signum = stop.signal or signal.SIGTERM  # another rank's: this one was not signalled (yet)
+                raise TrainingStopped(_stopped_message(plan, step + 1, signum, checkpoint), 128 + signum)
     summary = meter.summary()
     display.print_summary(console, plan, summary)
     return summary
 
 
-def _model_and_optimizer(plan: Plan, device: torch.device) -> tuple[torch.nn.Module, AdamW]:
+CHECKPOINT_S = 3600
+"""How much longer than --timeout the ranks may wait for each other while a checkpoint is written."""
+
+
+def _model_and_optimizer(plan: Plan, device: torch.device, world: World, comm) -> tuple[torch.nn.Module, AdamW]:
     torch.manual_seed(plan.training.seed)
-    model = build_training_model(plan, device)
+    model = build_training_model(plan, device, world, comm)
     return model, AdamW(model, plan.training, plan.knobs, model.offload)
 
 
 def memory_tensors(model: torch.nn.Module, optimizer: AdamW) -> dict[str, list[torch.Tensor]]:
     """The tensors of each memory category, wherever they are (the meter tells GPU from host by their storage)."""
     params = list(model.parameters())
-    states = [optimizer.state[p] for p in params]
+    states = [optimizer.state[p] for p in params if p in optimizer.state]
     tensors = {"weights": params, "master_weights": [s.get("master") for s in states],
                "gradients": [p.grad for p in params],
                "optimizer_states": [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]}
-    for category, held in model.offload.host_tensors().items():
-        tensors[category] = tensors.get(category, []) + held
+    held = model.offload.host_tensors()
+    if model.offload.parallel is not None:
+        for category, on_gpu in model.offload.parallel.gpu_tensors().items():
+            held[category] = held.get(category, []) + on_gpu
+    for category, listed in held.items():
+        tensors[category] = tensors.get(category, []) + listed
     return tensors
 
 

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -165,7 +166,9 @@ def _trial_progress(console, trials: int, hw: str | None):
 
 def cmd_run(args: argparse.Namespace) -> None:
     from fastml.plan import load_plan, with_overrides
+    from fastml.executor.launch import WorkersFailed
     from fastml.executor.train import TrainingStopped, train
+    from fastml.executor.world import EXIT_OTHER_RANK, launched
 
     overrides = list(args.set)
     if args.checkpoint_dir is not None:
@@ -178,13 +181,24 @@ def cmd_run(args: argparse.Namespace) -> None:
         from fastml.planner.hardware import parse_bytes
 
         plan = with_gpu_memory_cap(plan, parse_bytes(args.gpu_mem, "--gpu-mem"))
+    world = launched()
     try:
         train(plan, steps=args.steps, log_json=args.log_json, show_progress=not args.no_progress,
               resume=args.resume, start_over=args.start_over, keep_checkpoints=args.keep_checkpoints,
-              max_nonfinite_steps=args.max_nonfinite_steps, strict=args.strict)
-    except TrainingStopped as e:
-        print(f"fastml: {e}", file=sys.stderr)
+              max_nonfinite_steps=args.max_nonfinite_steps, strict=args.strict, timeout_s=args.timeout,
+              summary_json=args.summary_json)
+    except (TrainingStopped, WorkersFailed) as e:
+        if world is None or world.main:  # every rank stops alike; rank 0 says why
+            print(f"fastml: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except Exception as e:
+        import torch.distributed as dist
+
+        if world is None or not isinstance(e, dist.DistError):
+            raise
+        print(f"fastml: rank {world.rank}: lost contact with the other ranks ({_one_line(str(e))[:300]})",
+              file=sys.stderr)
+        sys.exit(EXIT_OTHER_RANK)
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -249,6 +263,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _rank_prefix() -> str:
+    """"rank N: " in a worker of a job of several ranks but rank 0, else nothing."""
+    rank = os.environ.get("RANK")
+    return f"rank {rank}: " if rank not in (None, "0") and os.environ.get("WORLD_SIZE", "1") != "1" else ""
 
 
 def _one_line(message: str) -> str:
@@ -320,6 +340,11 @@ def _add_run_command(sub) -> None:
     run.add_argument("--max-nonfinite-steps", type=int, default=5,
                      help="stop after this many steps in a row with a NaN or infinite loss or gradient (default: 5)")
     run.add_argument("--strict", action="store_true", help="refuse a plan made for other hardware (else: warn)")
+    run.add_argument("--timeout", type=float, default=600,
+                     help="with several GPUs: stop the job when its ranks wait this many seconds for one of them "
+                          "(default: 600)")
+    run.add_argument("--summary-json", metavar="FILE", help="write the run's summary (what the closing table "
+                                                            "shows) as JSON to FILE")
     run.set_defaults(func=cmd_run)
 
 
@@ -362,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         args.func(args)
     except UserError as e:
-        print(f"fastml: error: {_one_line(str(e))}", file=sys.stderr)
+        print(f"fastml: {_rank_prefix()}error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:  # a path the user gave: a missing directory for -o, no permission, a full disk
         where = f"{e.filename}: " if e.filename else ""

@@ -143,6 +143,13 @@ class Knobs:
                                        "go with fp32 parameters and only with them")
         if self.param_dtype == "fp32" and self.master_dtype != "fp32":
             fail("knobs.master_dtype", "fp32 parameters are their own fp32 masters; master_dtype must be 'fp32'")
+        # ZeRO's stages build on each other (Rajbhandari et al. 2020, section 5): a GPU that keeps only a shard of
+        # the gradients can step only that shard of the optimizer states, and one that keeps a shard of the weights
+        # only reduces its shard of their gradients.
+        for name, needs in (("shard_gradients", "shard_optimizer"), ("shard_weights", "shard_gradients")):
+            if getattr(self, name) and not getattr(self, needs):
+                fail(f"knobs.{name}", f"needs knobs.{needs} too (ZeRO stage {ZERO_STAGES.index(name) + 1} includes "
+                                      f"stage {ZERO_STAGES.index(needs) + 1}): set both")
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,8 @@ class KnobInfo:
 
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+ZERO_STAGES = ("shard_optimizer", "shard_gradients", "shard_weights")
+"""ZeRO stages 1, 2 and 3: each shards one more model state across the GPUs, and needs the ones before it."""
 # The one registry of knobs: the search space, the executor's support check, tests and benchmarks read it.
 # Recompute sets worth searching: "norm" and "qkv" alone free (almost) nothing in this model (planner/memory.py).
 KNOBS: dict[str, KnobInfo] = {
@@ -172,13 +181,12 @@ KNOBS: dict[str, KnobInfo] = {
     "compile": KnobInfo("speed", (False, True)),
     **{name: KnobInfo("offload", FRACTIONS) for name in (
         "offload_optimizer", "offload_master", "offload_gradients", "offload_residuals", "offload_weights")},
-    **{name: KnobInfo("shard", (False, True), executor_runs=(False,), multi_gpu=True) for name in (
-        "shard_optimizer", "shard_gradients", "shard_weights", "cache_weights_on_host")},
+    **{name: KnobInfo("shard", (False, True), multi_gpu=True) for name in (*ZERO_STAGES, "cache_weights_on_host")},
     "param_dtype": KnobInfo("precision", ("bf16",)),
     "matmul_dtype": KnobInfo("precision", ("bf16", "fp8"), executor_runs=("fp32", "bf16"), lower_precision=True),
     "optimizer_dtype": KnobInfo("precision", ("fp32", "bf16"), executor_runs=("fp32",), lower_precision=True),
     "master_dtype": KnobInfo("precision", ("fp32", "bf16"), executor_runs=("fp32",), lower_precision=True),
-    "comm": KnobInfo("comm", ("nccl", "memcpy"), executor_runs=("nccl",), multi_gpu=True),
+    "comm": KnobInfo("comm", ("nccl", "memcpy"), multi_gpu=True),
 }
 
 
@@ -200,6 +208,11 @@ def describe_knobs(knobs: Knobs, against: Knobs | None = None) -> str:
 CPU_STEP_CHUNK = 2**26
 STAGING_SLOTS = 2
 
+# The memcpy collectives (executor/hostcomm.py) move data through MEMCPY_SLOTS slots of pinned host memory shared by
+# the ranks of a node, a row of MEMCPY_ROW_BYTES per rank in each (planner/memory.py counts them).
+MEMCPY_SLOTS = 2
+MEMCPY_ROW_BYTES = 2**25
+
 # Which parameter groups ("embed", "blocks.N", "head": executor/optim.py `layer_groups`) each offload knob moves
 # to host memory. The fraction counts blocks from the first; the embedding and the LM head (with the final norm)
 # follow the optimizer and master knobs at 1.0. Their weights and gradients stay on the GPU: streaming the
@@ -209,12 +222,21 @@ WHOLE_MODEL_OFFLOAD = ("offload_optimizer", "offload_master")
 
 def offloaded_groups(knobs: Knobs, name: str, num_layers: int) -> frozenset[str]:
     """The parameter groups that offload knob `name` places in host memory (for offload_residuals: the blocks whose
-    input activations go to the host)."""
+    input activations go to the host). Sharded gradients stay on the GPU: a GPU keeps one reduced shard of each
+    block's gradients, a small fraction of a layer, until the optimizer step reads it (a CPU step stages it down)."""
+    if name == "offload_gradients" and knobs.shard_gradients:
+        return frozenset()
     fraction = getattr(knobs, name)
     groups = {f"blocks.{i}" for i in range(round(fraction * num_layers))}
     if fraction == 1.0 and name in WHOLE_MODEL_OFFLOAD:
         groups |= {"embed", "head"}
     return frozenset(groups)
+
+
+def weights_sharded(knobs: Knobs, group: str) -> bool:
+    """Whether ZeRO-3 shards the weights of parameter group `group`: every group's, gathered just before it computes
+    (a block one block ahead, the head during the last block, the embedding at the start of each forward pass)."""
+    return knobs.shard_weights
 
 
 def knob_names(kind: str) -> tuple[str, ...]:

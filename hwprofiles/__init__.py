@@ -53,11 +53,12 @@ def for_device_name(device_name: str) -> str | None:
     return None
 
 
-def peak_flops(name: str, dtype: str) -> float | None:
+def peak_flops(name: str, dtype: str, cpu_threads: int | None = None) -> float | None:
     """Dense peak FLOP/s of one device of the profile for a matmul dtype; None where the profile has none. For
-    "cpu", this machine's CPU: its best measured fp32 matmul rate, if a plan has measured it (`this_cpu`)."""
+    "cpu", this machine's CPU: its best measured fp32 matmul rate (with `cpu_threads` torch threads, default as
+    many as now), if a plan has measured it (`this_cpu`)."""
     if name == "cpu":
-        measured = this_cpu()
+        measured = this_cpu(cpu_threads)
         return measured.peak_fp32_flops_per_s if measured and dtype == "fp32" else None
     return load(name)["gpu"]["peak_flops"].get(dtype)
 
@@ -92,11 +93,13 @@ def cache_dir() -> Path:
     return (Path(xdg_cache).expanduser() if xdg_cache else Path.home() / ".cache") / "fastml"
 
 
-def cpu_key() -> dict[str, str]:
+def cpu_key(threads: int | None = None) -> dict[str, str]:
+    """What the CPU's measurements depend on; `threads`: torch's threads when measured (default: now)."""
     import torch
 
-    return {"cpu": _cpu_model(), "num_cpus": str(os.cpu_count()), "torch_threads": str(torch.get_num_threads()),
-            "torch": torch.__version__, "version": str(CPU_MEASUREMENT_VERSION)}
+    return {"cpu": _cpu_model(), "num_cpus": str(os.cpu_count()),
+            "torch_threads": str(threads or torch.get_num_threads()), "torch": torch.__version__,
+            "version": str(CPU_MEASUREMENT_VERSION)}
 
 
 def cpu_cache_path(key: dict[str, str] | None = None) -> Path:
@@ -104,9 +107,10 @@ def cpu_cache_path(key: dict[str, str] | None = None) -> Path:
     return cache_dir() / f"cpu-profile-{digest}.json"
 
 
-def this_cpu() -> CpuMeasurements | None:
-    """This machine's cached CPU measurements, or None where no plan has measured them yet; never measures."""
-    path = cpu_cache_path()
+def this_cpu(threads: int | None = None) -> CpuMeasurements | None:
+    """This machine's cached CPU measurements, or None where no plan has measured them yet; never measures.
+    `threads`: of a measurement with that many torch threads (default: as many as now)."""
+    path = cpu_cache_path(cpu_key(threads))
     if not path.is_file():
         return None
     try:

@@ -127,22 +127,35 @@ def load_machine(hw: str | dict, num_gpus: int | None = None, num_nodes: int | N
 
 
 def check_cpu_options(profile: str, num_gpus, num_nodes, gpu_memory) -> None:
-    """A CPU trains as one device, in host memory: GPU counts and GPU memory do not apply."""
-    for option, value in (("--gpus", num_gpus), ("--nodes", num_nodes)):
-        if value not in (None, 1):
-            fail(option, f"{value}: {profile} is a CPU, which trains as one device; plan for GPUs with --hw")
+    """A CPU trains in host memory, as one device or as --gpus processes that share its cores (gloo between them),
+    on this one machine: nodes and GPU memory do not apply."""
+    if num_gpus is not None:
+        check_range("--gpus", num_gpus, 1, MAX_CPU_PROCESSES)
+    if num_nodes not in (None, 1):
+        fail("--nodes", f"{num_nodes}: {profile} is this machine's CPU, one node; plan for several with --hw")
     if gpu_memory is not None:
         fail("--gpu-mem", f"{profile} is a CPU: it has no GPU memory; cap its memory with --host-mem")
 
 
+MAX_CPU_PROCESSES = 64
+"""More CPU processes than cores share them (each gets a thread): slower, but how CI tests four ranks on two cores."""
+
+
 def _resized_cpu(machine: Machine, num_gpus, num_nodes, gpu_memory, host_memory) -> Machine:
-    """A CPU trains as one device; --host-mem caps its one memory pool."""
+    """A CPU trains as one device, or as `num_gpus` processes each with an equal share of its cores and memory
+    bandwidth (the executor gives each process that many threads); --host-mem caps its one memory pool."""
     check_cpu_options(machine.profile, num_gpus, num_nodes, gpu_memory)
-    if host_memory is None:
-        return machine
-    pool = parse_bytes(host_memory, "--host-mem")
-    return dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, memory_bytes=pool),
-                               node=dataclasses.replace(machine.node, host_memory_bytes=pool))
+    n = num_gpus or 1
+    gpu, node = machine.gpu, machine.node
+    if n > 1:
+        gpu = dataclasses.replace(gpu, peak_flops={k: v / n for k, v in gpu.peak_flops.items()},
+                                  hbm_bytes_per_s=gpu.hbm_bytes_per_s / n, h2d_bytes_per_s=gpu.h2d_bytes_per_s / n,
+                                  d2h_bytes_per_s=gpu.d2h_bytes_per_s / n)
+        node = dataclasses.replace(node, gpus_per_node=n, cpu_adam_params_per_s=node.cpu_adam_params_per_s / n)
+    if host_memory is not None:
+        pool = parse_bytes(host_memory, "--host-mem")
+        gpu, node = dataclasses.replace(gpu, memory_bytes=pool), dataclasses.replace(node, host_memory_bytes=pool)
+    return dataclasses.replace(machine, gpu=gpu, node=node, num_gpus=n)
 
 
 def read_profile(hw: str) -> dict:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fastml.plan import CPU_STEP_CHUNK, MEMORY_CATEGORIES, STAGING_SLOTS, Knobs, offloaded_groups
+from fastml.plan import CPU_STEP_CHUNK, MEMORY_CATEGORIES, STAGING_SLOTS, Knobs, offloaded_groups, weights_sharded
 from fastml.spec import ModelSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
@@ -158,15 +158,19 @@ def loss_workspace_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
     return per_logit * spec.vocab_size * -(-tokens // knobs.lm_head_chunks)
 
 
-def model_state_bytes(num_params: int, knobs: Knobs, num_gpus: int) -> dict[str, float]:
+def model_state_bytes(num_params: int, knobs: Knobs, num_gpus: int,
+                      shard_weights: bool | None = None) -> dict[str, float]:
     """Weights, master weights, gradients and optimizer states of one GPU, before any offload (ZeRO's model):
     weights and gradients in the parameters' dtype, fp32 masters only of low-precision parameters (bf16 masters are
-    the weights themselves, stochastically rounded), Adam's m and v in the optimizer dtype."""
+    the weights themselves, stochastically rounded), Adam's m and v in the optimizer dtype. `shard_weights` says
+    whether these parameters' weights are sharded (default: knobs.shard_weights; fastml.plan.weights_sharded says
+    which groups ZeRO-3 shards)."""
     def shard(flag: bool) -> int:
         return num_gpus if flag else 1
     master = FP32_BYTES if has_fp32_masters(knobs) else 0
     return {
-        "weights": num_params * param_bytes(knobs) / shard(knobs.shard_weights),
+        "weights": num_params * param_bytes(knobs) / shard(knobs.shard_weights if shard_weights is None
+                                                           else shard_weights),
         "gradients": num_params * param_bytes(knobs) / shard(knobs.shard_gradients),
         "master_weights": num_params * master / shard(knobs.shard_optimizer),
         "optimizer_states": num_params * 2 * DTYPE_BYTES[knobs.optimizer_dtype] / shard(knobs.shard_optimizer),
@@ -313,7 +317,8 @@ def _model_states(spec: ModelSpec, knobs: Knobs, place: Placement,
     gpu = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
     host = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
     for group, num_params in group_params(spec).items():
-        for category, num_bytes in model_state_bytes(num_params, knobs, num_gpus).items():
+        states = model_state_bytes(num_params, knobs, num_gpus, weights_sharded(knobs, group))
+        for category, num_bytes in states.items():
             on_host = group in getattr(place, _OFFLOADED_BY[category])
             (host if on_host else gpu)[category] += num_bytes
     return gpu, host

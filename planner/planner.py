@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
 
 from fastml import hwprofiles
 from fastml.config import UserError, check_range, fail, from_dict
-from fastml.plan import KNOBS, Hardware, Knobs, Plan, Predicted, Training, parse_assignment, with_overrides
+from fastml.plan import KNOBS, ZERO_STAGES, Hardware, Knobs, Plan, Predicted, Training, parse_assignment, with_overrides
 from fastml.planner.explain import limit
 from fastml.planner.hardware import Machine, check_cpu_options, load_machine, parse_bytes
 from fastml.planner.memory import Memory, memory
@@ -108,7 +109,7 @@ def infeasible_message(problem: Problem, space: dict) -> str:
     smallest = evaluate(problem, make_knobs(problem, smallest_choice(space)))
     shorter = [f"a shorter sequence (--seq {problem.seq_len // 2})"] if problem.seq_len > 256 else []
     if m.shares_host_memory:
-        return _cpu_memory_message(spec, problem.seq_len, smallest.memory, m.node.host_memory_bytes)
+        return _cpu_memory_message(spec, problem.seq_len, smallest.memory, m.node.host_memory_bytes, m.num_gpus)
     parts = []
     if smallest.gpu_over_bytes > 0:
         parts.append(f"GPU memory: the smallest plan needs {_gib(smallest.memory.gpu_total)} per GPU, "
@@ -125,8 +126,8 @@ def infeasible_message(problem: Problem, space: dict) -> str:
             f"{'; '.join(parts)}. It might fit with: {', or '.join(hints)}")
 
 
-def _cpu_memory_message(spec: ModelSpec, seq_len: int, smallest: Memory, pool_bytes: int) -> str:
-    needs, budget = smallest.gpu_total + smallest.host_total, int(pool_bytes * HOST_USABLE_FRACTION)
+def _cpu_memory_message(spec: ModelSpec, seq_len: int, smallest: Memory, pool_bytes: int, processes: int) -> str:
+    needs, budget = processes * smallest.gpu_total + smallest.host_total, int(pool_bytes * HOST_USABLE_FRACTION)
     hints = [f"a shorter sequence (--seq {seq_len // 2})"] if seq_len > 256 else []
     hints += ["a smaller model (--model)", "GPUs (plan for them with --hw)"]
     return (f"no feasible plan for {spec.name} (seq {seq_len}) on this CPU: the smallest plan needs {_gib(needs)} "
@@ -134,36 +135,41 @@ def _cpu_memory_message(spec: ModelSpec, seq_len: int, smallest: Memory, pool_by
             f"might fit with: {', or '.join(hints)}")
 
 
-def _check_cpu_memory(spec: ModelSpec, seq_len: int, sequences: int, pool_bytes: int) -> None:
+def _check_cpu_memory(spec: ModelSpec, seq_len: int, sequences: int, pool_bytes: int, processes: int) -> None:
     """Before this CPU is measured for a model: whether its smallest plan (one sequence per micro-batch, blocks
-    recomputed, the most LM-head chunks) fits in the CPU's memory at all. The search checks every plan after."""
-    knobs = Knobs(micro_batch_size=1, grad_accum_steps=max(1, sequences), recompute=("block",),
-                  lm_head_chunks=max(KNOBS["lm_head_chunks"].choices), **CPU_KNOBS)
-    smallest = memory(spec, seq_len, knobs, num_gpus=1, gpus_per_node=1, device="cpu")
-    if smallest.gpu_total + smallest.host_total > pool_bytes * HOST_USABLE_FRACTION:
-        raise NoFeasiblePlan(_cpu_memory_message(spec, seq_len, smallest, pool_bytes))
+    recomputed, the most LM-head chunks, the optimizer sharded over the processes) fits in the CPU's memory at all.
+    The search checks every plan after."""
+    knobs = Knobs(micro_batch_size=1, grad_accum_steps=max(1, sequences // processes), recompute=("block",),
+                  lm_head_chunks=max(KNOBS["lm_head_chunks"].choices),
+                  **dict.fromkeys(ZERO_STAGES if processes > 1 else (), True), **CPU_KNOBS)
+    smallest = memory(spec, seq_len, knobs, num_gpus=processes, gpus_per_node=processes, device="cpu")
+    if processes * smallest.gpu_total + smallest.host_total > pool_bytes * HOST_USABLE_FRACTION:
+        raise NoFeasiblePlan(_cpu_memory_message(spec, seq_len, smallest, pool_bytes, processes))
 
 
 def _this_cpu(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
-    """This machine's CPU, measured for `spec` where the model can fit in its memory (`host_mem` caps it)."""
+    """This machine's CPU, measured for `spec` where the model can fit in its memory (`host_mem` caps it), as one
+    device or as `r.gpus` processes."""
     check_cpu_options("detected-cpu", r.gpus, r.nodes, r.gpu_mem)
     pool = parse_bytes(r.host_mem, "--host-mem") if r.host_mem else hwprofiles.host_memory_bytes()
-    sequences = (r.global_batch_tokens or SEQUENCES_PER_STEP * seq_len) // seq_len
-    _check_cpu_memory(spec, seq_len, sequences, pool)
-    return load_machine(_this_cpu_profile(spec, seq_len, sequences), host_memory=pool)
+    processes = r.gpus or 1
+    sequences = (r.global_batch_tokens or SEQUENCES_PER_STEP * seq_len * processes) // seq_len
+    _check_cpu_memory(spec, seq_len, sequences, pool, processes)
+    return load_machine(_this_cpu_profile(spec, seq_len, sequences // processes), num_gpus=processes,
+                        host_memory=pool)
 
 
 def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
-    """This machine: its GPU (one, as the executor trains on one so far) or its CPU, with its real memory."""
+    """This machine: its GPUs (all of them, or `r.gpus`), or its CPU, with its real memory and the links between its
+    GPUs as they are (peer-to-peer access as CUDA reports it, and as NCCL_P2P_DISABLE leaves it)."""
     if r.device not in (None, "cpu", "cuda"):
         fail("--device", f"{r.device!r} is not allowed; choose one of 'cpu', 'cuda'")
     if r.nodes not in (None, 1):
         fail("--nodes", f"{r.nodes}: this machine is one node; plan for several with --hw PROFILE --nodes {r.nodes}")
     if r.device == "cpu" or (r.device is None and not torch.cuda.is_available()):
-        for option, value in (("--gpus", r.gpus), ("--gpu-mem", r.gpu_mem)):
-            if value is not None:
-                fail(option, "this machine has no GPU (or --device cpu): plan for other hardware with --hw")
-        return _this_cpu(r, spec, seq_len)
+        if r.gpu_mem is not None:
+            fail("--gpu-mem", "this machine has no GPU (or --device cpu): plan for other hardware with --hw")
+        return _this_cpu(r, spec, seq_len)  # --gpus: CPU processes
     if not torch.cuda.is_available():
         fail("--device", "'cuda' was asked for, but this machine has no CUDA GPU")
     name = torch.cuda.get_device_name(0)
@@ -171,19 +177,27 @@ def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
     if profile is None:
         fail("--hw", f"no shipped profile for the GPU {name!r}; run `fastml profile -o my.json` and plan with "
                      f"--hw my.json, or pass --hw with the nearest of {', '.join(hwprofiles.names())}")
-    _check_gpu_count(r.gpus or 1, torch.cuda.device_count(), profile)
-    return load_machine(profile, 1, None, r.gpu_mem, r.host_mem or hwprofiles.host_memory_bytes())
+    present = torch.cuda.device_count()
+    gpus = r.gpus or present
+    _check_gpu_count(gpus, present, profile)
+    machine = load_machine(profile, gpus, None, r.gpu_mem, r.host_mem or hwprofiles.host_memory_bytes())
+    return dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, p2p=machine.gpu.p2p and _peer_access(gpus)))
 
 
 def _check_gpu_count(gpus: int, present: int, profile: str) -> None:
-    """Plans for this machine are plans it can run: the executor trains on one GPU until multi-GPU training is
-    built, so more GPUs are planned as other hardware (--hw), whose predictions need no run."""
+    """Plans for this machine are plans it can run: more GPUs than it has are planned as other hardware (--hw),
+    whose predictions need no run."""
     check_range("--gpus", gpus, 1)
     if gpus > present:
         fail("--gpus", f"{gpus}: this machine has {present} GPU(s); plan for more with --hw {profile} --gpus {gpus}")
-    if gpus > 1:
-        fail("--gpus", f"{gpus}: fastml run trains on one GPU so far; see the prediction for {gpus} GPUs with "
-                       f"--hw {profile} --gpus {gpus}")
+
+
+def _peer_access(gpus: int) -> bool:
+    """Whether every pair of the first `gpus` GPUs can copy peer to peer, as NCCL would: CUDA says so, and
+    NCCL_P2P_DISABLE does not forbid it (how a box of consumer GPUs behaves)."""
+    if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0"):
+        return False
+    return all(torch.cuda.can_device_access_peer(a, b) for a in range(gpus) for b in range(gpus) if a != b)
 
 
 def _named_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:

@@ -432,7 +432,6 @@ def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[in
         node={"gpus_per_node": 1, "host_memory_bytes": memory_bytes, "h2d_all_gpus_bytes_per_s": bandwidth,
               "cpu_adam_params_per_s": bandwidth / ADAM_BYTES_PER_PARAM, "host_copy_bytes_per_s": bandwidth,
               "nic_bytes_per_s": 0.0},
-        collectives={"latency_s": 0.0, "bus_bytes_per_s": {}},
         measured={"key": key, "date": measured.date})
     if topology is not None:
         data["detected"] = {**topology, "base_profile": "cpu", "base_match": "no CUDA GPU"}

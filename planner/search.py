@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastml.config import fail
-from fastml.plan import KNOBS, Knobs, knob_names
+from fastml.plan import KNOBS, ZERO_STAGES, Knobs, knob_names
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import Memory, has_fp32_masters, memory
 from fastml.planner.simulate import Simulation, simulate
@@ -70,6 +70,8 @@ def knob_space(problem: Problem, runnable_only: bool, lower_precision: bool) -> 
             choices = tuple(c for c in choices if c in info.executor_runs)
         if name == "matmul_dtype":
             choices = tuple(c for c in choices if c in problem.machine.gpu.peak_flops)
+        if name == "comm" and problem.machine.num_nodes > 1:  # host-routed copies stay within a node
+            choices = ("nccl",)
         # On a CPU the "device" memory is the host's: offload would move tensors within one pool.
         on_host_already = info.kind == "offload" and problem.machine.shares_host_memory
         searched = len(choices) > 1 and (lower_precision or not info.lower_precision) and (
@@ -103,9 +105,18 @@ def space_size(space: dict[str, tuple]) -> int:
 
 def make_knobs(problem: Problem, choice: dict) -> Knobs:
     defaults = {f.name: f.default for f in dataclasses.fields(Knobs)}
-    values = {**defaults, **choice}
+    values = with_zero_stages({**defaults, **choice})
     values["grad_accum_steps"] = problem.sequences_per_gpu // values["micro_batch_size"]
     return Knobs(**without_no_ops(problem.spec, values))
+
+
+def with_zero_stages(values: dict) -> dict:
+    """A drawn ZeRO stage with the stages below it (fastml.plan.ZERO_STAGES): sharded weights shard the gradients and
+    optimizer states too, sharded gradients the optimizer states."""
+    fixed = dict(values)
+    for lower, higher in zip(ZERO_STAGES[-2::-1], ZERO_STAGES[:0:-1]):
+        fixed[lower] = fixed[lower] or fixed[higher]
+    return fixed
 
 
 def without_no_ops(spec: ModelSpec, values: dict) -> dict:
@@ -117,6 +128,8 @@ def without_no_ops(spec: ModelSpec, values: dict) -> dict:
     for name in knob_names("offload"):
         if round(fixed[name] * spec.num_layers) == 0:
             fixed[name] = 0.0
+    if fixed["shard_gradients"]:  # sharded gradients stay on the GPU (fastml.plan.offloaded_groups)
+        fixed["offload_gradients"] = 0.0
     if not has_fp32_masters(Knobs(**{**{f.name: f.default for f in dataclasses.fields(Knobs)}, **fixed})):
         fixed["offload_master"] = 0.0
     all_streamed = round(fixed["offload_weights"] * spec.num_layers) == spec.num_layers
@@ -131,8 +144,8 @@ def evaluate(problem: Problem, knobs: Knobs) -> Candidate:
                problem.machine.device)
     gpu_over = m.gpu_total - problem.gpu_budget()
     host_over = m.host_total - problem.host_budget()
-    if problem.machine.shares_host_memory:  # a CPU: the device's bytes and the host's fill one pool
-        gpu_over = host_over = m.gpu_total + m.host_total - problem.host_budget()
+    if problem.machine.shares_host_memory:  # a CPU: every process's device bytes and the host's fill one pool
+        gpu_over = host_over = problem.machine.gpus_per_node * m.gpu_total + m.host_total - problem.host_budget()
     sim = None
     if gpu_over <= 0 and host_over <= 0:
         sim = simulate(problem.spec, problem.seq_len, knobs, problem.machine)

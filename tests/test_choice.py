@@ -22,6 +22,9 @@ def problem(model="tinyllama-1.1b", hw="h200", gpus=1, seq_len=2048, sequences_p
     return Problem(PRESETS[model], seq_len, seq_len * sequences_per_gpu * gpus, machine)
 
 
+ZERO_3 = dict(shard_optimizer=True, shard_gradients=True, shard_weights=True)
+
+
 def knobs(p: Problem, **values) -> Knobs:
     """Knobs as given, not normalised: micro-batch 1 unless said, accumulation to fill the batch."""
     micro = values.pop("micro_batch_size", 1)
@@ -30,8 +33,10 @@ def knobs(p: Problem, **values) -> Knobs:
 
 @pytest.mark.parametrize("model, gpus, noop, plain", [
     ("tinyllama-1.1b", 1, dict(master_dtype="bf16", offload_master=1.0), dict(master_dtype="bf16")),
-    ("tinyllama-1.1b", 2, dict(shard_weights=True, offload_weights=1.0, cache_weights_on_host=True),
-     dict(shard_weights=True, offload_weights=1.0)),
+    ("tinyllama-1.1b", 2, dict(**ZERO_3, offload_weights=1.0, cache_weights_on_host=True),
+     dict(**ZERO_3, offload_weights=1.0)),
+    ("tinyllama-1.1b", 2, dict(shard_optimizer=True, shard_gradients=True, offload_gradients=1.0),
+     dict(shard_optimizer=True, shard_gradients=True)),
     ("tinyllama-1.1b", 2, dict(cache_weights_on_host=True), dict()),
 ])
 def test_a_no_op_knob_is_normalised_and_changes_no_step_time(model, gpus, noop, plain):

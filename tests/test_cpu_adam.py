@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastml.config import UserError
-from fastml.executor import cpu_adam
+from fastml.executor import cpu_adam, native
 from fastml.executor.optim import EPS, lr_at
 from fastml.plan import Training
 
@@ -199,13 +199,13 @@ def test_a_later_process_loads_the_cached_build_without_compiling():
 def unbuilt(tmp_path, monkeypatch):
     """A process that has not loaded the op, with an empty cache."""
     monkeypatch.setenv("FASTML_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_adam, "_loaded", False)
+    monkeypatch.setattr(native, "_loaded", False)
     return tmp_path
 
 
 def test_no_compiler_is_one_clear_error_and_no_fallback(unbuilt, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler++")
-    for attempt in (cpu_adam.load, lambda: bad_call()):  # the step too: no Python step in the op's place
+    for attempt in (native.load, lambda: bad_call()):  # the step too: no Python step in the op's place
         with pytest.raises(UserError) as error:
             attempt()
         assert "no C++ compiler was found ('no-such-compiler++' is not on PATH)" in str(error.value)
@@ -216,20 +216,20 @@ def test_failed_build_is_one_line_with_the_compiler_output_in_a_file(unbuilt, mo
     from torch.utils import cpp_extension
 
     def failing_build(*args, **kwargs):
-        raise RuntimeError("Error building extension 'fastml_cpu_adam'\n[1/2] c++ -O3 cpu_adam.cpp\n"
+        raise RuntimeError("Error building extension 'fastml_native'\n[1/2] c++ -O3 cpu_adam.cpp\n"
                            "cpu_adam.cpp:1: error: something the compiler said")
 
-    monkeypatch.setattr(cpu_adam, "_check_tools", lambda: None)
+    monkeypatch.setattr(native, "_check_tools", lambda: None)
     monkeypatch.setattr(cpp_extension, "load", failing_build)
     with pytest.raises(UserError) as error:
         cpu_adam.load()
     message = str(error.value)
     assert "\n" not in message
-    assert "fastml's C++ CPU AdamW) failed: cpu_adam.cpp:1: error: something the compiler said" in message
-    log = cpu_adam.build_directory() / "build.log"
+    assert "(fastml's C++ ops (csrc/)) failed: cpu_adam.cpp:1: error: something the compiler said" in message
+    log = native.build_directory() / "build.log"
     assert str(log) in message
     assert "something the compiler said" in log.read_text()
-    assert not (cpu_adam.build_directory() / "complete").exists()  # the next process tries again
+    assert not (native.build_directory() / "complete").exists()  # the next process tries again
 
 
 def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):
@@ -238,5 +238,5 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path)
     fresh.touch()
     os.utime(stale, (0, 0))
     for lock in (stale, fresh, tmp_path / "absent"):
-        cpu_adam._remove_stale_lock(lock)
+        native._remove_stale_lock(lock)
     assert not stale.exists() and fresh.exists()

@@ -154,6 +154,7 @@ def fake_gpu(monkeypatch):
     """torch.cuda as it would show a GPU of 8 GiB, on a machine without one; returns the memory fractions set."""
     fractions = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (7 * GIB, 8 * GIB))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)

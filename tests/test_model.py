@@ -62,8 +62,8 @@ def test_causal_outputs_do_not_see_the_future():
 
 
 def test_unimplemented_knobs_are_refused():
-    with pytest.raises(UserError, match="knobs.shard_weights: True is not supported by this executor yet"):
-        check_supported(Knobs(shard_weights=True))
+    with pytest.raises(UserError, match="knobs.optimizer_dtype: 'bf16' is not supported by this executor yet"):
+        check_supported(Knobs(optimizer_dtype="bf16"))
     with pytest.raises(UserError, match="knobs.matmul_dtype: 'fp8' is not supported by this executor yet"):
         check_supported(Knobs(matmul_dtype="fp8"))
 

@@ -12,7 +12,8 @@ from fastml.plan import TIME_COMPONENTS, Knobs, knob_names
 from fastml.planner.hardware import load_machine, parse_bytes
 from fastml.planner.costs import collective_s, costs
 from fastml.planner.memory import layer_activation_bytes, memory, model_state_bytes
-from fastml.planner.planner import NoFeasiblePlan, make_plan, replan
+from fastml.planner.planner import NoFeasiblePlan, _this_machine, make_plan, replan
+from fastml.planner.request import PlanRequest
 from fastml.planner.search import Problem, evaluate, exhaustive, knob_space, pin, search, tokens_per_s
 from fastml.planner.simulate import chrome_trace, simulate
 from fastml.spec import PRESETS
@@ -111,7 +112,7 @@ def test_simulation_adds_up_and_traces():
     spec = PRESETS["tinyllama-1.1b"]
     machine = load_machine("rtx4090", 4)
     knobs = Knobs(micro_batch_size=2, grad_accum_steps=5, recompute=("block",), offload_optimizer=0.5,
-                  offload_residuals=0.5, shard_gradients=True, comm="memcpy")
+                  offload_residuals=0.5, shard_optimizer=True, shard_gradients=True, comm="memcpy")
     sim = simulate(spec, 2048, knobs, machine)
     assert set(sim.time_s) == set(TIME_COMPONENTS)
     assert sim.time_s["exposed_comm"] >= 0 and sim.time_s["recompute"] > 0
@@ -190,6 +191,7 @@ def fake_gpus(monkeypatch, count: int, name: str = "NVIDIA H200"):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
 
 
 def test_a_cpu_plan_is_searched_and_simulated_like_a_gpu_plan(fake_cpu):
@@ -222,11 +224,10 @@ def test_a_cpu_plan_must_fit_in_the_hosts_memory(fake_cpu):
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
-    (dict(gpus=2), "--gpus: this machine has no GPU"),
-    (dict(gpus=1), "--gpus: this machine has no GPU"),
+    (dict(gpus=100000), r"--gpus: 100000 is outside the allowed range \[1, 64\]"),
     (dict(gpu_mem="16GiB"), "--gpu-mem: this machine has no GPU"),
     (dict(nodes=2), "--nodes: 2: this machine is one node"),
-    (dict(hw="cpu", gpus=4), "--gpus: 4: detected-cpu is a CPU"),
+    (dict(hw="cpu", nodes=2), "--nodes: 2: detected-cpu is this machine's CPU, one node"),
 ])
 def test_gpu_options_on_a_cpu_machine_are_one_error(fake_cpu, kwargs, fragment):
     """REVIEW: --gpus 100000 planned for 1 x cpu."""
@@ -234,14 +235,29 @@ def test_gpu_options_on_a_cpu_machine_are_one_error(fake_cpu, kwargs, fragment):
         make_plan(trials=10, **kwargs)
 
 
-@pytest.mark.parametrize("present, gpus, fragment", [
-    (1, 2, "--gpus: 2: this machine has 1 GPU"),
-    (8, 2, "--gpus: 2: fastml run trains on one GPU so far; see the prediction for 2 GPUs with --hw h200"),
-])
-def test_more_gpus_than_this_machine_runs_is_one_error(monkeypatch, present, gpus, fragment):
-    fake_gpus(monkeypatch, present)
-    with pytest.raises(UserError, match=fragment):
-        make_plan(gpus=gpus, trials=10)
+def test_gpus_on_a_cpu_are_processes_sharing_it(fake_cpu):
+    one, two = (make_plan(trials=10, gpus=n, global_batch_tokens=256 * 16).plan for n in (1, 2))
+    assert (two.hardware.device, two.hardware.num_gpus, two.hardware.gpus_per_node) == ("cpu", 2, 2)
+    assert two.knobs.micro_batch_size * two.knobs.grad_accum_steps == 8  # half the sequences each
+    # Each process has half the cores: about as fast in all, never faster than one process taking it all.
+    assert two.predicted.step_time_s > 0.9 * one.predicted.step_time_s
+
+
+def test_more_gpus_than_this_machine_has_is_one_error(monkeypatch):
+    fake_gpus(monkeypatch, 1)
+    with pytest.raises(UserError, match="--gpus: 2: this machine has 1 GPU"):
+        make_plan(gpus=2, trials=10)
+
+
+@pytest.mark.parametrize("env, p2p", [({}, True), ({"NCCL_P2P_DISABLE": "1"}, False)])
+def test_a_plan_for_this_machine_takes_all_its_gpus_and_their_links(monkeypatch, env, p2p):
+    fake_gpus(monkeypatch, 2)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    plan = make_plan(trials=10).plan
+    assert (plan.hardware.num_gpus, plan.hardware.gpus_per_node) == (2, 2)
+    assert make_plan(trials=10, gpus=1).plan.hardware.num_gpus == 1
+    assert _this_machine(PlanRequest(), PRESETS["tiny"], 256).gpu.p2p is p2p
 
 
 def test_gpu_options_apply_to_this_machines_gpu(monkeypatch):

@@ -323,6 +323,9 @@ class NoOptimizerState:
     def state_tensors(self):
         return {"step/none": torch.zeros(1)}
 
+    def state_ranges(self):
+        return {}
+
 
 def flip_a_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())

@@ -161,9 +161,9 @@ def test_the_step_calls_its_hooks(tmp_path):
 
 
 def test_mfu_uses_the_peak_of_the_plans_matmul_dtype(monkeypatch):
-    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype: None)  # no measured CPU profile cached
+    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype, threads=None: None)  # no measured CPU profile
     assert peak_flops(torch.device("cpu"), "fp32") == (None, "cpu fp32: its profile has no fp32 peak, MFU n/a")
-    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype: {"fp32": 2e12}.get(dtype))
+    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype, threads=None: {"fp32": 2e12}.get(dtype))
     assert peak_flops(torch.device("cpu"), "fp32") == (2e12, "cpu measured fp32 2 TFLOP/s")
     assert peak_flops(torch.device("cpu"), "bf16")[0] is None
 
