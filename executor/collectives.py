@@ -15,11 +15,9 @@ import torch
 import torch.distributed as dist
 
 
-class Done:
-    """The Work of a collective that had nothing to do (a world of one)."""
-
-    def wait(self) -> None:
-        pass
+# torch 2.13 renamed these (the old names warn); torch 2.11, on the GPU machines, has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class TorchCollectives:
@@ -41,13 +39,13 @@ class TorchCollectives:
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor):
         """`out` (S elements) becomes the sum over the ranks of their `full[rank*S:(rank+1)*S]` (W*S elements)."""
         self._tick()
-        return dist.reduce_scatter_tensor(out, full, async_op=True)
+        return _reduce_scatter(out, full, async_op=True)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor):
         """`out` (W*S elements) becomes every rank's `shard` (S elements) in rank order; `shard` may be this rank's
         part of `out`."""
         self._tick()
-        return dist.all_gather_into_tensor(out, shard, async_op=True)
+        return _all_gather(out, shard, async_op=True)
 
     def close(self) -> None:
         pass

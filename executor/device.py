@@ -15,6 +15,11 @@ from fastml.plan import Plan
 from fastml.executor.world import SINGLE, World
 
 
+ONE_GPU_ENV = "FASTML_TEST_ONE_GPU"
+"""Tests only: set to 1, every rank of a node trains on GPU 0, so that a machine with one GPU runs the sharding engine
+and the memcpy collectives on CUDA (NCCL refuses two ranks on one GPU; tests/test_gpu_distributed.py)."""
+
+
 def training_device(plan: Plan, world: World = SINGLE) -> torch.device:
     """This rank's device: the GPU of its local rank, or the CPU, whose cores the node's ranks share."""
     if plan.hardware.device == "cuda":
@@ -22,7 +27,9 @@ def training_device(plan: Plan, world: World = SINGLE) -> torch.device:
         # allocator at its first use, so set before anything is allocated).
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         check_gpus(plan)
-        return torch.device("cuda", world.local_rank) if world.distributed else torch.device("cuda")
+        if not world.distributed:
+            return torch.device("cuda")
+        return torch.device("cuda", 0 if os.environ.get(ONE_GPU_ENV) == "1" else world.local_rank)
     if world.distributed:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_size))
     return torch.device("cpu")
@@ -34,7 +41,7 @@ def check_gpus(plan: Plan) -> None:
         fail("hardware.device", "the plan is for a GPU but none is available here; plan again on this machine "
                                 "(`fastml plan`)")
     present = torch.cuda.device_count()
-    if plan.hardware.gpus_per_node > present:
+    if plan.hardware.gpus_per_node > present and os.environ.get(ONE_GPU_ENV) != "1":
         fail("hardware.gpus_per_node", f"the plan is for {plan.hardware.gpus_per_node} GPUs per node but this one "
                                        f"has {present}; plan again on this machine (`fastml plan`)")
 

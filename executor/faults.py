@@ -3,7 +3,8 @@
 only the rank R of a job of several ranks (`kill-mid-checkpoint@4:1`).
 
 Kinds: `kill-mid-step` (SIGKILL after the first micro-batch's backward pass), `kill-mid-checkpoint` (SIGKILL after
-the first file of the step's checkpoint is written), `nan-loss` (the step's loss becomes NaN). Steps count from 1.
+the first file of the step's checkpoint is written), `nan-loss` (the step's loss becomes NaN), `hang` (sleeps for
+ever after the first micro-batch's backward pass: a rank that makes no progress). Steps count from 1.
 The step takes the first and last as hooks (`step_hooks`), the checkpoint writer calls `kill_if_due`. Unset,
 nothing here does anything.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from functools import cache
 
 from fastml.executor.step import StepHooks
@@ -44,7 +46,13 @@ def kill_if_due(kind: str, step: int) -> None:
 
 def step_hooks() -> StepHooks:
     """The faults of FASTML_FAULTS that strike inside a training step, as the step's hooks."""
-    return StepHooks(after_loss=_nan_loss_if_due, after_first_backward=lambda step: kill_if_due("kill-mid-step", step))
+    return StepHooks(after_loss=_nan_loss_if_due, after_first_backward=_after_first_backward)
+
+
+def _after_first_backward(step: int) -> None:
+    kill_if_due("kill-mid-step", step)
+    while due("hang", step):
+        time.sleep(3600)
 
 
 def _nan_loss_if_due(step: int, loss):

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from fastml.config import fail
 from fastml.plan import Plan, save_plan
+from fastml.executor.world import EXIT_OTHER_RANK
 
 SHUTDOWN_S = 900
 """How long the workers may take to finish their step and write a checkpoint after a signal before they are
@@ -57,7 +58,7 @@ def train_in_workers(plan: Plan, console: Console, *, log_json, show_progress: b
                                           ("--start-over", start_over), ("--strict", strict)) if given]
         console.print(f"starting {n} {'GPU' if plan.hardware.device == 'cuda' else 'CPU'} workers; rank 0 reports",
                       highlight=False)
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)  # we say what failed, once
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we say what failed, once
         try:
             elastic_launch(_launch_config(n), sys.executable)(*args)
         except ChildFailedError as e:
@@ -92,13 +93,19 @@ def _launch_config(num_workers: int):
 
 
 def _failure(error) -> WorkersFailed:
-    """The failure the others followed: the earliest, with rank 0's first where rank 0 said why (a user error, a
-    stop) and so set the exit code."""
-    rank, failure = error.get_first_failure()
-    if 0 in error.failures and error.failures[0].exitcode > 0:
-        rank, failure = 0, error.failures[0]
+    """The failure the others followed: a rank killed by a signal (but SIGTERM, which the launcher sends the others
+    once one has failed), else one that said why it stopped (a user error, non-finite steps, a stop requested), else
+    one that stopped for another rank (a hang the watchdog named, a lost connection), else any other; the lowest
+    rank of the first kind found. The ranks that failed after it are listed."""
+    def kind(failure) -> int:
+        if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM:
+            return 0
+        if failure.exitcode in (2, 3) or failure.exitcode > 128:
+            return 1
+        return 2 if failure.exitcode == EXIT_OTHER_RANK else 3  # a hang it diagnosed, or lost contact
+    rank, failure = min(error.failures.items(), key=lambda item: (kind(item[1]), item[0]))
     others = sorted(set(error.failures) - {rank})
-    also = f"; ranks {', '.join(map(str, others))} stopped too" if others else ""
+    also = f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped too" if others else ""
     if failure.exitcode < 0:
         name = signal.Signals(-failure.exitcode).name
         return WorkersFailed(f"rank {rank} (pid {failure.pid}) was killed by {name}; the job stopped{also}",

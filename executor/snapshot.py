@@ -306,8 +306,9 @@ def _model_state(model: Transformer) -> dict[str, torch.Tensor]:
     calls this)."""
     state = model.state_dict()
     parallel = getattr(getattr(model, "offload", None), "parallel", None)
-    for group in sorted(parallel.sharded, key=_block_index) if parallel is not None else ():
-        state.update(parallel.full_weights(group))
+    for group in parallel.layouts if parallel is not None else ():  # in model order, the same on every rank
+        if group in parallel.sharded:
+            state.update(parallel.full_weights(group))
     return state
 
 
@@ -321,10 +322,6 @@ def _load_model(model: Transformer, state: dict[str, torch.Tensor]) -> None:
             parallel.load_weights(group, name, state[name])
         else:
             tensor.copy_(state[name])
-
-
-def _block_index(group: str) -> int:
-    return int(group.split(".")[1])
 
 
 def _other_ranks_files(tmp: Path) -> dict[str, str]:
@@ -367,11 +364,14 @@ class _SavedOptimizer:
         self.handles.clear()
 
     def read(self, key: str, start: int, end: int) -> torch.Tensor | None:
-        parts = []
+        """Elements [start, end) of the flattened tensor `key`, from the parts that hold them (each element from the
+        first that does: every rank's file holds the same step count)."""
+        parts, covered = [], start
         for handle, first, last in sorted(self.index.get(key, ()), key=lambda part: part[1]):
-            lo, hi = max(first, start), min(last, end)
+            lo, hi = max(first, covered), min(last, end)
             if lo < hi:
                 parts.append(handle.get_tensor(key).reshape(-1)[lo - first:hi - first])
+                covered = hi
         if not parts:
             return None
         value = torch.cat(parts)

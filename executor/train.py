@@ -66,7 +66,9 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     if world is None and plan.hardware.num_gpus > 1:
         from fastml.executor.launch import train_in_workers
 
-        return train_in_workers(plan, console or Console(stderr=True), **options)
+        summary = train_in_workers(plan, console or Console(stderr=True), **options)
+        _write_summary(summary, summary_json)
+        return summary
     world = world or SINGLE
     check_world(plan, world)
     console = console or Console(stderr=True, quiet=not world.main)
@@ -83,9 +85,14 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         finally:
             if comm is not None:
                 comm.close()
-    if summary_json and world.main:
-        Path(summary_json).write_text(json.dumps(summary, indent=2) + "\n")
+    if world.main:
+        _write_summary(summary, summary_json)
     return summary
+
+
+def _write_summary(summary: dict, path: str | Path | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, console: Console,

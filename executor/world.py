@@ -83,7 +83,8 @@ def join(plan: Plan, world: World, device: torch.device, timeout_s: float) -> No
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" and plan.knobs.comm == "nccl" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    # Longer than the watchdog's timeout, which names the rank the others wait for: the backends' own do not.
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=2 * timeout_s + 60))
 
 
 def _units(plan: Plan) -> str:

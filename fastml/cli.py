@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -194,10 +195,11 @@ def cmd_run(args: argparse.Namespace) -> None:
     except Exception as e:
         import torch.distributed as dist
 
-        if world is None or not isinstance(e, dist.DistError):
+        # NCCL reports a lost rank as a DistError, gloo as a RuntimeError naming its transport.
+        lost = isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo" in str(e))
+        if world is None or not world.distributed or not lost:
             raise
-        print(f"fastml: rank {world.rank}: lost contact with the other ranks ({_one_line(str(e))[:300]})",
-              file=sys.stderr)
+        print(f"fastml: rank {world.rank}: lost contact with the other ranks ({_backend_says(e)})", file=sys.stderr)
         sys.exit(EXIT_OTHER_RANK)
 
 
@@ -263,6 +265,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _backend_says(error: Exception) -> str:
+    """The first sentence of a collective backend's error, without the source file it names first."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", _one_line(str(error)))
+    return text.split(". ")[0].rstrip(".")[:200]
 
 
 def _rank_prefix() -> str:

@@ -1,0 +1,295 @@
+"""Several ranks on a CPU (gloo, and the memcpy collectives through shared memory): data parallelism and every ZeRO
+stage, alone and with offload, trained a few steps by jobs of 2 and 4 processes and of 2 nodes x 2 processes
+(torchrun's rendezvous, both nodes on this machine), each compared with one process taking every micro-batch of the
+step; checkpoints resumed at another number of ranks; a rank that dies, hangs or meets a NaN; and the main job,
+`fastml plan --device cpu --gpus 2` then `fastml run`.
+
+Tolerances: the ranks' gradients are summed in another order than one process adds its micro-batches, so losses
+agree to rounding: rel 1e-5 in fp32, 1e-3 with bf16 weights. Where each rank takes one micro-batch and the sum runs
+in rank order (the memcpy collectives, and gloo at these sizes), the order is the same and the losses are equal.
+"""
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastml.config import to_dict
+from fastml.plan import Hardware, Knobs, Plan, Training, load_plan, save_plan
+from fastml.spec import PRESETS
+from fastml.executor.data import TokenData
+from fastml.executor.tensordir import read_manifest
+from fastml.executor.train import train
+
+pytestmark = pytest.mark.slow
+
+SEQ_LEN, SEQUENCES = 32, 8
+ZERO = {0: {}, 1: dict(shard_optimizer=True), 2: dict(shard_optimizer=True, shard_gradients=True),
+        3: dict(shard_optimizer=True, shard_gradients=True, shard_weights=True)}
+FP32 = dict(param_dtype="fp32", matmul_dtype="fp32")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def plan(ranks: int = 1, nodes: int = 1, micro: int = 2, steps: int = 3, bf16: bool = False, **knobs) -> Plan:
+    """The tiny model on SEQUENCES sequences a step, over `ranks` CPU processes on `nodes` nodes."""
+    return Plan(model=PRESETS["tiny"], training=Training(seq_len=SEQ_LEN, global_batch_tokens=SEQ_LEN * SEQUENCES,
+                                                         steps=steps),
+                hardware=Hardware(device="cpu", num_gpus=ranks, gpus_per_node=ranks // nodes),
+                knobs=Knobs(micro_batch_size=micro, grad_accum_steps=SEQUENCES // (micro * ranks),
+                            **({} if bf16 else FP32), **knobs))
+
+
+def one_process(p: Plan) -> Plan:
+    """The same step in one process: every micro-batch of every rank, one after another."""
+    k = p.knobs
+    return dataclasses.replace(p, hardware=Hardware(device="cpu"), knobs=dataclasses.replace(
+        k, grad_accum_steps=k.grad_accum_steps * p.hardware.num_gpus))
+
+
+def records(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def losses(log: Path) -> list[float]:
+    return [r["loss"] for r in records(log)]
+
+
+def trained_alone(tmp_path: Path, p: Plan, name: str, **options) -> list[float]:
+    log = tmp_path / f"{name}.jsonl"
+    train(p, log_json=log, show_progress=False, **options)
+    return losses(log)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(tmp_path: Path, runs: list[dict], ranks: int, nodes: int = 1, env=None,
+             timeout_s: float = 600) -> list[subprocess.CompletedProcess]:
+    """Runs tests/run_plans.py over `runs` as a job of `ranks` processes on `nodes` torchrun agents (nodes)."""
+    spec = tmp_path / f"spec-{ranks}x{nodes}.json"
+    spec.write_text(json.dumps({"runs": [{**run, "plan": to_dict(run["plan"]), "log": str(run["log"])}
+                                         for run in runs]}))
+    if nodes == 1:
+        where = ["--standalone"]
+    else:
+        where = ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                 "--rdzv-id", tmp_path.name]
+    command = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(ranks // nodes),
+               str(ROOT / "tests" / "run_plans.py"), str(spec)]
+    agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **(env or {})}) for _ in range(nodes)]
+    done = []
+    for agent in agents:
+        out, err = agent.communicate(timeout=timeout_s)
+        done.append(subprocess.CompletedProcess(command, agent.returncode, out, err))
+    return done
+
+
+def job(tmp_path: Path, plans: dict[str, Plan], ranks: int, nodes: int = 1) -> dict[str, list[dict]]:
+    """Each plan trained by one job of `ranks` processes (started once for all of them): its records by name."""
+    runs = [{"plan": p, "log": tmp_path / f"{name}.jsonl"} for name, p in plans.items()]
+    for agent in torchrun(tmp_path, runs, ranks, nodes):
+        assert agent.returncode == 0, agent.stderr[-3000:]
+    return {name: records(tmp_path / f"{name}.jsonl") for name in plans}
+
+
+# --- one job of 2 ranks trains all of these ------------------------------------------------------------------------
+
+def two_rank_plans() -> dict[str, Plan]:
+    plans = {f"zero{stage}-{comm}": plan(2, comm=comm, **ZERO[stage]) for stage in ZERO for comm in ("nccl", "memcpy")}
+    plans |= {f"one-micro-batch-{comm}": plan(2, micro=4, comm=comm) for comm in ("nccl", "memcpy")}
+    off = dict(offload_optimizer=1.0, offload_master=1.0)
+    plans |= {
+        "zero1-cpu-step": plan(2, bf16=True, **ZERO[1], **off),
+        "zero3-cpu-step-memcpy": plan(2, bf16=True, comm="memcpy", **ZERO[3], **off),
+        "zero3-streamed": plan(2, bf16=True, **ZERO[3], offload_weights=1.0, offload_residuals=0.5),
+        "zero3-host-cache": plan(2, bf16=True, comm="memcpy", **ZERO[3], cache_weights_on_host=True),
+        "ddp-host-gradients": plan(2, micro=1, bf16=True, offload_gradients=1.0),
+        "zero1-host-gradients": plan(2, micro=1, bf16=True, **ZERO[1], offload_gradients=1.0),
+        "ddp-streamed-memcpy": plan(2, bf16=True, comm="memcpy", offload_weights=0.5, offload_optimizer=0.5),
+    }
+    return plans
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return job(tmp_path_factory.mktemp("two-ranks"), two_rank_plans(), ranks=2)
+
+
+@pytest.mark.parametrize("name", [f"zero{stage}-{comm}" for stage in ZERO for comm in ("nccl", "memcpy")])
+def test_every_zero_stage_on_both_transports_trains_as_one_process(tmp_path, two_ranks, name):
+    alone = trained_alone(tmp_path, one_process(two_rank_plans()[name]), name)
+    got = [r["loss"] for r in two_ranks[name]]
+    assert got[0] == alone[0]  # before any step: the same weights and the same sequences
+    assert got == pytest.approx(alone, rel=1e-5)
+
+
+@pytest.mark.parametrize("comm", ["nccl", "memcpy"])
+def test_one_micro_batch_per_rank_sums_in_one_processs_order(tmp_path, two_ranks, comm):
+    name = f"one-micro-batch-{comm}"
+    log = tmp_path / "alone.jsonl"
+    train(one_process(two_rank_plans()[name]), log_json=log, show_progress=False)
+    assert [(r["loss"], r["grad_norm"]) for r in two_ranks[name]] == [(r["loss"], r["grad_norm"]) for r in records(log)]
+
+
+@pytest.mark.parametrize("name", ["zero1-cpu-step", "zero3-cpu-step-memcpy", "zero3-streamed", "zero3-host-cache",
+                                  "ddp-host-gradients", "zero1-host-gradients", "ddp-streamed-memcpy"])
+def test_sharding_with_offload_trains_as_one_process_with_that_offload(tmp_path, two_ranks, name):
+    """A rank's shard of the optimizer state in host memory, stepped by the C++ AdamW; streamed weight shards;
+    gathered weights kept on the host for the backward pass; gradients summed on the host over micro-batches."""
+    alone = trained_alone(tmp_path, one_process(two_rank_plans()[name]), name)
+    got = [r["loss"] for r in two_ranks[name]]
+    assert got[0] == alone[0]
+    assert got == pytest.approx(alone, rel=1e-3)
+
+
+# --- 4 ranks, and 2 nodes of 2 ---------------------------------------------------------------------------------
+
+def wider_plans(ranks: int, nodes: int) -> dict[str, Plan]:
+    plans = {"zero0-nccl": plan(ranks, nodes), "zero3-nccl": plan(ranks, nodes, **ZERO[3]),
+             "zero1-cpu-step": plan(ranks, nodes, bf16=True, **ZERO[1], offload_optimizer=1.0)}
+    if nodes == 1:  # memcpy collectives stay within a node
+        plans |= {"zero0-memcpy": plan(ranks, comm="memcpy"), "zero2-memcpy": plan(ranks, comm="memcpy", **ZERO[2])}
+    return plans
+
+
+@pytest.mark.parametrize("ranks, nodes", [(4, 1), (4, 2)])
+def test_four_ranks_and_two_nodes_train_as_one_process(tmp_path, ranks, nodes):
+    plans = wider_plans(ranks, nodes)
+    trained = job(tmp_path, plans, ranks, nodes)
+    for name, p in plans.items():
+        alone = trained_alone(tmp_path, one_process(p), name)
+        got = [r["loss"] for r in trained[name]]
+        assert got[0] == alone[0], name
+        assert got == pytest.approx(alone, rel=1e-3 if p.knobs.param_dtype == "bf16" else 1e-5), name
+        if name == "zero0-memcpy":  # one micro-batch per rank, summed in rank order
+            assert got == alone
+
+
+# --- data, NaN, checkpoints, failures --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_each_step_reads_the_sequences_of_one_process_once(ranks):
+    data = TokenData.open("default", SEQ_LEN, PRESETS["tiny"].vocab_size)
+    micro = SEQUENCES // ranks // 2
+    alone = data.batches(micro, seed=0)
+    split = [data.batches(micro, seed=0, rank=r, world_size=ranks) for r in range(ranks)]
+    for _ in range(3):  # steps
+        one = {tuple(row.tolist()) for _ in range(2 * ranks) for row in next(alone)[0]}
+        together = [tuple(row.tolist()) for _ in range(2) for batch in split for row in next(batch)[0]]
+        assert len(together) == len(set(together)) == SEQUENCES and set(together) == one
+
+
+def test_a_nan_on_one_rank_skips_the_step_on_all(tmp_path):
+    p = plan(2, steps=4)
+    runs = [{"plan": p, "log": tmp_path / "nan.jsonl"}]
+    assert all(a.returncode == 0 for a in torchrun(tmp_path, runs, 2, env={"FASTML_FAULTS": "nan-loss@2:1"}))
+    got = records(tmp_path / "nan.jsonl")
+    assert [r["skipped"] for r in got] == [False, True, False, False]
+    os.environ["FASTML_FAULTS"] = "nan-loss@2"
+    try:
+        from fastml.executor import faults
+
+        faults._planned.cache_clear()
+        alone = trained_alone(tmp_path, one_process(p), "alone")
+    finally:
+        del os.environ["FASTML_FAULTS"]
+        faults._planned.cache_clear()
+    assert [r["loss"] for r in got if not r["skipped"]] == pytest.approx([x for x in alone if x is not None],
+                                                                        rel=1e-5)
+
+
+def with_checkpoints(p: Plan, root: Path, interval: int = 2) -> Plan:
+    return dataclasses.replace(p, training=dataclasses.replace(p.training, checkpoint_dir=str(root),
+                                                               checkpoint_interval=interval))
+
+
+def test_a_sharded_checkpoint_resumes_at_one_and_at_four_ranks(tmp_path):
+    """Written by 2 ranks, each its shard of the optimizer state; resumed by 1 and by 4 (sharded another way): the
+    loss curve goes on as the 2 ranks' did. `fastml convert --to-hf` reads it."""
+    whole = with_checkpoints(plan(2, steps=4, **ZERO[2]), tmp_path / "ck")
+    assert all(a.returncode == 0 for a in torchrun(tmp_path, [{"plan": whole, "log": tmp_path / "two.jsonl"}], 2))
+    two = losses(tmp_path / "two.jsonl")
+    step2 = tmp_path / "ck" / "step-00000002"
+    assert sorted(p.name for p in step2.iterdir() if p.name.startswith("optimizer")) == [
+        "optimizer-00000.safetensors", "optimizer-00001.safetensors"]
+    assert read_manifest(step2).training.world_size == 2
+    for ranks, knobs in ((1, {}), (4, ZERO[3])):
+        root = tmp_path / f"resumed-{ranks}"
+        root.mkdir()
+        subprocess.run(["cp", "-r", str(step2), str(root)], check=True)
+        p = with_checkpoints(plan(ranks, steps=4, **knobs), root)
+        log = tmp_path / f"resumed-{ranks}.jsonl"
+        if ranks == 1:
+            train(p, log_json=log, show_progress=False, resume=True)
+        else:
+            agents = torchrun(tmp_path, [{"plan": p, "log": log, "resume": True}], ranks)
+            assert all(a.returncode == 0 for a in agents), agents[0].stderr[:3000]
+        assert losses(log) == pytest.approx(two[2:], rel=1e-5), ranks
+    converted = subprocess.run([sys.executable, "-m", "fastml", "convert", str(tmp_path / "ck" / "step-00000004"),
+                                "--to-hf", str(tmp_path / "hf")], capture_output=True, text=True)
+    assert converted.returncode == 0, converted.stderr
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def fastml(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fastml", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_the_main_job_on_two_cpu_processes_trains_as_one(tmp_path):
+    """`fastml plan --device cpu --gpus 2 -o p.json && fastml run p.json`: two gloo processes started by fastml
+    itself, one progress display and one summary (rank 0's), and the losses of one process."""
+    planned = fastml("plan", "--device", "cpu", "--gpus", "2", "--trials", "20", "-o", "p.json", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    p = load_plan(tmp_path / "p.json")
+    assert (p.hardware.num_gpus, p.hardware.device) == (2, "cpu")
+    ran = fastml("run", "p.json", "--steps", "3", "--log-json", "log.jsonl", "--summary-json", "summary.json",
+                 cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stderr.count("fastml run: tiny, 3 steps") == 1 and "starting 2 CPU workers" in ran.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
+    alone = trained_alone(tmp_path, dataclasses.replace(one_process(p), training=dataclasses.replace(
+        p.training, steps=3)), "alone")
+    assert losses(tmp_path / "log.jsonl") == pytest.approx(alone, rel=1e-5)
+
+
+def test_a_plan_for_more_ranks_than_started_is_one_error(tmp_path):
+    save_plan(plan(4), tmp_path / "p.json")
+    agents = torchrun(tmp_path, [{"plan": plan(4), "log": tmp_path / "x.jsonl"}], 2)
+    assert agents[0].returncode != 0
+    assert "the plan is for 4 CPU processes (4 per node) but 2 processes were started" in agents[0].stderr
+
+
+def test_a_killed_rank_stops_the_job_and_is_named(tmp_path):
+    save_plan(plan(2, steps=4), tmp_path / "p.json")
+    ran = fastml("run", "p.json", "--no-progress", cwd=tmp_path, env={"FASTML_FAULTS": "kill-mid-step@2:1"})
+    assert ran.returncode == 128 + 9, ran.stderr
+    assert "fastml: rank 1 (pid" in ran.stderr and "was killed by SIGKILL; the job stopped" in ran.stderr
+
+
+def test_a_hung_rank_stops_the_job_within_the_timeout_and_is_named(tmp_path):
+    save_plan(plan(2, steps=4), tmp_path / "p.json")
+    ran = fastml("run", "p.json", "--no-progress", "--timeout", "5", cwd=tmp_path, env={"FASTML_FAULTS": "hang@2:1"})
+    assert ran.returncode == 4, ran.stderr
+    assert "no progress for" in ran.stderr and "rank 1 (host" in ran.stderr and "at step 2" in ran.stderr
+
+
+def test_a_rank_killed_while_writing_a_checkpoint_leaves_the_previous_one_usable(tmp_path):
+    root = tmp_path / "ck"
+    save_plan(with_checkpoints(plan(2, steps=4, **ZERO[1]), root), tmp_path / "p.json")
+    killed = fastml("run", "p.json", "--no-progress", cwd=tmp_path, env={"FASTML_FAULTS": "kill-mid-checkpoint@4:1"})
+    assert killed.returncode == 128 + 9, killed.stderr
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["step-00000002"]
+    resumed = fastml("run", "p.json", "--no-progress", "--resume", "--log-json", "log.jsonl", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr and [r["step"] for r in records(tmp_path / "log.jsonl")] == [3, 4]
