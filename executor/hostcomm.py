@@ -111,7 +111,7 @@ class HostCollectives:
         shard = out.numel()
         if full.numel() != size * shard:
             raise ValueError(f"reduce_scatter of {full.numel()} elements into shards of {shard}")
-        cell = MEMCPY_ROW_BYTES // size // full.element_size()
+        cell = _cell_bytes(size) // full.element_size()
         for start in range(0, shard, cell):
             n = min(cell, shard - start)
             mine = lambda r: full[r * shard + start:][:n]  # noqa: E731: the part of `full` rank r sums
@@ -138,7 +138,7 @@ class HostCollectives:
     def _cell(self, row: int, cell: int, cells: int, dtype: torch.dtype, n: int) -> torch.Tensor:
         """Elements [0, n) of cell `cell` (of `cells`) of rank `row`'s row in this round's slot."""
         slot = self.slots[self.round % MEMCPY_SLOTS]
-        width = MEMCPY_ROW_BYTES // cells
+        width = _cell_bytes(cells)
         start = row * MEMCPY_ROW_BYTES + cell * width
         return slot[start:start + width].view(dtype)[:n]
 
@@ -179,6 +179,11 @@ class HostCollectives:
     def _round_done(self) -> None:
         self.last_up = self.h2d.record_event() if self.cuda else None
         self.round += 1
+
+
+def _cell_bytes(cells: int) -> int:
+    """The bytes of each of `cells` cells of a row: 64-byte aligned, for every element size and the copy engines."""
+    return MEMCPY_ROW_BYTES // cells // 64 * 64
 
 
 class _Job:

@@ -116,6 +116,7 @@ class DataParallel:
         self.shards: dict[str, torch.Tensor] = {}  # a sharded block's weight shard (on the GPU or the host)
         self.placeholders: dict[str, torch.Tensor] = {}  # a sharded block's weights while not gathered: no storage
         self.cache: dict[str, torch.Tensor] = {}  # a gathered block's forward copy, in pinned host memory
+        self.cached: dict[str, object] = {}  # the blocks whose copy there is this micro-batch's: its copy's event
         self.grad_shards: dict[str, torch.Tensor] = {}
         self.in_flight: deque = deque()
         self.copier = None  # HostOffload's copy streams, set by it
@@ -158,8 +159,9 @@ class DataParallel:
         layout = self.layouts[group]
         full = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
         views = [full[o:o + n] for o, n in zip(layout.offsets(), layout.numels)]
-        if backward and group in self.cache:
-            event = self.copier.copy(self.copier.h2d, [(full[:layout.numel], self.cache.pop(group))])
+        if backward and group in self.cached:
+            event = self.copier.copy(self.copier.h2d, [(full[:layout.numel], self.cache[group])],
+                                     after=self.cached.pop(group))  # once the forward pass's copy is there
             return views, _EventWork(self.copier, event)
         shard = self.shards[group]
         mine = full[self.world.rank * layout.shard_numel:(self.world.rank + 1) * layout.shard_numel]
@@ -175,13 +177,14 @@ class DataParallel:
         if not self.cache_on_host:
             return
         layout = self.layouts[group]
-        host = pinned_empty(layout.numel, self.dtype, self.device.type == "cuda")
-        self.cache[group] = host
+        if group not in self.cache:  # pinned once, reused by every micro-batch
+            self.cache[group] = pinned_empty(layout.numel, self.dtype, self.device.type == "cuda")
+        host = self.cache[group]
         pairs, at = [], 0
         for t, n in zip(tensors, layout.numels):
             pairs.append((host[at:at + n], t.view(-1)))
             at += n
-        self.copier.copy(self.copier.d2h, pairs)
+        self.cached[group] = self.copier.copy(self.copier.d2h, pairs)
         if self.copier.cuda:
             for t in tensors:
                 t.record_stream(self.copier.d2h)

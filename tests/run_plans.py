@@ -1,17 +1,34 @@
 """One rank of a test job: trains each plan of a JSON spec in turn, so that one start of a job's processes serves
-several comparisons (tests/test_distributed.py).
+several comparisons (tests/test_distributed.py, tests/test_gpu_distributed.py).
 
     torchrun --standalone --nproc-per-node N tests/run_plans.py SPEC.json
 
-SPEC is {"runs": [{"plan": PLAN, "log": FILE, "resume": false}, ...]}; rank 0 writes each run's JSON-lines log.
+SPEC is {"runs": [{"plan": PLAN, "log": FILE, "resume": false, "deterministic": false}, ...]}; rank 0 writes each
+run's JSON-lines log. "deterministic" runs attention through PyTorch's math kernels and torch's deterministic
+algorithms elsewhere, so that two runs of the same sums on a GPU agree bit for bit.
 """
 
+import contextlib
 import json
 import sys
+
+import torch
 
 from fastml.plan import plan_from_dict
 from fastml.executor.train import train
 
+
+@contextlib.contextmanager
+def deterministic():
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 for run in json.loads(open(sys.argv[1]).read())["runs"]:
-    train(plan_from_dict(run["plan"]), log_json=run["log"], show_progress=False, resume=run.get("resume", False),
-          timeout_s=run.get("timeout_s", 120))
+    with deterministic() if run.get("deterministic") else contextlib.nullcontext():
+        train(plan_from_dict(run["plan"]), log_json=run["log"], show_progress=False, resume=run.get("resume", False),
+              timeout_s=run.get("timeout_s", 120))

@@ -175,7 +175,20 @@ def test_four_ranks_and_two_nodes_train_as_one_process(tmp_path, ranks, nodes):
             assert got == alone
 
 
-# --- data, NaN, checkpoints, failures --------------------------------------------------------------------------
+# --- the collectives, data, NaN, checkpoints, failures -----------------------------------------------------------
+
+def check_collectives(device: str, ranks: int, env=None) -> int:
+    """tests/check_collectives.py as a job of `ranks` processes; how many ranks found every result equal."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             str(ranks), str(ROOT / "tests" / "check_collectives.py"), device], capture_output=True,
+                            text=True, env={**os.environ, **(env or {})}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.count("memcpy collectives equal")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_memcpy_collectives_equal_the_sums_in_rank_order(ranks):
+    assert check_collectives("cpu", ranks) == ranks
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_each_step_reads_the_sequences_of_one_process_once(ranks):
