@@ -72,8 +72,12 @@ class HostCollectives:
         if tensor.numel() % self.world.size:
             raise ValueError(f"memcpy all_reduce needs a multiple of {self.world.size} elements, got {tensor.numel()}")
         shard = torch.empty(tensor.numel() // self.world.size, dtype=tensor.dtype, device=tensor.device)
-        return self._submit(lambda: (self._reduce_scatter(shard, tensor), self._all_gather(tensor, shard)),
-                            tensor, shard)
+
+        def rounds() -> None:
+            self._reduce_scatter(shard, tensor)
+            self._after_own_results()  # the all-gather sends the sums the reduce-scatter has just made
+            self._all_gather(tensor, shard)
+        return self._submit(rounds, tensor, shard)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor):
         return self._submit(lambda: self._reduce_scatter(out, full), out, full)
@@ -175,6 +179,11 @@ class HostCollectives:
             for part in ordered[2:]:
                 out.add_(part)
         self._round_done()
+
+    def _after_own_results(self) -> None:
+        """The next rounds' copies down wait for the copies up (and the additions) of the rounds so far."""
+        if self.cuda:
+            self.ready = self.h2d.record_event()
 
     def _round_done(self) -> None:
         self.last_up = self.h2d.record_event() if self.cuda else None
