@@ -111,7 +111,9 @@ class HostOffload:
         self.sharded = parallel.sharded if parallel is not None else frozenset()
         self.streamed = offloaded_groups(knobs, "offload_weights", num_layers)
         self.fetched = self.streamed | self.sharded  # blocks whose weights come to the GPU only to compute
-        self.grads_out = offloaded_groups(knobs, "offload_gradients", num_layers)
+        # Sharded gradients sum the micro-batches in their host shard (shard.py); unsharded, the whole sum is here.
+        self.grads_out = frozenset() if parallel is not None and parallel.every_micro_batch else \
+            offloaded_groups(knobs, "offload_gradients", num_layers)
         self.residuals_out = offloaded_groups(knobs, "offload_residuals", num_layers)
         self.weights: _Flat | None = None
         self.grads: _Flat | None = None
@@ -216,7 +218,7 @@ class HostOffload:
         self._fetch_weights(f"blocks.{index + 1}" if index + 1 < len(self.blocks) else "head")
         with self._weights_saved_by_reference(name):
             out = self.blocks[index](x, cos, sin)
-        if name in self.sharded:
+        if name in self.sharded and name not in self.streamed:  # a streamed shard is in host memory already
             self.parallel.gathered(name, [p.data for p in self.params[name]])
         self._release(name)
         if name in self.residuals_out:

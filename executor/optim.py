@@ -126,10 +126,10 @@ class AdamW(torch.optim.Optimizer):
         """The step's gradient of this rank's piece of `p`, and whether it is in host memory (not clipped yet)."""
         piece = self.pieces[p]
         if self.parallel is not None and self.parallel.scatter:
-            shard = self.parallel.grad_shard(group["layer"])
+            shard, on_host = self.parallel.grad_shard(group["layer"])
             if shard is None:
                 return None, False
-            return _as_piece(shard[piece.offset:piece.offset + piece.end - piece.start], p, piece), False
+            return _as_piece(shard[piece.offset:piece.offset + piece.end - piece.start], p, piece), on_host
         host = self.offload.host_grad(p) if self.offload is not None else None
         return (host, True) if host is not None else (p.grad, False)
 
@@ -152,7 +152,7 @@ class AdamW(torch.optim.Optimizer):
             norms.update(self.offload.grad_norms)
         ordered = [norms[p] for group in self.param_groups for p in group["params"] if p in norms]
         if self.parallel is not None and self.parallel.scatter:
-            total = self._sharded_norm(ordered)
+            total = self._sharded_norm(ordered + list(self.parallel.shard_norms.values()))
         elif not ordered:
             self.clip_coef = None
             return 0.0

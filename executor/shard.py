@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastml.plan import Plan, weights_sharded
+from fastml.plan import Plan, offloaded_groups, weights_sharded
 from fastml.executor.pinned import pinned_empty
 
 IN_FLIGHT = 2
@@ -111,6 +111,13 @@ class DataParallel:
         self.sharded = frozenset(g for g in shapes if weights_sharded(knobs, g))
         self.scatter = knobs.shard_optimizer
         self.every_micro_batch = knobs.shard_gradients
+        # With sharded gradients, offload_gradients keeps these blocks' shards in host memory, summed there.
+        self.host_shards = offloaded_groups(knobs, "offload_gradients", plan.model.num_layers) \
+            if self.every_micro_batch else frozenset()
+        self.host_grad_shards: dict[str, torch.Tensor] = {}
+        self.host_events: dict[str, object] = {}  # a host shard's last copy down
+        self.shard_norms: dict[str, torch.Tensor] = {}  # the final host shards' norms, taken on the GPU
+        self.last_micro_batch = True
         self.cache_on_host = knobs.cache_weights_on_host and bool(self.sharded)
         self.flats: dict[str, torch.Tensor] = {}  # a replicated group's weights, padded (on the GPU or the host)
         self.shards: dict[str, torch.Tensor] = {}  # a sharded block's weight shard (on the GPU or the host)
@@ -198,6 +205,7 @@ class DataParallel:
         """A group's gradients of this micro-batch are complete: reduced now where the plan says (every micro-batch
         with sharded gradients, else after the last one). Scattered, the full gradients are dropped; summed, each
         parameter's gradient becomes a view of the reduced flat vector (`wait`: before the caller reads it)."""
+        self.last_micro_batch = last_micro_batch
         if not (self.every_micro_batch or last_micro_batch):
             return
         layout = self.layouts[group]
@@ -207,7 +215,7 @@ class DataParallel:
         self._make_room()
         if self.scatter:
             out = torch.empty(layout.shard_numel, dtype=flat.dtype, device=flat.device)
-            self.in_flight.append((self.comm.reduce_scatter(out, flat), group, out, flat))
+            self.in_flight.append((self.comm.reduce_scatter(out, flat), group, out, flat, last_micro_batch))
             for p in params:
                 p.grad = None
             return
@@ -217,32 +225,58 @@ class DataParallel:
         if wait:
             work.wait()
         else:
-            self.in_flight.append((work, group, None, flat))
+            self.in_flight.append((work, group, None, flat, last_micro_batch))
 
     def _make_room(self) -> None:
         while len(self.in_flight) >= IN_FLIGHT:
             self._complete(*self.in_flight.popleft())
 
-    def _complete(self, work, group: str, out: torch.Tensor | None, flat: torch.Tensor) -> None:
+    def _complete(self, work, group: str, out: torch.Tensor | None, flat: torch.Tensor, last: bool = True) -> None:
         work.wait()
         if out is None:
             return
-        if group in self.grad_shards:
+        if group in self.host_shards:
+            self._to_host_shard(group, out, last)
+        elif group in self.grad_shards:
             self.grad_shards[group].add_(out)  # the sum over micro-batches, as backward sums them without sharding
         else:
             self.grad_shards[group] = out
 
+    def _to_host_shard(self, group: str, out: torch.Tensor, last: bool) -> None:
+        """A micro-batch's reduced shard joins the sum in host memory: from the second on, the sum so far comes up
+        and is added on the GPU (as without offload), then the sum goes down."""
+        host = self.host_grad_shards.get(group)
+        if host is None:
+            host = self.host_grad_shards[group] = _empty(out.numel(), out.dtype, self.device, on_host=True)
+        if group in self.host_events:  # not the first micro-batch of the step
+            summed = torch.empty_like(out)
+            self.copier.wait(self.copier.copy(self.copier.h2d, [(summed, host)], after=self.host_events[group]))
+            out.add_(summed)
+        if last:
+            self.shard_norms[group] = torch.linalg.vector_norm(out, 2)
+        self.host_events[group] = self.copier.copy(self.copier.d2h, [(host, out)])
+        if self.copier.cuda:
+            out.record_stream(self.copier.d2h)
+
     def finish(self) -> None:
-        """Completes the step's reductions: every gradient (or shard) is final."""
+        """Completes the step's reductions: every gradient (or shard) is final, host shards included."""
         while self.in_flight:
             self._complete(*self.in_flight.popleft())
+        for event in self.host_events.values():
+            if event is not None:
+                event.synchronize()
 
-    def grad_shard(self, group: str) -> torch.Tensor | None:
-        """This rank's shard of a group's summed gradients (padded), once `finish` has run."""
-        return self.grad_shards.get(group)
+    def grad_shard(self, group: str) -> tuple[torch.Tensor | None, bool]:
+        """This rank's shard of a group's summed gradients (padded), once `finish` has run, and whether it is in host
+        memory (then not clipped in place: its norm is in `shard_norms`)."""
+        if group in self.host_shards:
+            return (self.host_grad_shards[group] if group in self.host_events else None), True
+        return self.grad_shards.get(group), False
 
     def zero_grad(self) -> None:
         self.grad_shards.clear()
+        self.host_events.clear()
+        self.shard_norms.clear()
 
     # --- after the optimizer step -------------------------------------------------------------------------------
 
@@ -286,7 +320,8 @@ class DataParallel:
     def host_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this engine keeps in host memory, by memory category (the meter's walk)."""
         weights = [s for s in self.shards.values() if s.device.type == "cpu"] + list(self.cache.values())
-        return {"weights": weights} if weights else {}
+        tensors = {"weights": weights, "gradients": list(self.host_grad_shards.values())}
+        return {k: v for k, v in tensors.items() if v}
 
     def gpu_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"weights": [s for s in self.shards.values() if s.device.type != "cpu"],

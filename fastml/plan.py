@@ -222,10 +222,8 @@ WHOLE_MODEL_OFFLOAD = ("offload_optimizer", "offload_master")
 
 def offloaded_groups(knobs: Knobs, name: str, num_layers: int) -> frozenset[str]:
     """The parameter groups that offload knob `name` places in host memory (for offload_residuals: the blocks whose
-    input activations go to the host). Sharded gradients stay on the GPU: a GPU keeps one reduced shard of each
-    block's gradients, a small fraction of a layer, until the optimizer step reads it (a CPU step stages it down)."""
-    if name == "offload_gradients" and knobs.shard_gradients:
-        return frozenset()
+    input activations go to the host; for offload_gradients with sharded gradients, the blocks whose reduced shard of
+    the gradients sums the micro-batches in host memory)."""
     fraction = getattr(knobs, name)
     groups = {f"blocks.{i}" for i in range(round(fraction * num_layers))}
     if fraction == 1.0 and name in WHOLE_MODEL_OFFLOAD:

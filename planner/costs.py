@@ -7,17 +7,19 @@ does 5 matmuls against forward's 2); both counted by torch.utils.flop_counter on
 tests/test_planner_vs_model.py. Bytes in the dtypes the knobs name (memory.py). Collectives as ring algorithms,
 time = α + bytes·(n-1)/n / bus bandwidth for reduce-scatter and all-gather and twice that for all-reduce (NCCL's
 bus-bandwidth convention, nccl-tests doc/PERFORMANCE.md), the bus bandwidth bounded by the link between GPUs
-(NVLink, PCIe peer to peer, or host memory without P2P).
+(NVLink, PCIe peer to peer, or host memory without P2P); the memcpy collectives as the bytes their copies move over
+each direction of PCIe (`_memcpy`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from fastml.plan import Knobs
+from fastml.plan import MEMCPY_ROW_BYTES, Knobs
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, has_fp32_masters,
-                                   loss_tensor_bytes, param_bytes)
+from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, group_params,
+                                   has_fp32_masters, loss_tensor_bytes, param_bytes)
 from fastml.spec import ModelSpec
 
 # Flash attention's backward does 5 matmuls of the forward's size against the forward's 2 (FlashAttention-2,
@@ -54,11 +56,33 @@ class Costs:
     """A block's input activation (`memory.block_input_bytes`) to the host after its forward pass, and back
     before its backward pass."""
     layer_input_h2d: float
-    layer_weight_gather: float
-    layer_grad_reduce: float
-    """Per layer: reduce-scatter (sharded gradients, every micro-batch) or all-reduce (last micro-batch only)."""
-    step_weight_gather: float
+    layer_weight_gather: Collective
+    layer_grad_reduce: Collective
+    """Per layer: reduce-scatter (a sharded optimizer: every micro-batch with sharded gradients, else the last) or
+    all-reduce (the last micro-batch)."""
+    step_weight_gather: Collective
     """All-gather of the updated weights after a sharded optimizer step (ZeRO 1/2 without weight sharding)."""
+    embed_gather: Collective
+    head_gather: Collective
+    """ZeRO-3: the embedding's weights before each forward pass, the final norm's and head's before the head."""
+    shard_h2d: float
+    """A streamed block's weight shard to the GPU, before it is gathered (ZeRO-3 with streamed weights)."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective's time on the resources it occupies: NCCL's stream (`comm_s`), or the memcpy collectives'
+    copies down and up (`d2h_s`, `h2d_s`: the copy engines, which offload's copies use too)."""
+
+    comm_s: float = 0.0
+    d2h_s: float = 0.0
+    h2d_s: float = 0.0
+    both_ways: bool = False
+    """The copies down and up run at once for the whole time (NCCL through host memory), not one after the other."""
+
+    @property
+    def seconds(self) -> float:
+        return self.comm_s + (max(self.d2h_s, self.h2d_s) if self.both_ways else self.d2h_s + self.h2d_s)
 
 
 def layer_gemms(spec: ModelSpec, tokens: int) -> dict[str, tuple[int, int, int]]:
@@ -129,6 +153,10 @@ def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Cost
     layer_bytes = spec.layer_params() * param_bytes(knobs)
     h2d, d2h = 1 / machine.h2d_bytes_per_s(), 1 / machine.d2h_bytes_per_s()
     block_input = block_input_bytes(spec, knobs, t)
+    groups = group_params(spec)
+
+    def gather(num_params: int) -> Collective:
+        return collective("all_gather", num_params * param_bytes(knobs), machine, knobs.comm)
     return Costs(
         layer_forward=forward, layer_backward=backward, layer_recompute=recompute, head_forward_backward=head,
         grad_accumulate=hbm(2 * p * param_bytes(knobs) / (machine.num_gpus if knobs.shard_gradients else 1)),
@@ -137,26 +165,56 @@ def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Cost
         h2d_per_byte=h2d, d2h_per_byte=d2h,
         layer_weights_h2d=layer_bytes * h2d, layer_grads_h2d=layer_bytes * h2d, layer_grads_d2h=layer_bytes * d2h,
         layer_input_d2h=block_input * d2h, layer_input_h2d=block_input * h2d,
-        layer_weight_gather=collective_s("all_gather", layer_bytes, machine, knobs.comm),
-        layer_grad_reduce=collective_s("reduce_scatter" if knobs.shard_gradients else "all_reduce", layer_bytes,
-                                       machine, knobs.comm),
-        step_weight_gather=collective_s("all_gather", p * param_bytes(knobs), machine, knobs.comm),
+        layer_weight_gather=gather(spec.layer_params()),
+        layer_grad_reduce=collective("reduce_scatter" if knobs.shard_optimizer else "all_reduce", layer_bytes,
+                                     machine, knobs.comm),
+        step_weight_gather=gather(p), embed_gather=gather(groups["embed"]), head_gather=gather(groups["head"]),
+        shard_h2d=layer_bytes / machine.num_gpus * h2d,
     )
 
 
+def collective(kind: str, num_bytes: float, machine: Machine, comm: str) -> Collective:
+    """A collective over all GPUs of `num_bytes` (the full, unsharded size), on what it occupies."""
+    n = machine.num_gpus
+    if n == 1:
+        return Collective()
+    if comm == "memcpy":
+        return _memcpy(kind, num_bytes, machine)
+    seconds = collective_s(kind, num_bytes, machine, comm)
+    if not machine.gpu.p2p and machine.num_nodes == 1:
+        # NCCL's shared-memory transport copies through host memory over the node's PCIe, both directions at once
+        # for the whole collective, sharing them with offload's copies.
+        return Collective(d2h_s=seconds, h2d_s=seconds, both_ways=True)
+    return Collective(comm_s=seconds)
+
+
+def _memcpy(kind: str, num_bytes: float, machine: Machine) -> Collective:
+    """The memcpy collectives (executor/hostcomm.py) in rounds of a slot each, a barrier between each round's copies
+    down and up: a reduce-scatter sends the (n-1)/n of its input that the others sum down and fetches theirs up,
+    then adds on the GPU; an all-gather sends its shard down and fetches the (n-1) others; an all-reduce is both. A
+    round's copies up overlap the next round's down (separate engines): the simulator runs all the copies down, then
+    what is left of the copies up once the last round's are down."""
+    n = machine.num_gpus
+    share = num_bytes * (n - 1) / n
+    down = {"reduce_scatter": share, "all_gather": num_bytes / n, "all_reduce": share + num_bytes / n}[kind]
+    up = {"reduce_scatter": share, "all_gather": share, "all_reduce": 2 * share}[kind]
+    cells = {"reduce_scatter": n, "all_gather": 1, "all_reduce": n}[kind]
+    rounds = math.ceil(num_bytes / n / (MEMCPY_ROW_BYTES / cells)) * (2 if kind == "all_reduce" else 1)
+    adds = share * 3 / machine.gpu.hbm_bytes_per_s if kind != "all_gather" else 0.0  # read 2, write 1
+    down_s, up_s = down / machine.d2h_bytes_per_s(), up / machine.h2d_bytes_per_s() + adds
+    return Collective(d2h_s=rounds * machine.collective_latency_s + down_s,
+                      h2d_s=max(up_s / rounds, up_s - down_s * (rounds - 1) / rounds))
+
+
 def collective_s(kind: str, num_bytes: float, machine: Machine, comm: str) -> float:
-    """A collective over all GPUs of `num_bytes` (the full, unsharded size)."""
+    """The time of a collective over all GPUs of `num_bytes` (the full, unsharded size)."""
     n = machine.num_gpus
     if n == 1:
         return 0.0
+    if comm == "memcpy":
+        return _memcpy(kind, num_bytes, machine).seconds
     passes = 2 if kind == "all_reduce" else 1  # all-reduce = reduce-scatter + all-gather
     moved = passes * num_bytes * (n - 1) / n
-    if comm == "memcpy":
-        # Host-routed: each GPU's share goes down to pinned host memory and back up on the copy engines, the two
-        # directions overlapping, and the host adds the pieces of a reduction.
-        host_reduce = moved / machine.node.host_copy_bytes_per_s if kind != "all_gather" else 0.0
-        return machine.collective_latency_s + max(moved / machine.d2h_bytes_per_s(),
-                                                  moved / machine.h2d_bytes_per_s(), host_reduce)
     bandwidth = min(machine.bus_bytes_per_s[kind], link_bytes_per_s(machine))
     if machine.num_nodes > 1:  # a ring across nodes runs at the slower of the links it crosses
         bandwidth = min(bandwidth, machine.node.nic_bytes_per_s / machine.gpus_per_node)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fastml.plan import CPU_STEP_CHUNK, MEMORY_CATEGORIES, STAGING_SLOTS, Knobs, offloaded_groups, weights_sharded
+from fastml.plan import (CPU_STEP_CHUNK, MEMCPY_ROW_BYTES, MEMCPY_SLOTS, MEMORY_CATEGORIES, STAGING_SLOTS, Knobs,
+                         offloaded_groups, weights_sharded)
 from fastml.spec import ModelSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
@@ -279,9 +280,13 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     streamed_layer = spec.layer_params() * param_bytes(knobs)
     # Blocks whose weights or gradients live on the host pass through STREAM_BUFFER_LAYERS GPU buffers (gathered
     # shards of sharded weights too).
-    weight_buffers = STREAM_BUFFER_LAYERS if knobs.shard_weights else len(place.streamed_weights)
+    sharded = knobs.shard_weights and num_gpus > 1
+    weight_buffers = STREAM_BUFFER_LAYERS if sharded else len(place.streamed_weights)
     gpu["weights"] += min(STREAM_BUFFER_LAYERS, weight_buffers) * streamed_layer
     gpu["gradients"] += min(STREAM_BUFFER_LAYERS, len(place.host_gradients)) * streamed_layer
+    groups = group_params(spec)
+    if sharded:  # the head's gathered weights live from the last block until their gradients are made
+        gpu["weights"] += max(groups["embed"], groups["head"]) * param_bytes(knobs)
 
     tokens = knobs.micro_batch_size * seq_len
     gpu["activations"], host["activations"] = _activations(spec, knobs, place, tokens, device)
@@ -295,12 +300,14 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     gpu["workspace"] = backward_workspace
     host["workspace"] = PROCESS_HOST_BYTES + _cpu_staging_bytes(spec, knobs, place, num_gpus)
     if num_gpus > 1:
-        gpu["comm_buffers"] = STREAM_BUFFER_LAYERS * streamed_layer
-        if knobs.comm == "memcpy":  # pinned host staging for the host-routed collectives
-            host["comm_buffers"] = STREAM_BUFFER_LAYERS * streamed_layer
+        # Each reduction in flight holds a group's gradients as one flat vector (executor/shard.py, IN_FLIGHT).
+        gpu["comm_buffers"] = STREAM_BUFFER_LAYERS * max(groups.values()) * param_bytes(knobs)
+        if knobs.comm == "memcpy":  # a rank's row of each slot of shared pinned memory (executor/hostcomm.py), and
+            host["comm_buffers"] = MEMCPY_SLOTS * MEMCPY_ROW_BYTES  # on the GPU, a round's cells fetched to add
+            gpu["comm_buffers"] += MEMCPY_ROW_BYTES
+        if knobs.cache_weights_on_host and sharded:  # each rank's copy of the gathered weights of every block
+            host["weights"] += (spec.num_layers - len(place.streamed_weights)) * streamed_layer  # but streamed ones
     host = {k: v * gpus_per_node for k, v in host.items()}  # each GPU's process has its own host tensors
-    if knobs.cache_weights_on_host and knobs.shard_weights:
-        host["weights"] += spec.num_params() * param_bytes(knobs)  # one full copy per node, shared by its GPUs
     return Memory(gpu={k: int(v) for k, v in gpu.items()}, host={k: int(v) for k, v in host.items()})
 
 

@@ -128,8 +128,6 @@ def without_no_ops(spec: ModelSpec, values: dict) -> dict:
     for name in knob_names("offload"):
         if round(fixed[name] * spec.num_layers) == 0:
             fixed[name] = 0.0
-    if fixed["shard_gradients"]:  # sharded gradients stay on the GPU (fastml.plan.offloaded_groups)
-        fixed["offload_gradients"] = 0.0
     if not has_fp32_masters(Knobs(**{**{f.name: f.default for f in dataclasses.fields(Knobs)}, **fixed})):
         fixed["offload_master"] = 0.0
     all_streamed = round(fixed["offload_weights"] * spec.num_layers) == spec.num_layers

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from fastml.plan import TIME_COMPONENTS, Knobs
-from fastml.planner.costs import costs
+from fastml.planner.costs import Collective, costs
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (STREAM_BUFFER_LAYERS, block_input_bytes, group_params, layer_activation_bytes,
                                    placement)
@@ -66,7 +66,7 @@ def build_graph(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -
     num_micro = min(knobs.grad_accum_steps, SIMULATED_MICRO_BATCHES)
     for m in range(num_micro):
         step.forward(m)
-        step.compute(f"head mb{m}", step.c.head_forward_backward, "compute")
+        step.head(m)
         step.backward(m, last=m == num_micro - 1)
     step.optimizer_step()
     return step.graph
@@ -121,18 +121,43 @@ class _StepGraph:
         users = self.buffer_users[kind]
         return users[0] if len(users) == STREAM_BUFFER_LAYERS else None
 
+    def collective(self, name: str, c: Collective, deps) -> str:
+        """A collective on NCCL's stream, or its copies down then up on the copy engines (the memcpy collectives,
+        and NCCL through host memory)."""
+        if c.comm_s or not (c.d2h_s or c.h2d_s):
+            return self.add(name, "comm", c.comm_s, "comm", deps)
+        down = self.add(f"{name} (down)", "d2h", c.d2h_s, "comm", deps)
+        if not c.both_ways:
+            return self.add(f"{name} (up)", "h2d", c.h2d_s, "comm", [down])
+        up = self.add(f"{name} (up)", "h2d", c.h2d_s, "comm", deps)
+        return self.add(name, "comm", 0.0, "comm", [down, up])
+
     def fetch_weights(self, layer: int, tag: str, backward: bool) -> str | None:
+        """What a block's computing waits for: its streamed weights up from the host, or its weight shards gathered
+        (a streamed shard first up from the host), or in the backward pass their copy cached on the host."""
         k, c = self.knobs, self.c
-        if _block(layer) in self.place.streamed_weights:
+        sharded = k.shard_weights and self.multi
+        streamed = _block(layer) in self.place.streamed_weights
+        if streamed and not sharded:
             return self.add(f"h2d weights L{layer} {tag}", "h2d", c.layer_weights_h2d, "offload",
                             [self.buffer_free("weights")])
-        if backward and k.shard_weights and k.cache_weights_on_host:
+        if not sharded:
+            return None
+        if backward and k.cache_weights_on_host and not streamed:
             return self.add(f"h2d weights L{layer} {tag}", "h2d", c.layer_weights_h2d, "offload",
                             [self.prefetch_slot()])
-        if k.shard_weights and self.multi:
-            return self.add(f"gather weights L{layer} {tag}", "comm", c.layer_weight_gather, "comm",
-                            [self.prefetch_slot()])
-        return None
+        ready = self.prefetch_slot()
+        if streamed:
+            ready = self.add(f"h2d weight shard L{layer} {tag}", "h2d", c.shard_h2d, "offload", [ready])
+        return self.collective(f"gather weights L{layer} {tag}", c.layer_weight_gather, [ready])
+
+    def cache_weights(self, layer: int, forward_op: str) -> None:
+        """ZeRO-3 with cache_weights_on_host: a block's gathered weights go to the host after its forward pass."""
+        k = self.knobs
+        if self.multi and k.shard_weights and k.cache_weights_on_host and _block(layer) not in \
+                self.place.streamed_weights:
+            self.add(f"d2h cached weights L{layer} {forward_op.split()[-1]}", "d2h", self.c.layer_weights_h2d,
+                     "offload", [forward_op])
 
     def release(self, kind: str, layer: int, op: str) -> None:
         """`op` is the last to use the block's GPU buffer of stream `kind`, if it has one: the buffer frees after it."""
@@ -141,6 +166,9 @@ class _StepGraph:
 
     def forward(self, m: int) -> None:
         c = self.c
+        if self.multi and self.knobs.shard_weights:  # gathered at the start of the pass, waited for at once
+            self.compute(f"embed mb{m}", 0.0, "compute", [self.collective(f"gather embed mb{m}", c.embed_gather,
+                                                                         [self.prefetch_slot()])])
         for layer in range(self.num_layers):
             ready = self.fetch_weights(layer, f"mb{m} fwd", backward=False)
             offloaded = _block(layer) in self.place.host_inputs
@@ -149,9 +177,18 @@ class _StepGraph:
                 kept.append((f"input {m} {layer}", self.input_bytes))
             fwd = self.compute(f"fwd L{layer} mb{m}", c.layer_forward, "compute", [ready], alloc=kept)
             self.release("weights", layer, fwd)
+            self.cache_weights(layer, fwd)
             if offloaded:
                 self.add(f"d2h input L{layer} mb{m}", "d2h", c.layer_input_d2h, "offload", [fwd],
                          free=[f"input {m} {layer}"])
+
+    def head(self, m: int) -> None:
+        """The final norm, the LM head and the loss, forward and backward; with ZeRO-3 their weights are gathered
+        while the last block computes."""
+        ready = None
+        if self.multi and self.knobs.shard_weights:
+            ready = self.collective(f"gather head mb{m}", self.c.head_gather, [self.prefetch_slot()])
+        self.compute(f"head mb{m}", self.c.head_forward_backward, "compute", [ready])
 
     def backward(self, m: int, last: bool) -> None:
         c = self.c
@@ -172,17 +209,36 @@ class _StepGraph:
             self.release("weights", layer, grad)
             self.release("inputs", layer, grad)
             if self.multi and (self.knobs.shard_gradients or last):
-                grad = self.add(f"reduce grads L{layer} mb{m}", "comm", c.layer_grad_reduce, "comm", [grad])
+                grad = self.collective(f"reduce grads L{layer} mb{m}", c.layer_grad_reduce, [grad])
             if _block(layer) in self.place.host_gradients:
-                grad = self.add(f"d2h grads L{layer} mb{m}", "d2h", c.layer_grads_d2h, "offload", [grad])
+                grad = self.gradients_down(layer, m, grad)
                 self.release("gradients", layer, grad)
             self.last_grad[layer] = grad
 
+    def sharded_host_gradients(self, layer: int) -> bool:
+        """Whether the block's reduced gradient shard sums the micro-batches in host memory (executor/shard.py)."""
+        return self.multi and self.knobs.shard_gradients and _block(layer) in self.place.host_gradients
+
+    def gradients_down(self, layer: int, m: int, grad: str) -> str:
+        """An offloaded block's gradients to the host after its backward pass (and reduction); a sharded one's sum
+        so far first comes up to be added to, from the second micro-batch on."""
+        c = self.c
+        if not self.sharded_host_gradients(layer):
+            return self.add(f"d2h grads L{layer} mb{m}", "d2h", c.layer_grads_d2h, "offload", [grad])
+        shard = 1 / self.optimizer_shard
+        if m > 0:
+            grad = self.add(f"h2d grad shard L{layer} mb{m}", "h2d", c.layer_grads_h2d * shard, "offload",
+                            [grad, f"d2h grad shard L{layer} mb{m - 1}"])
+        return self.add(f"d2h grad shard L{layer} mb{m}", "d2h", c.layer_grads_d2h * shard, "offload", [grad])
+
     def fetch_gradients(self, layer: int, m: int) -> list[str | None]:
         """What the backward pass of an offloaded-gradient block waits for: a free gradient buffer, and from the
-        second micro-batch on the accumulated gradients, back from the host to be added to."""
+        second micro-batch on the accumulated gradients, back from the host to be added to (unsharded: a sharded
+        block adds to its shard after the reduction, `gradients_down`)."""
         if _block(layer) not in self.place.host_gradients:
             return []
+        if self.sharded_host_gradients(layer):
+            return [self.buffer_free("gradients")]
         free = self.buffer_free("gradients")
         if m == 0:
             return [free]
@@ -210,7 +266,7 @@ class _StepGraph:
                 updated.append(workspace_free)
         updated += [self.cpu_step(group, clip, cpu_inputs[group]) for group in on_cpu]
         if self.multi and self.knobs.shard_optimizer and not self.knobs.shard_weights:
-            self.add("gather updated weights", "comm", self.c.step_weight_gather, "comm", updated)
+            self.collective("gather updated weights", self.c.step_weight_gather, updated)
 
     def share(self, group: str) -> float:
         """The parameters of `group` that this GPU's optimizer steps."""

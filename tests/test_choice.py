@@ -35,8 +35,6 @@ def knobs(p: Problem, **values) -> Knobs:
     ("tinyllama-1.1b", 1, dict(master_dtype="bf16", offload_master=1.0), dict(master_dtype="bf16")),
     ("tinyllama-1.1b", 2, dict(**ZERO_3, offload_weights=1.0, cache_weights_on_host=True),
      dict(**ZERO_3, offload_weights=1.0)),
-    ("tinyllama-1.1b", 2, dict(shard_optimizer=True, shard_gradients=True, offload_gradients=1.0),
-     dict(shard_optimizer=True, shard_gradients=True)),
     ("tinyllama-1.1b", 2, dict(cache_weights_on_host=True), dict()),
 ])
 def test_a_no_op_knob_is_normalised_and_changes_no_step_time(model, gpus, noop, plain):
