@@ -115,6 +115,8 @@ def two_rank_plans() -> dict[str, Plan]:
         "zero3-host-cache": plan(2, bf16=True, comm="memcpy", **ZERO[3], cache_weights_on_host=True),
         "ddp-host-gradients": plan(2, micro=1, bf16=True, offload_gradients=1.0),
         "zero1-host-gradients": plan(2, micro=1, bf16=True, **ZERO[1], offload_gradients=1.0),
+        "zero2-host-gradient-shards": plan(2, micro=1, bf16=True, **ZERO[2], offload_gradients=1.0,
+                                           offload_optimizer=1.0),
         "ddp-streamed-memcpy": plan(2, bf16=True, comm="memcpy", offload_weights=0.5, offload_optimizer=0.5),
     }
     return plans
@@ -142,10 +144,12 @@ def test_one_micro_batch_per_rank_sums_in_one_processs_order(tmp_path, two_ranks
 
 
 @pytest.mark.parametrize("name", ["zero1-cpu-step", "zero3-cpu-step-memcpy", "zero3-streamed", "zero3-host-cache",
-                                  "ddp-host-gradients", "zero1-host-gradients", "ddp-streamed-memcpy"])
+                                  "ddp-host-gradients", "zero1-host-gradients", "zero2-host-gradient-shards",
+                                  "ddp-streamed-memcpy"])
 def test_sharding_with_offload_trains_as_one_process_with_that_offload(tmp_path, two_ranks, name):
     """A rank's shard of the optimizer state in host memory, stepped by the C++ AdamW; streamed weight shards;
-    gathered weights kept on the host for the backward pass; gradients summed on the host over micro-batches."""
+    gathered weights kept on the host for the backward pass; gradients, or a rank's reduced shard of them, summed
+    on the host over micro-batches."""
     alone = trained_alone(tmp_path, one_process(two_rank_plans()[name]), name)
     got = [r["loss"] for r in two_ranks[name]]
     assert got[0] == alone[0]

@@ -39,6 +39,7 @@ SHARED_GPU_PLANS = {
     "zero1-cpu-step": gpu_plan(micro=2, **ZERO[1], offload_optimizer=1.0, offload_master=1.0),
     "zero3-streamed-shards": gpu_plan(micro=2, **ZERO[3], offload_weights=1.0, offload_residuals=0.5),
     "zero2-compiled": gpu_plan(micro=2, **ZERO[2], recompute=("block",), compile=True),
+    "zero2-host-gradient-shards": gpu_plan(micro=1, **ZERO[2], offload_gradients=1.0, offload_optimizer=1.0),
 }
 
 
