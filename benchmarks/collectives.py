@@ -80,8 +80,8 @@ def _time(comm, kind: str, n: int, ranks: int, device, dtype) -> float:
 
     full = torch.randn(n, device=device).to(dtype)
     shard = torch.empty(n // ranks, dtype=dtype, device=device)
-    run = {"reduce_scatter": lambda: comm.reduce_scatter(shard, full), "all_gather": lambda: comm.all_gather(full, shard),
-           "all_reduce": lambda: comm.all_reduce(full)}[kind]
+    run = {"reduce_scatter": lambda: comm.reduce_scatter(shard, full),
+           "all_gather": lambda: comm.all_gather(full, shard), "all_reduce": lambda: comm.all_reduce(full)}[kind]
     times = []
     for _ in range(REPEATS + 1):
         dist.barrier()

@@ -19,7 +19,7 @@ from fastml.planner.planner import make_plan
 
 
 def losses(tag: str) -> list[float]:
-    plan = make_plan(seq_len=512, global_batch_tokens=512 * 8, steps=8,
+    plan = make_plan(seq_len=512, global_batch_tokens=512 * 8, steps=8, gpus=1,
                      overrides=pinned(micro_batch_size=4)).plan
     log = Path(f"/tmp/determinism-{tag}.jsonl")
     train(plan, log_json=log, show_progress=False)

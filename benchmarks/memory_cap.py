@@ -39,12 +39,12 @@ SMALL_BASE = {"micro_batch_size": 4, "recompute": ["block"]}
 
 def plan_command(name: str, path: Path) -> list[str]:
     if name == "capped":
-        return ["fastml", "plan", "--model", BIG, "--gpu-mem", CAP, "--full-precision", "-o", str(path)]
+        return ["fastml", "plan", "--model", BIG, "--gpus", "1", "--gpu-mem", CAP, "--full-precision", "-o", str(path)]
     if name == "uncapped":
-        return ["fastml", "plan", "--model", BIG, "--full-precision", "-o", str(path)]
+        return ["fastml", "plan", "--model", BIG, "--gpus", "1", "--full-precision", "-o", str(path)]
     from fastml.plan import pinned
     sets = [arg for s in pinned(**SMALL_BASE, **KNOB_RUNS[name]) for arg in ("--set", s)]
-    return ["fastml", "plan", "--model", SMALL, "--full-precision", *sets, "-o", str(path)]
+    return ["fastml", "plan", "--model", SMALL, "--gpus", "1", "--full-precision", *sets, "-o", str(path)]
 
 
 def run_one(name: str, steps: int, workdir: Path) -> dict:

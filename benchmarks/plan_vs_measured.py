@@ -29,7 +29,7 @@ CASES = {
 
 def run_case(shape: str, sequences: int, knobs: dict | None, steps: int) -> dict:
     """The planner's own plan where `knobs` is None, else the plan with exactly these knobs."""
-    plan = make_plan(model=shape, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps,
+    plan = make_plan(model=shape, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps, gpus=1,
                      overrides=[] if knobs is None else pinned(**knobs), trials=200).plan
     try:
         summary = train(plan, show_progress=False)

@@ -102,7 +102,7 @@ def _fastml_initial_weights(plan) -> dict:
 
 def _plan(shape: str, sequences: int, steps: int, **knobs):
     """The plan with exactly these knobs: every searched knob not named is pinned to its default (`pinned`)."""
-    return make_plan(model=shape, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps,
+    return make_plan(model=shape, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps, gpus=1,
                      overrides=pinned(**knobs)).plan
 
 

@@ -12,6 +12,12 @@ from fastml.executor.device import predicted_host_bytes
 
 
 def print_knobs(console: Console, plan: Plan) -> None:
+    h = plan.hardware
+    if h.num_gpus > 1:
+        units = "GPUs" if h.device == "cuda" else "CPU processes"
+        nodes = f" on {h.num_gpus // h.gpus_per_node} nodes" if h.num_gpus > h.gpus_per_node else ""
+        console.print(f"ranks: {h.num_gpus} {units}{nodes}, {plan.knobs.comm} collectives; rank 0 reports, its own "
+                      "memory", highlight=False)
     console.print(f"knobs: {describe_knobs(plan.knobs)}")
 
 
@@ -46,7 +52,7 @@ def print_summary(console: Console, plan: Plan, summary: dict) -> None:
     if plan.hardware.device == "cuda":
         rows.append(("peak GPU memory", _gib(summary["peak_gpu_memory_bytes"]), p and _gib(p.peak_memory_bytes)))
     rows.append(("peak host memory (this process)", _gib(summary["peak_host_memory_bytes"]),
-                 p and _gib(predicted_host_bytes(plan))))
+                 p and _gib(predicted_host_bytes(plan) / plan.hardware.gpus_per_node)))
     for name, measured, expected in rows:
         table.add_row(name, measured, expected or "-")
     console.print(table)
@@ -59,13 +65,14 @@ def print_summary(console: Console, plan: Plan, summary: dict) -> None:
 def memory_table(plan: Plan, summary: dict) -> Table:
     """Memory by the planner's categories, predicted beside measured (executor/meter.py's `gpu_memory` and
     `host_memory` say what each measured figure is): GPU and host on a GPU; on a CPU, whose "GPU" is its host
-    memory, host only."""
+    memory, host only. Of this process: with several ranks a node's predicted host memory is shared out among them."""
     p = plan.predicted
     on_gpu = plan.hardware.device == "cuda"
     table = Table(title="memory by category")
     table.add_column("")
     columns = [("GPU predicted", p and p.memory_bytes), ("GPU measured", summary["memory_bytes"])] if on_gpu else []
-    host_predicted = p and ({name: p.host_memory_bytes[name] + (0 if on_gpu else p.memory_bytes[name])
+    ranks = plan.hardware.gpus_per_node  # the plan's host figures are a node's; the measured ones this process's
+    host_predicted = p and ({name: p.host_memory_bytes[name] // ranks + (0 if on_gpu else p.memory_bytes[name])
                              for name in MEMORY_CATEGORIES})
     columns += [("host predicted", host_predicted), ("host measured", summary["host_memory_bytes"])]
     for title, _ in columns:

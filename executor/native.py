@@ -101,7 +101,8 @@ def _build(build_dir: Path, verbose: bool) -> None:
 
     flags = _cflags()
     try:
-        cpp_extension.load(NAME, [str(p) for p in sources()], extra_cflags=flags, extra_ldflags=[f for f in flags if "openmp" in f],
+        cpp_extension.load(NAME, [str(p) for p in sources()], extra_cflags=flags,
+                           extra_ldflags=[f for f in flags if "openmp" in f],
                            build_directory=str(build_dir), is_python_module=False, verbose=verbose)
     except Exception as e:  # noqa: BLE001: whatever failed, the user gets one line and the whole story in a file
         log = build_dir / "build.log"

@@ -302,8 +302,8 @@ def _add_plan_command(sub) -> None:
     plan.add_argument("--hw", help=f"a profile ({', '.join(hwprofiles.names())}; cpu: this machine's CPU), a "
                                    "profile JSON file, or several separated by commas to rank them (default: this "
                                    "machine)")
-    plan.add_argument("--gpus", type=int, help="GPUs per node (default: the profile's; for this machine, 1, the "
-                                               "most fastml run trains on so far)")
+    plan.add_argument("--gpus", type=int, help="GPUs per node (default: the profile's; for this machine, all of its "
+                                               "GPUs); with --device cpu, CPU processes sharing this CPU")
     plan.add_argument("--nodes", type=int, help="nodes (default: 1; more need --hw)")
     plan.add_argument("--gpu-mem", help="cap the memory of each GPU, e.g. 16GiB")
     plan.add_argument("--host-mem", help="host memory per node, e.g. 256GiB (default: the profile's; for this "

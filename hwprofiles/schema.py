@@ -53,6 +53,10 @@ class NodeSection:
 class Collectives:
     latency_s: float
     bus_bytes_per_s: dict[str, float]
+    """NCCL's bus bandwidth at large sizes, by collective, over the GPUs' own links (NVLink, or PCIe peer to peer)."""
+    host_routed_bus_bytes_per_s: float | None = None
+    """NCCL's bus bandwidth where the GPUs cannot reach each other and it goes through host memory (no P2P, or
+    NCCL_P2P_DISABLE=1); None: as fast as the GPUs' PCIe copies."""
 
 
 @dataclass(frozen=True, kw_only=True)

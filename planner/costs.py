@@ -231,7 +231,7 @@ def link_bytes_per_s(machine: Machine) -> float:
         return gpu.nvlink_bytes_per_s
     if gpu.p2p:
         return min(gpu.h2d_bytes_per_s, gpu.d2h_bytes_per_s)
-    return min(machine.h2d_bytes_per_s(), machine.d2h_bytes_per_s())
+    return min(machine.h2d_bytes_per_s(), machine.d2h_bytes_per_s(), machine.host_routed_bus_bytes_per_s)
 
 
 def _attention_s(flops: float, spec: ModelSpec, micro_batch_size: int, seq_len: int, machine: Machine,

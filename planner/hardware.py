@@ -78,6 +78,9 @@ class Machine:
     collective_latency_s: float
     bus_bytes_per_s: dict[str, float]
     """NCCL bus bandwidth within a node at large sizes, by collective (all_reduce, reduce_scatter, all_gather)."""
+    host_routed_bus_bytes_per_s: float
+    """NCCL's bus bandwidth through host memory, without P2P (infinity where the profile gives none: PCIe bounds
+    it)."""
     usd_per_gpu_hour: float
     """0 where the profile has no price (a CPU)."""
     watts_per_gpu: float
@@ -192,6 +195,7 @@ def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
                 h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, p2p=gpu.p2p, nvlink_bytes_per_s=gpu.nvlink_bytes_per_s),
         node=node, num_gpus=node.gpus_per_node,
         collective_latency_s=p.collectives.latency_s, bus_bytes_per_s=dict(p.collectives.bus_bytes_per_s),
+        host_routed_bus_bytes_per_s=p.collectives.host_routed_bus_bytes_per_s or math.inf,
         usd_per_gpu_hour=p.price.usd_per_gpu_hour if p.price else 0.0,
         watts_per_gpu=p.power.watts_per_gpu if p.power else 0.0)
 

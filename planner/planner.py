@@ -181,7 +181,8 @@ def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
     gpus = r.gpus or present
     _check_gpu_count(gpus, present, profile)
     machine = load_machine(profile, gpus, None, r.gpu_mem, r.host_mem or hwprofiles.host_memory_bytes())
-    return dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, p2p=machine.gpu.p2p and _peer_access(gpus)))
+    p2p = machine.gpu.p2p and _peer_access(gpus)
+    return dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, p2p=p2p))
 
 
 def _check_gpu_count(gpus: int, present: int, profile: str) -> None:

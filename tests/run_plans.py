@@ -12,21 +12,9 @@ import contextlib
 import json
 import sys
 
-import torch
-
 from fastml.plan import plan_from_dict
 from fastml.executor.train import train
-
-
-@contextlib.contextmanager
-def deterministic():
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            yield
-    finally:
-        torch.use_deterministic_algorithms(False)
-
+from test_gpu import deterministic  # beside this file, on the path of a script run from here
 
 for run in json.loads(open(sys.argv[1]).read())["runs"]:
     with deterministic() if run.get("deterministic") else contextlib.nullcontext():

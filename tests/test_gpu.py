@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.gpu,
 
 
 def gpu_plan(steps, sequences=16, training=(), **knobs):
-    """The plan with exactly these knobs (every other searched knob at its default), on this GPU."""
-    plan = make_plan(seq_len=256, global_batch_tokens=256 * sequences, steps=steps,
+    """The plan with exactly these knobs (every other searched knob at its default), on one GPU of this machine."""
+    plan = make_plan(seq_len=256, global_batch_tokens=256 * sequences, steps=steps, gpus=1,
                      overrides=pinned(**knobs) + list(training)).plan
     assert plan.hardware.device == "cuda"
     return plan

@@ -4,10 +4,6 @@ and the sharding engine on CUDA streams over them, trained against one process. 
 same code with each rank on its own GPU (benchmarks/multi_gpu.py measures it)."""
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

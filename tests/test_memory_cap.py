@@ -298,7 +298,8 @@ def test_a_capped_run_stays_under_its_cap_and_measures_every_category():
     from fastml.executor.train import train
 
     cap = 2 * GIB
-    plan = make_plan(seq_len=256, global_batch_tokens=256 * 8, steps=3, overrides=pinned(micro_batch_size=4)).plan
+    plan = make_plan(seq_len=256, global_batch_tokens=256 * 8, steps=3, gpus=1,
+                     overrides=pinned(micro_batch_size=4)).plan
     plan = with_gpu_memory_cap(plan, cap)
     console = Console(file=io.StringIO(), width=200)
     try:
