@@ -58,7 +58,7 @@ def train_in_workers(plan: Plan, console: Console, *, log_json, show_progress: b
                                           ("--start-over", start_over), ("--strict", strict)) if given]
         console.print(f"starting {n} {'GPU' if plan.hardware.device == 'cuda' else 'CPU'} workers; rank 0 reports",
                       highlight=False)
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we say what failed, once
+        _quiet_launcher()
         try:
             elastic_launch(_launch_config(n), sys.executable)(*args)
         except ChildFailedError as e:
@@ -67,6 +67,14 @@ def train_in_workers(plan: Plan, console: Console, *, log_json, show_progress: b
             raise WorkersFailed(f"stopped by {e.sigval.name}: the workers finished their step and stopped (see "
                                 "rank 0's message above)", 128 + int(e.sigval)) from None
         return json.loads(summary_file.read_text())
+
+
+def _quiet_launcher() -> None:
+    """The launcher's own log lines say what the message of `_failure` says better, once: each of its modules sets
+    its logger's level on import (torch.distributed.elastic.utils.logging), so each is quietened."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def check_single_node(plan: Plan) -> None:

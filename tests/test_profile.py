@@ -292,7 +292,7 @@ def test_the_cpu_measurements_are_cached_by_what_would_change_them(monkeypatch, 
     assert calls["base"] == 1 and calls["linear"] > measured["linear"]  # only the new shapes
     assert calls["attention"] == measured["attention"] + 2  # one new shape, two passes
     key = {**hwprofiles.cpu_key(), "torch": "9.9.9"}
-    monkeypatch.setattr(hwprofiles, "cpu_key", lambda: key)
+    monkeypatch.setattr(hwprofiles, "cpu_key", lambda threads=None: key)
     assert hwprofiles.this_cpu() is None
     this_cpu_profile(PRESETS["tiny"], 256, (1,), say=lambda line: None)
     assert calls["base"] == 2 and hwprofiles.this_cpu().key == key  # a changed key measures again
