@@ -36,7 +36,6 @@ from fastml.executor.pinned import pin
 
 FLAG_BYTES = 4096
 """The barrier's flags at the start of the shared memory: an int64 per rank, a 64-byte cache line apart."""
-FLAG_STRIDE = 8
 SHARED_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
@@ -86,8 +85,10 @@ class HostCollectives:
         return self._submit(lambda: self._all_gather(out, shard), out, shard)
 
     def close(self) -> None:
+        """Ends the thread once it has run what was submitted; one stuck at a barrier (a job going down) is left to
+        end with the process."""
         self.jobs.put(None)
-        self.thread.join()
+        self.thread.join(timeout=10)
 
     def _submit(self, rounds, *tensors: torch.Tensor) -> _Job:
         if self.watchdog is not None:

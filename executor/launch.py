@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -94,6 +95,7 @@ def _launch_config(num_workers: int):
     from torch.distributed.launcher.api import LaunchConfig
 
     fields = {f.name for f in dataclasses.fields(LaunchConfig)}
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_S))  # where the field is missing
     extra = {"shutdown_timeout": SHUTDOWN_S} if "shutdown_timeout" in fields else {}
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=num_workers, run_id=f"fastml-{uuid.uuid4().hex[:8]}",
                         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,

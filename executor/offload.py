@@ -1,5 +1,6 @@
-"""The plan's offload knobs for weights, gradients and residuals on one GPU: what lives in pinned host memory, and
-the copies that bring it to the GPU just before it is needed and send it back as soon as it is made.
+"""The plan's offload knobs for weights, gradients and residuals on a GPU: what lives in pinned host memory, and
+the copies that bring it to the GPU just before it is needed and send it back as soon as it is made; and, with
+several ranks, when a sharded group's weights are gathered and its gradients reduced (shard.py does both).
 
 Per block (a parameter group of optim.layer_groups), as `fastml.plan.offloaded_groups` names them:
 - offload_weights: the block's bf16 weights live in pinned host memory; a parameter points at its host copy except
@@ -28,6 +29,7 @@ from torch import nn
 from fastml.plan import Plan, offloaded_groups
 from fastml.executor.optim import layer_groups, layer_of
 from fastml.executor.pinned import pinned_empty
+from fastml.executor.shard import CopyDone
 
 
 class Copier:
@@ -57,16 +59,6 @@ class Copier:
         """The compute stream waits for a copy."""
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
-
-
-class _Copied:
-    """A copy's end, to wait for as for a collective (shard.py's gathers)."""
-
-    def __init__(self, copier: Copier, event):
-        self.copier, self.event = copier, event
-
-    def wait(self) -> None:
-        self.copier.wait(self.event)
 
 
 class _BeforeBackward(torch.autograd.Function):
@@ -176,7 +168,7 @@ class HostOffload:
             self.blocks = model.blocks
             model.run_block = self.run_block  # an instance attribute: Transformer.forward calls it for each block
         if "embed" in self.sharded:  # its backward pass reads no weights: gathered for the lookup alone
-            model.embed.register_forward_pre_hook(lambda module, args: self._acquire("embed"))
+            model.embed.register_forward_pre_hook(lambda module, args: self._acquire_embed())
             model.embed.register_forward_hook(lambda module, args, out: self._release("embed"))
         if "head" in self.sharded:  # the final norm and the LM head, until their gradients are made
             tied = model.lm_head is None and "embed" in self.sharded
@@ -256,7 +248,7 @@ class HostOffload:
             return
         host = [self.weights.views[self.name_of[p]] for p in self.params[name]]
         gpu = [torch.empty_like(h, device=self.device) for h in host]
-        self._fetched[name] = gpu, _Copied(self.copier, self.copier.copy(self.copier.h2d, list(zip(gpu, host))))
+        self._fetched[name] = gpu, CopyDone(self.copier, self.copier.copy(self.copier.h2d, list(zip(gpu, host))))
 
     def _weights_saved_by_reference(self, name: str):
         """While a streamed block runs forward, autograd saves its weights (or views of them, such as a transpose)
@@ -279,12 +271,20 @@ class HostOffload:
             return owner.data.as_strided(shape, stride, offset)
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
+    def _acquire_embed(self) -> None:
+        """The embedding's lookup is about to run: its weights must be whole, and the first block's are fetched
+        meanwhile."""
+        self._acquire("embed")
+        self._fetch_weights("blocks.0")
+
     def _acquire_head(self, tied: bool) -> None:
         """The final norm is about to run: the head's weights (and the embedding's, the head's when tied) must be
-        whole; they stay so until their gradients are made."""
+        whole; they stay so until their gradients are made. The last block's are fetched for its backward pass
+        meanwhile."""
         self._acquire("head")
         if tied:
             self._acquire("embed")
+        self._fetch_for_backward(f"blocks.{len(self.blocks) - 1}")
 
     def _acquire(self, name: str) -> None:
         if name not in self.fetched:

@@ -182,6 +182,8 @@ class AdamW(torch.optim.Optimizer):
                     step = self._cpu_step if group["on_cpu"] else self._step
                     step(group, params, group["weight_decay"] if decays else 0.0)
             if self.parallel is not None:
+                if self.staging.stream is not None:  # the CPU step's weights, written back on the side stream
+                    torch.cuda.current_stream().wait_stream(self.staging.stream)
                 self.parallel.gather_updated(group["layer"], self.offload.host_flat(group["layer"]))
         if self.device.type == "cuda" and self.crosses_pcie:
             torch.cuda.synchronize(self.device)  # copies written without blocking, on any stream, are complete

@@ -17,12 +17,13 @@ so that rank r owns the contiguous shard [r*S, (r+1)*S) (`Layout`), and one coll
   like a streamed block); with cache_weights_on_host the forward pass's gathered copy goes to host memory and the
   backward pass fetches it from there instead of gathering again. The optimizer updates the shard in place.
 
-Collectives run asynchronously; at most STREAM_BUFFER_LAYERS reductions are in flight, each holding one group's
-flat gradients, which the planner counts as comm buffers (planner/memory.py).
+Collectives run asynchronously; at most IN_FLIGHT reductions are in flight, each holding one group's flat
+gradients, which the planner counts as comm buffers (planner/memory.py), beside the group being reduced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -169,14 +170,17 @@ class DataParallel:
         if backward and group in self.cached:
             event = self.copier.copy(self.copier.h2d, [(full[:layout.numel], self.cache[group])],
                                      after=self.cached.pop(group))  # once the forward pass's copy is there
-            return views, _EventWork(self.copier, event)
+            return views, CopyDone(self.copier, event)
         shard = self.shards[group]
         mine = full[self.world.rank * layout.shard_numel:(self.world.rank + 1) * layout.shard_numel]
-        if shard.device != full.device:  # the shard is streamed from host memory
-            self.copier.wait(self.copier.copy(self.copier.h2d, [(mine, shard)]))
-        else:
+        if shard.device == full.device:
             mine.copy_(shard)
-        return views, self.comm.all_gather(full, mine)
+            return views, self.comm.all_gather(full, mine)
+        # A streamed shard comes up on the copy stream, which the gather then follows: the compute stream waits only
+        # for the gathered weights, when it uses them.
+        self.copier.copy(self.copier.h2d, [(mine, shard)])
+        with torch.cuda.stream(self.copier.h2d) if self.copier.cuda else contextlib.nullcontext():
+            return views, self.comm.all_gather(full, mine)
 
     def gathered(self, group: str, tensors: list[torch.Tensor]) -> None:
         """A sharded block has computed its forward pass with `tensors`: with cache_weights_on_host they go to host
@@ -208,11 +212,11 @@ class DataParallel:
         self.last_micro_batch = last_micro_batch
         if not (self.every_micro_batch or last_micro_batch):
             return
+        self._make_room()
         layout = self.layouts[group]
         flat = torch.zeros(layout.padded_numel, dtype=params[0].grad.dtype, device=params[0].grad.device)
         torch._foreach_copy_([flat[o:o + n] for o, n in zip(layout.offsets(), layout.numels)],
                              [p.grad.view(-1) for p in params])
-        self._make_room()
         if self.scatter:
             out = torch.empty(layout.shard_numel, dtype=flat.dtype, device=flat.device)
             self.in_flight.append((self.comm.reduce_scatter(out, flat), group, out, flat, last_micro_batch))
@@ -328,8 +332,8 @@ class DataParallel:
                 "gradients": list(self.grad_shards.values())}
 
 
-class _EventWork:
-    """A copy's end, as a collective's Work."""
+class CopyDone:
+    """A copy's end, to wait for as for a collective's (offload.py's Copier makes the event)."""
 
     def __init__(self, copier, event):
         self.copier, self.event = copier, event

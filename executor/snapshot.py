@@ -35,8 +35,8 @@ from fastml.executor import faults
 from fastml.executor.files import remove_dir
 from fastml.executor.model import Transformer
 from fastml.executor.optim import layer_of
-from fastml.executor.tensordir import (TrainingState, load_model_state, load_tensor_file, read_manifest,
-                                       save_checkpoint, verify_checkpoint, write_files)
+from fastml.executor.tensordir import (MODEL_FILE, TrainingState, check_state_dict, load_tensor_file,
+                                       read_manifest, save_checkpoint, verify_checkpoint, write_files)
 from fastml.executor.world import SINGLE, World
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -96,7 +96,7 @@ class Run:
         if self.restore_from is None:
             return None, Position(0, 0)
         path, saved = self.restore_from, self.saved
-        _load_model(model, load_model_state(path, self.plan.model))
+        _load_model(model, path, self.plan.model)
         with _SavedOptimizer(path) as saved_optimizer:
             optimizer.load_state(saved_optimizer.read)
         _set_rng(load_tensor_file(path, RNG_FILE))
@@ -115,12 +115,13 @@ class Run:
                             f"into {self.root}: give each its own --checkpoint-dir")
         state = TrainingState(run_id=self.run_id, step=position.step, sequences=position.sequences, plan=self.plan,
                               world_size=self.world.size)
-        model_state = _model_state(model)  # every rank: sharded blocks are gathered
-        ranges = optimizer.state_ranges()
+        model_state = _model_state(model, self.world)  # every rank: sharded groups are gathered
         # Unsharded, every rank holds the same optimizer state and rank 0 writes it; sharded, each writes its own.
-        optimizer_file = OPTIMIZER_FILE if not ranges else f"optimizer-{self.world.rank:05d}.safetensors"
-        optimizer_files = {optimizer_file: optimizer.state_tensors()} if self.world.main or ranges else {}
-        metadata = {optimizer_file: {"ranges": json.dumps(ranges)}} if ranges else None
+        parallel = getattr(optimizer, "parallel", None)
+        sharded = parallel is not None and parallel.scatter
+        optimizer_file = f"optimizer-{self.world.rank:05d}.safetensors" if sharded else OPTIMIZER_FILE
+        optimizer_files = {optimizer_file: optimizer.state_tensors()} if self.world.main or sharded else {}
+        metadata = {optimizer_file: {"ranges": json.dumps(optimizer.state_ranges())}} if sharded else None
         after_each_file = lambda: faults.kill_if_due("kill-mid-checkpoint", position.step)  # noqa: E731
         if self.world.main:
             save_checkpoint(path, self.plan.model, model_state, training=state, metadata=metadata,
@@ -301,36 +302,46 @@ def _move_aside(root: Path, found: list[Path], say: Say) -> None:
     say(f"--start-over: moved {_describe(found)} of the earlier run to {aside}; delete it when it is no longer needed")
 
 
-def _model_state(model: Transformer) -> dict[str, torch.Tensor]:
-    """The model's weights by name, whole: a sharded block's gathered from the ranks (a collective: every rank
-    calls this)."""
-    state = model.state_dict()
+def _model_state(model: Transformer, world: World) -> dict[str, torch.Tensor]:
+    """The model's weights by name, whole, on rank 0 (empty elsewhere): a sharded group's gathered from the ranks
+    one group at a time and moved to host memory (a collective: every rank calls this)."""
+    state = model.state_dict() if world.main else {}
     parallel = getattr(getattr(model, "offload", None), "parallel", None)
     for group in parallel.layouts if parallel is not None else ():  # in model order, the same on every rank
         if group in parallel.sharded:
-            state.update(parallel.full_weights(group))
+            gathered = parallel.full_weights(group)
+            if world.main:
+                state.update({name: t.cpu() for name, t in gathered.items()})
     return state
 
 
 @torch.no_grad()
-def _load_model(model: Transformer, state: dict[str, torch.Tensor]) -> None:
+def _load_model(model: Transformer, path: Path, spec) -> None:
+    """The checkpoint's weights into the model, a tensor at a time (every rank reads the file; none holds it whole):
+    into this rank's shard of a sharded group."""
     parallel = getattr(getattr(model, "offload", None), "parallel", None)
     sharded = parallel.sharded if parallel is not None else frozenset()
-    for name, tensor in model.state_dict().items():
-        group = layer_of(name)
-        if group in sharded:
-            parallel.load_weights(group, name, state[name])
-        else:
-            tensor.copy_(state[name])
+    with safe_open(path / MODEL_FILE, framework="pt") as saved:
+        shapes = {name: torch.empty(saved.get_slice(name).get_shape(), device="meta") for name in saved.keys()}
+        check_state_dict(spec, shapes, str(path / MODEL_FILE))
+        for name, tensor in model.state_dict().items():
+            group = layer_of(name)
+            if group in sharded:
+                parallel.load_weights(group, name, saved.get_tensor(name))
+            else:
+                tensor.copy_(saved.get_tensor(name))
 
 
-def _other_ranks_files(tmp: Path) -> dict[str, str]:
-    """Rank 0's side of a checkpoint of several ranks: tells the others where to write, and collects the checksums
-    of what they wrote."""
+def _other_ranks_files(tmp: Path):
+    """Rank 0's side of a checkpoint of several ranks: tells the others where to write (before it writes its own
+    files), and returns what collects the checksums of theirs."""
     dist.broadcast_object_list([str(tmp)], src=0)
-    checksums = [None] * dist.get_world_size()
-    dist.gather_object({}, checksums, dst=0)
-    return {name: digest for rank_files in checksums for name, digest in rank_files.items()}
+
+    def written() -> dict[str, str]:
+        checksums = [None] * dist.get_world_size()
+        dist.gather_object({}, checksums, dst=0)
+        return {name: digest for rank_files in checksums for name, digest in rank_files.items()}
+    return written
 
 
 def _write_rank_files(tensor_files: dict, metadata: dict | None, after_each_file) -> None:

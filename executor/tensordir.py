@@ -99,9 +99,9 @@ def save_checkpoint(directory, spec: ModelSpec, state_dict: dict, *, training: T
                     metadata: dict[str, dict[str, str]] | None = None, others=None) -> None:
     """Writes a fastml checkpoint atomically: model.safetensors, the further `tensor_files` (name -> tensors, with
     the safetensors `metadata` of each where given) and `json_files` (name -> JSON object), and the manifest.
-    `after_each_file()` runs after each file (fault tests). With several ranks, `others(tmp)` has the other ranks
-    write their files into the temporary directory too and returns their checksums: the checkpoint appears under
-    its name only once every rank's files are there and durable.
+    `after_each_file()` runs after each file (fault tests). With several ranks, `others(tmp)` sets the other ranks
+    writing their files into the temporary directory too, and returns a function that returns their checksums once
+    they are written: the checkpoint appears under its name only once every rank's files are there and durable.
 
     An existing directory is replaced only if it is empty or a fastml checkpoint."""
     check_state_dict(spec, state_dict, "state_dict")
@@ -114,9 +114,9 @@ def save_checkpoint(directory, spec: ModelSpec, state_dict: dict, *, training: T
     json.dumps(json_files)  # before any file is written: a value that is not JSON fails here
 
     def write(tmp: Path) -> None:
+        others_written = others(tmp) if others is not None else dict
         checksums = write_files(tmp, tensor_files, json_files, metadata, after_each_file)
-        if others is not None:
-            checksums |= others(tmp)
+        checksums |= others_written()
         manifest = Manifest(format=FORMAT, version=VERSION, model=spec, files=checksums, training=training)
         write_json(tmp / META_FILE, to_dict(manifest))
 

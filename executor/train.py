@@ -77,7 +77,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     check_hardware(plan, device, strict, console)
     check_host_memory(plan)
     apply_memory_cap(plan, device, console)
-    join(plan, world, device, timeout_s)
+    join(plan, world, device, timeout_s, CHECKPOINT_S)
     with Watchdog(world, timeout_s) as watchdog:
         comm = make_collectives(plan.knobs.comm, world, device, watchdog) if world.distributed else None
         try:

@@ -74,7 +74,7 @@ def check_world(plan: Plan, world: World) -> None:
                            "nodes uses 'nccl'")
 
 
-def join(plan: Plan, world: World, device: torch.device, timeout_s: float) -> None:
+def join(plan: Plan, world: World, device: torch.device, timeout_s: float, checkpoint_s: float) -> None:
     """Starts this process's part of the process group (once: a process may train several plans in turn). gloo
     carries CPU tensors (the step's few figures that all ranks agree on, checkpoint bookkeeping); NCCL carries GPU
     tensors where the plan's collectives are NCCL's; memcpy collectives move their data themselves."""
@@ -83,8 +83,9 @@ def join(plan: Plan, world: World, device: torch.device, timeout_s: float) -> No
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" and plan.knobs.comm == "nccl" else "gloo"
-    # Longer than the watchdog's timeout, which names the rank the others wait for: the backends' own do not.
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=2 * timeout_s + 60))
+    # Longer than the watchdog's timeout (which names the rank the others wait for: the backends' own do not), and
+    # than it allows a checkpoint, whose ranks wait for rank 0's files in a collective.
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s + checkpoint_s + 60))
 
 
 def _units(plan: Plan) -> str:
@@ -123,10 +124,11 @@ class Watchdog:
         self.progress += 1
         if where is not None:
             self.where = where
+        self.allowed_s = self.timeout_s
         self.last_move = time.monotonic()
 
     def allow(self, seconds: float) -> None:
-        """Lets the next stretch without progress last `seconds` (a checkpoint's files); the next tick resets it."""
+        """Lets the stretch without progress from now on last `seconds` (a checkpoint's files), until the next tick."""
         self.allowed_s = max(self.timeout_s, seconds)
         self.last_move = time.monotonic()
 
@@ -138,8 +140,6 @@ class Watchdog:
             if self.last_move < now - self.allowed_s:
                 self.say(f"fastml: rank {self.world.rank}: {self._diagnosis(now - self.last_move)}; stopping the job")
                 os._exit(EXIT_OTHER_RANK)
-            if self.last_move >= now - HEARTBEAT_S:
-                self.allowed_s = self.timeout_s
 
     def _diagnosis(self, stalled_s: float) -> str:
         beats = {}

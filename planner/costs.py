@@ -65,6 +65,9 @@ class Costs:
     embed_gather: Collective
     head_gather: Collective
     """ZeRO-3: the embedding's weights before each forward pass, the final norm's and head's before the head."""
+    embed_grad_reduce: Collective
+    head_grad_reduce: Collective
+    """The embedding's and head's gradients reduced, as a block's are (`layer_grad_reduce`)."""
     shard_h2d: float
     """A streamed block's weight shard to the GPU, before it is gathered (ZeRO-3 with streamed weights)."""
 
@@ -157,6 +160,10 @@ def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Cost
 
     def gather(num_params: int) -> Collective:
         return collective("all_gather", num_params * param_bytes(knobs), machine, knobs.comm)
+
+    def reduce(num_params: int) -> Collective:
+        return collective("reduce_scatter" if knobs.shard_optimizer else "all_reduce", num_params * param_bytes(knobs),
+                          machine, knobs.comm)
     return Costs(
         layer_forward=forward, layer_backward=backward, layer_recompute=recompute, head_forward_backward=head,
         grad_accumulate=hbm(2 * p * param_bytes(knobs) / (machine.num_gpus if knobs.shard_gradients else 1)),
@@ -165,10 +172,9 @@ def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Cost
         h2d_per_byte=h2d, d2h_per_byte=d2h,
         layer_weights_h2d=layer_bytes * h2d, layer_grads_h2d=layer_bytes * h2d, layer_grads_d2h=layer_bytes * d2h,
         layer_input_d2h=block_input * d2h, layer_input_h2d=block_input * h2d,
-        layer_weight_gather=gather(spec.layer_params()),
-        layer_grad_reduce=collective("reduce_scatter" if knobs.shard_optimizer else "all_reduce", layer_bytes,
-                                     machine, knobs.comm),
+        layer_weight_gather=gather(spec.layer_params()), layer_grad_reduce=reduce(spec.layer_params()),
         step_weight_gather=gather(p), embed_gather=gather(groups["embed"]), head_gather=gather(groups["head"]),
+        embed_grad_reduce=reduce(groups["embed"]), head_grad_reduce=reduce(groups["head"]),
         shard_h2d=layer_bytes / machine.num_gpus * h2d,
     )
 
@@ -180,7 +186,7 @@ def collective(kind: str, num_bytes: float, machine: Machine, comm: str) -> Coll
         return Collective()
     if comm == "memcpy":
         return _memcpy(kind, num_bytes, machine)
-    seconds = collective_s(kind, num_bytes, machine, comm)
+    seconds = nccl_s(kind, num_bytes, machine)
     if not machine.gpu.p2p and machine.num_nodes == 1:
         # NCCL's shared-memory transport copies through host memory over the node's PCIe, both directions at once
         # for the whole collective, sharing them with offload's copies.
@@ -198,21 +204,21 @@ def _memcpy(kind: str, num_bytes: float, machine: Machine) -> Collective:
     share = num_bytes * (n - 1) / n
     down = {"reduce_scatter": share, "all_gather": num_bytes / n, "all_reduce": share + num_bytes / n}[kind]
     up = {"reduce_scatter": share, "all_gather": share, "all_reduce": 2 * share}[kind]
-    cells = {"reduce_scatter": n, "all_gather": 1, "all_reduce": n}[kind]
-    rounds = math.ceil(num_bytes / n / (MEMCPY_ROW_BYTES / cells)) * (2 if kind == "all_reduce" else 1)
+    def rounds_of(cells: int) -> int:  # a reduce-scatter's row has a cell per rank, an all-gather's one
+        return math.ceil(num_bytes / n / (MEMCPY_ROW_BYTES / cells))
+    rounds = {"reduce_scatter": rounds_of(n), "all_gather": rounds_of(1),
+              "all_reduce": rounds_of(n) + rounds_of(1)}[kind]
     adds = share * 3 / machine.gpu.hbm_bytes_per_s if kind != "all_gather" else 0.0  # read 2, write 1
     down_s, up_s = down / machine.d2h_bytes_per_s(), up / machine.h2d_bytes_per_s() + adds
     return Collective(d2h_s=rounds * machine.collective_latency_s + down_s,
                       h2d_s=max(up_s / rounds, up_s - down_s * (rounds - 1) / rounds))
 
 
-def collective_s(kind: str, num_bytes: float, machine: Machine, comm: str) -> float:
-    """The time of a collective over all GPUs of `num_bytes` (the full, unsharded size)."""
+def nccl_s(kind: str, num_bytes: float, machine: Machine) -> float:
+    """The time of an NCCL collective over all GPUs of `num_bytes` (the full, unsharded size)."""
     n = machine.num_gpus
     if n == 1:
         return 0.0
-    if comm == "memcpy":
-        return _memcpy(kind, num_bytes, machine).seconds
     passes = 2 if kind == "all_reduce" else 1  # all-reduce = reduce-scatter + all-gather
     moved = passes * num_bytes * (n - 1) / n
     bandwidth = min(machine.bus_bytes_per_s[kind], link_bytes_per_s(machine))

@@ -287,6 +287,10 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     groups = group_params(spec)
     if sharded:  # the head's gathered weights live from the last block until their gradients are made
         gpu["weights"] += max(groups["embed"], groups["head"]) * param_bytes(knobs)
+    if num_gpus > 1 and knobs.shard_gradients:  # a group's full gradients, from its backward pass to its reduction
+        gpu["gradients"] += max(groups.values()) * param_bytes(knobs)
+    elif num_gpus > 1 and knobs.shard_optimizer:  # ZeRO-1: offloaded blocks' reduced shards stay on the GPU
+        gpu["gradients"] += len(place.host_gradients) * streamed_layer / num_gpus
 
     tokens = knobs.micro_batch_size * seq_len
     gpu["activations"], host["activations"] = _activations(spec, knobs, place, tokens, device)

@@ -66,7 +66,7 @@ def build_graph(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -
     num_micro = min(knobs.grad_accum_steps, SIMULATED_MICRO_BATCHES)
     for m in range(num_micro):
         step.forward(m)
-        step.head(m)
+        step.head(m, last=m == num_micro - 1)
         step.backward(m, last=m == num_micro - 1)
     step.optimizer_step()
     return step.graph
@@ -97,7 +97,7 @@ class _StepGraph:
                          "gradients": self.place.host_gradients}
         # Per stream, the op after which each GPU buffer's last block is done with it, oldest first.
         self.buffer_users = {kind: deque(maxlen=STREAM_BUFFER_LAYERS) for kind in self.streamed}
-        self.last_grad: dict[int, str] = {}  # per layer, the op after which its gradient is final (GPU or host)
+        self.last_grad: dict[int | str, str] = {}  # per group, the op after which its gradient is final (GPU or host)
 
     def add(self, name: str, resource: str, duration_s: float, category: str, deps=(), **attrs) -> str:
         self.graph.add_node(name, resource=resource, duration=duration_s, category=category, **attrs)
@@ -182,13 +182,15 @@ class _StepGraph:
                 self.add(f"d2h input L{layer} mb{m}", "d2h", c.layer_input_d2h, "offload", [fwd],
                          free=[f"input {m} {layer}"])
 
-    def head(self, m: int) -> None:
+    def head(self, m: int, last: bool) -> None:
         """The final norm, the LM head and the loss, forward and backward; with ZeRO-3 their weights are gathered
-        while the last block computes."""
+        while the last block computes; then their gradients are reduced."""
         ready = None
         if self.multi and self.knobs.shard_weights:
             ready = self.collective(f"gather head mb{m}", self.c.head_gather, [self.prefetch_slot()])
-        self.compute(f"head mb{m}", self.c.head_forward_backward, "compute", [ready])
+        head = self.compute(f"head mb{m}", self.c.head_forward_backward, "compute", [ready])
+        if self.multi and (self.knobs.shard_gradients or last):
+            self.last_grad["head"] = self.collective(f"reduce grads head mb{m}", self.c.head_grad_reduce, [head])
 
     def backward(self, m: int, last: bool) -> None:
         c = self.c
@@ -210,10 +212,18 @@ class _StepGraph:
             self.release("inputs", layer, grad)
             if self.multi and (self.knobs.shard_gradients or last):
                 grad = self.collective(f"reduce grads L{layer} mb{m}", c.layer_grad_reduce, [grad])
-            if _block(layer) in self.place.host_gradients:
+            if _block(layer) in self.place.host_gradients and not (last and self.reduced_on_gpu()):
                 grad = self.gradients_down(layer, m, grad)
                 self.release("gradients", layer, grad)
             self.last_grad[layer] = grad
+        if self.multi and (self.knobs.shard_gradients or last):  # the embedding's, the last made
+            self.last_grad["embed"] = self.collective(f"reduce grads embed mb{m}", c.embed_grad_reduce,
+                                                      [self.compute_ops[-1]])
+
+    def reduced_on_gpu(self) -> bool:
+        """ZeRO-1: the last micro-batch's reduce-scatter leaves a block's shard of the sums on the GPU, where offloaded
+        gradients sent the others down."""
+        return self.multi and self.knobs.shard_optimizer and not self.knobs.shard_gradients
 
     def sharded_host_gradients(self, layer: int) -> bool:
         """Whether the block's reduced gradient shard sums the micro-batches in host memory (executor/shard.py)."""

@@ -10,7 +10,7 @@ from fastml import hwprofiles
 from fastml.config import UserError
 from fastml.plan import TIME_COMPONENTS, Knobs, knob_names
 from fastml.planner.hardware import load_machine, parse_bytes
-from fastml.planner.costs import collective_s, costs
+from fastml.planner.costs import costs, nccl_s
 from fastml.planner.memory import layer_activation_bytes, memory, model_state_bytes
 from fastml.planner.planner import NoFeasiblePlan, _this_machine, make_plan, replan
 from fastml.planner.request import PlanRequest
@@ -155,9 +155,9 @@ def test_nccl_without_p2p_goes_through_host_memory():
     no_p2p = dataclasses.replace(nvlink, gpu=dataclasses.replace(nvlink.gpu, p2p=False))
     moved = 2**30 / 2  # an all-gather of 1 GiB over 2 GPUs: each receives half
     latency = nvlink.collective_latency_s
-    assert collective_s("all_gather", 2**30, nvlink, "nccl") == pytest.approx(
+    assert nccl_s("all_gather", 2**30, nvlink) == pytest.approx(
         latency + moved / nvlink.bus_bytes_per_s["all_gather"])
-    assert collective_s("all_gather", 2**30, no_p2p, "nccl") == pytest.approx(
+    assert nccl_s("all_gather", 2**30, no_p2p) == pytest.approx(
         latency + moved / min(no_p2p.h2d_bytes_per_s(), no_p2p.d2h_bytes_per_s(),
                               no_p2p.host_routed_bus_bytes_per_s))
 
