@@ -67,8 +67,11 @@ def test_one_micro_batch_per_rank_over_memcpy_is_one_process_bit_for_bit(tmp_pat
 @pytest.mark.parametrize("name", [n for n in SHARED_GPU_PLANS if n != "zero0"])
 def test_sharding_on_cuda_streams_trains_as_one_process(tmp_path, shared_gpu, name):
     """Gathered weights and their host copies, shards stepped by the C++ AdamW, streamed weight shards and
-    compiled blocks, on the GPU's streams: the losses of one process, to bf16 rounding."""
+    compiled blocks, on the GPU's streams: the losses of one process, to bf16 rounding. The first loss comes before
+    any step, so it is the same bit for bit, but where the blocks are compiled: each process's Inductor chooses its
+    own kernels (seen differing by 5e-6 in the first loss on an H200)."""
     got = [r["loss"] for r in shared_gpu[name]]
     reference = alone(tmp_path, SHARED_GPU_PLANS[name])
-    assert got[0] == reference[0]
+    if not SHARED_GPU_PLANS[name].knobs.compile:
+        assert got[0] == reference[0]
     assert got == pytest.approx(reference, rel=2e-3)
