@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import math
 import signal
+import socket
 import threading
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
+from fastml import hwprofiles
 from fastml.config import check_range
-from fastml.plan import Plan
+from fastml.plan import Plan, save_plan
+from fastml.record import Measured, RunMachine, RunRecord, save_record
 from fastml.executor import display, faults, snapshot
 from fastml.executor.apply import build_training_model
 from fastml.executor.collectives import make_collectives
@@ -44,7 +48,8 @@ the model can take minutes."""
 def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = None, show_progress: bool = True,
           console: Console | None = None, resume: bool = False, keep_checkpoints: int = 3,
           max_nonfinite_steps: int = 5, strict: bool = False, start_over: bool = False,
-          timeout_s: float = DEFAULT_TIMEOUT_S, summary_json: str | Path | None = None) -> dict:
+          timeout_s: float = DEFAULT_TIMEOUT_S, summary_json: str | Path | None = None,
+          run_dir: str | Path | None = None) -> dict:
     """Runs `plan` for `steps` optimizer steps in all (default: the plan's) and returns the summary of the run.
 
     With `resume`, continues from the newest intact checkpoint in the plan's checkpoint_dir; without it, a directory
@@ -54,7 +59,15 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
 
     A plan for several GPUs (or CPU processes) of this node, called outside a launcher, starts one worker process
     per rank (launch.py) and returns rank 0's summary; under torchrun this process is one rank of the job, and
-    ranks that wait more than `timeout_s` for the others stop the job. `summary_json` receives the summary."""
+    ranks that wait more than `timeout_s` for the others stop the job. `summary_json` receives the summary.
+
+    `run_dir` receives the run's log (`log.jsonl`, unless `log_json` names another file), its plan and its record
+    (`record.json`: fastml.record, what `fastml calibrate` reads)."""
+    world = launched()
+    run_dir = Path(run_dir) if run_dir is not None and (world is None or world.main) else None  # rank 0's alone
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log_json = log_json or run_dir / "log.jsonl"
     if steps is not None:
         plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, steps=steps))
     check_range("--keep-checkpoints", keep_checkpoints, 1)
@@ -62,11 +75,10 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     check_range("--timeout", timeout_s, 1)
     options = dict(log_json=log_json, show_progress=show_progress, resume=resume, keep_checkpoints=keep_checkpoints,
                    max_nonfinite_steps=max_nonfinite_steps, strict=strict, start_over=start_over, timeout_s=timeout_s)
-    world = launched()
     if world is None and plan.hardware.num_gpus > 1:
         from fastml.executor.launch import train_in_workers
 
-        summary = train_in_workers(plan, console or Console(stderr=True), **options)
+        summary = train_in_workers(plan, console or Console(stderr=True), run_dir=run_dir, **options)
         _write_summary(summary, summary_json)
         return summary
     world = world or SINGLE
@@ -87,7 +99,24 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
                 comm.close()
     if world.main:
         _write_summary(summary, summary_json)
+        if run_dir is not None and summary.get("steps"):
+            _write_run(run_dir, plan, summary, device, console)
     return summary
+
+
+def _write_run(run_dir: Path, plan: Plan, summary: dict, device: torch.device, console: Console) -> None:
+    """The run's plan and record (fastml.record) into its directory."""
+    save_plan(plan, run_dir / "plan.json")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else hwprofiles.cpu_model()
+    machine = RunMachine(device=device.type, device_name=name, num_devices=plan.hardware.num_gpus,
+                         host=socket.gethostname())
+    measured = Measured(step_time_s=summary["step_time_s"], tokens_per_s=summary["tokens_per_s"], mfu=summary["mfu"],
+                        peak_memory_bytes=summary["peak_gpu_memory_bytes"], memory_bytes=summary["memory_bytes"],
+                        host_memory_bytes=summary["host_memory_bytes"])
+    save_record(RunRecord(plan=plan, machine=machine, steps=summary["steps"], measured=measured,
+                          date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")),
+                run_dir / "record.json")
+    console.print(f"run record: {run_dir / 'record.json'} (for `fastml calibrate`)", highlight=False)
 
 
 def _write_summary(summary: dict, path: str | Path | None) -> None:

@@ -96,6 +96,35 @@ def cmd_explain(args: argparse.Namespace) -> None:
         console.print(f"wrote trace {args.trace} (open in https://ui.perfetto.dev)")
 
 
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from fastml.record import load_record
+    from fastml.planner.calibrate import calibrate
+    from fastml.planner.hardware import read_profile
+    from fastml.planner import report
+
+    records = {(path.parent.name if path.name == "record.json" else path.stem): load_record(path)
+               for path in _record_paths(args.records)}
+    names = sorted({r.plan.hardware.profile for r in records.values()})
+    hw = args.hw or (names[0] if len(names) == 1 else None)
+    if hw is None:
+        fail("--hw", f"the records were planned for {', '.join(names)}: name the profile to calibrate")
+    fitted, fits = calibrate(records, read_profile(hw))
+    output = Path(args.output or f"{Path(hw).stem}-calibrated.json")
+    output.write_text(json.dumps(fitted, indent=2) + "\n")
+    report.print_calibration(Console(), fits, fitted["calibration"])
+    print(f"wrote {output}: plan with --hw {output}")
+
+
+def _record_paths(given: list[str]) -> list[Path]:
+    """Record files, or run directories holding one (`fastml run --run-dir`)."""
+    paths = [Path(p) / "record.json" if Path(p).is_dir() else Path(p) for p in given]
+    for path in paths:
+        if not path.is_file():
+            fail(str(path), "no such run record (a record.json, or the run directory that holds it)")
+    return paths
+
+
 def cmd_profile(args: argparse.Namespace) -> None:
     from fastml.planner.profile import profile
 
@@ -187,7 +216,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         train(plan, steps=args.steps, log_json=args.log_json, show_progress=not args.no_progress,
               resume=args.resume, start_over=args.start_over, keep_checkpoints=args.keep_checkpoints,
               max_nonfinite_steps=args.max_nonfinite_steps, strict=args.strict, timeout_s=args.timeout,
-              summary_json=args.summary_json)
+              summary_json=args.summary_json, run_dir=args.run_dir or _new_run_dir())
     except (TrainingStopped, WorkersFailed) as e:
         if world is None or world.main:  # every rank stops alike; rank 0 says why
             print(f"fastml: {e}", file=sys.stderr)
@@ -201,6 +230,16 @@ def cmd_run(args: argparse.Namespace) -> None:
             raise
         print(f"fastml: rank {world.rank}: lost contact with the other ranks ({_backend_says(e)})", file=sys.stderr)
         sys.exit(EXIT_OTHER_RANK)
+
+
+def _new_run_dir() -> Path:
+    """runs/TIME in the working directory, TIME to the second; a suffix where two runs start in the same second."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path, suffix = Path("runs") / stamp, 1
+    while path.exists():
+        suffix += 1
+        path = Path("runs") / f"{stamp}-{suffix}"
+    return path
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -353,6 +392,8 @@ def _add_run_command(sub) -> None:
                           "(default: 600)")
     run.add_argument("--summary-json", metavar="FILE", help="write the run's summary (what the closing table "
                                                             "shows) as JSON to FILE")
+    run.add_argument("--run-dir", help="the run's directory: its log (unless --log-json), plan and record, which "
+                                       "`fastml calibrate` reads (default: runs/TIME)")
     run.set_defaults(func=cmd_run)
 
 
@@ -367,6 +408,13 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--trace", metavar="FILE", help="write the simulated step as a Chrome/Perfetto trace")
     explain.add_argument("--hw", help="the profile JSON file the plan was made with, when it is not a shipped one")
     explain.set_defaults(func=cmd_explain)
+
+    cal = sub.add_parser("calibrate", help="fit a hardware profile to what runs on its machine measured")
+    cal.add_argument("records", nargs="+", help="run records (record.json) or the run directories holding them")
+    cal.add_argument("--hw", help="the profile to fit: a shipped name or a profile JSON file (default: the one the "
+                                  "records' plans name)")
+    cal.add_argument("-o", "--output", help="where to write the fitted profile (default: PROFILE-calibrated.json)")
+    cal.set_defaults(func=cmd_calibrate)
 
     prof = sub.add_parser("profile", help="detect the GPUs and their topology, and write a hardware profile")
     prof.add_argument("-o", "--output", default="hwprofile.json", help="where to write it (default: hwprofile.json)")

@@ -97,7 +97,7 @@ def cpu_key(threads: int | None = None) -> dict[str, str]:
     """What the CPU's measurements depend on; `threads`: torch's threads when measured (default: now)."""
     import torch
 
-    return {"cpu": _cpu_model(), "num_cpus": str(os.cpu_count()),
+    return {"cpu": cpu_model(), "num_cpus": str(os.cpu_count()),
             "torch_threads": str(threads or torch.get_num_threads()), "torch": torch.__version__,
             "version": str(CPU_MEASUREMENT_VERSION)}
 
@@ -128,7 +128,7 @@ def save_cpu(measurements: CpuMeasurements) -> Path:
     return path
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

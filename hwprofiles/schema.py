@@ -73,6 +73,27 @@ class Power:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """How this machine's measured runs differ from the planner's model of them, fitted by `fastml calibrate` from
+    run records (planner/calibrate.py); the defaults leave the model as it is."""
+
+    compute: float = 1.0
+    """Measured over modelled time of the GPU's work: matmuls, attention, elementwise kernels, optimizer."""
+    transfer: float = 1.0
+    """Measured over modelled time of copies between host and GPU and of collectives."""
+    layer_overhead_s: float = 0.0
+    """Time each pass of a block (forward, backward, recompute) and of the head adds: kernel launches, Python."""
+    step_overhead_s: float = 0.0
+    """Time each optimizer step adds on the CPU: the loop, the optimizer's launches, synchronisations."""
+    compiled_activations: float = 1.0
+    """What a torch.compile'd block keeps for its backward pass, over what the memory model counts."""
+    fragmentation: float = 0.0
+    """The allocator's peak beyond the memory model's, as a fraction of it."""
+    records: int = 0
+    """How many run records it was fitted to (0: not calibrated)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class HardwareProfile:
     name: str
     source: str
@@ -85,6 +106,7 @@ class HardwareProfile:
     price: Price | None = None
     """None where nobody rents it by the hour (a CPU): plans on it are not priced."""
     power: Power | None = None
+    calibration: Calibration = Calibration()
 
 
 # Keys a profile may carry for people and for the tools that wrote it, not read by the planner: the raw topology

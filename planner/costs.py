@@ -13,10 +13,12 @@ each direction of PCIe (`_memcpy`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from fastml.plan import MEMCPY_ROW_BYTES, Knobs
+from fastml.hwprofiles.schema import Calibration
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, group_params,
                                    has_fp32_masters, loss_tensor_bytes, param_bytes)
@@ -129,6 +131,25 @@ def optimizer_step_bytes(knobs: Knobs) -> int:
 
 
 def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Costs:
+    """The durations, times the machine's calibration (`Calibration`: measured over modelled time of the GPU's work
+    and of transfers, and what each pass of a block adds)."""
+    modelled = _modelled_costs(spec, seq_len, knobs, machine)
+    cal = machine.calibration
+    if cal == Calibration():
+        return modelled
+    compute = ("grad_accumulate", "grad_clip", "gpu_adam_per_param")
+    per_pass = ("layer_forward", "layer_backward", "head_forward_backward")
+    transfers = ("h2d_per_byte", "d2h_per_byte", "layer_weights_h2d", "layer_grads_h2d", "layer_grads_d2h",
+                 "layer_input_d2h", "layer_input_h2d", "shard_h2d")
+    changed = {name: getattr(modelled, name) * cal.compute + cal.layer_overhead_s for name in per_pass}
+    changed |= {name: getattr(modelled, name) * cal.compute for name in compute}
+    changed |= {name: getattr(modelled, name) * cal.transfer for name in transfers}
+    changed["layer_recompute"] = modelled.layer_recompute * cal.compute + \
+        (cal.layer_overhead_s if knobs.recompute else 0.0)
+    return dataclasses.replace(modelled, **changed)  # collectives apply cal.transfer themselves (`collective`)
+
+
+def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Costs:
     gpu = machine.gpu
     t = knobs.micro_batch_size * seq_len
     dtype = knobs.matmul_dtype
@@ -184,9 +205,11 @@ def collective(kind: str, num_bytes: float, machine: Machine, comm: str) -> Coll
     n = machine.num_gpus
     if n == 1:
         return Collective()
+    factor = machine.calibration.transfer
     if comm == "memcpy":
-        return _memcpy(kind, num_bytes, machine)
-    seconds = nccl_s(kind, num_bytes, machine)
+        c = _memcpy(kind, num_bytes, machine)
+        return dataclasses.replace(c, d2h_s=c.d2h_s * factor, h2d_s=c.h2d_s * factor)
+    seconds = nccl_s(kind, num_bytes, machine) * factor
     if not machine.gpu.p2p and machine.num_nodes == 1:
         # NCCL's shared-memory transport copies through host memory over the node's PCIe, both directions at once
         # for the whole collective, sharing them with offload's copies.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fastml import hwprofiles
 from fastml.config import check_range, fail, read_json
-from fastml.hwprofiles.schema import HardwareProfile, NodeSection as Node, parse_profile
+from fastml.hwprofiles.schema import Calibration, HardwareProfile, NodeSection as Node, parse_profile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +84,9 @@ class Machine:
     usd_per_gpu_hour: float
     """0 where the profile has no price (a CPU)."""
     watts_per_gpu: float
+    calibration: Calibration = Calibration()
+    """How measured runs on this machine differ from the model (planner/calibrate.py); applied by costs.py,
+    simulate.py and memory.py."""
 
     @property
     def shares_host_memory(self) -> bool:
@@ -197,7 +200,7 @@ def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
         collective_latency_s=p.collectives.latency_s, bus_bytes_per_s=dict(p.collectives.bus_bytes_per_s),
         host_routed_bus_bytes_per_s=p.collectives.host_routed_bus_bytes_per_s or math.inf,
         usd_per_gpu_hour=p.price.usd_per_gpu_hour if p.price else 0.0,
-        watts_per_gpu=p.power.watts_per_gpu if p.power else 0.0)
+        watts_per_gpu=p.power.watts_per_gpu if p.power else 0.0, calibration=p.calibration)
 
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,

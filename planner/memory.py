@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from fastml.plan import (CPU_STEP_CHUNK, MEMCPY_ROW_BYTES, MEMCPY_SLOTS, MEMORY_CATEGORIES, STAGING_SLOTS, Knobs,
                          offloaded_groups, weights_sharded)
+from fastml.hwprofiles.schema import Calibration
 from fastml.spec import ModelSpec
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
@@ -272,9 +273,10 @@ def master_bytes(knobs: Knobs) -> int:
 
 
 def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_node: int,
-           device: str) -> Memory:
+           device: str, calibration: Calibration = Calibration()) -> Memory:
     """Peak bytes on one GPU (or the CPU's memory for `device` "cpu"), and host bytes of one node, for training
-    `spec` with `knobs`: each parameter group's tensors where `Placement` puts them, as the executor holds them."""
+    `spec` with `knobs`: each parameter group's tensors where `Placement` puts them, as the executor holds them; then
+    as the machine's `calibration` corrects the model (what a compiled block keeps, the allocator's fragmentation)."""
     place = placement(spec, knobs)
     gpu, host = _model_states(spec, knobs, place, num_gpus)
     streamed_layer = spec.layer_params() * param_bytes(knobs)
@@ -312,6 +314,9 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
         if knobs.cache_weights_on_host and sharded:  # each rank's copy of the gathered weights of every block
             host["weights"] += (spec.num_layers - len(place.streamed_weights)) * streamed_layer  # but streamed ones
     host = {k: v * gpus_per_node for k, v in host.items()}  # each GPU's process has its own host tensors
+    if knobs.compile:
+        gpu["activations"] *= calibration.compiled_activations
+    gpu["workspace"] += calibration.fragmentation * sum(gpu.values())
     return Memory(gpu={k: int(v) for k, v in gpu.items()}, host={k: int(v) for k, v in host.items()})
 
 

@@ -121,3 +121,31 @@ def significant(x: float, digits: int = 3, min_decimals: int = 0) -> str:
     """`x` with `digits` significant digits in plain notation (never 1.2e+03)."""
     decimals = digits - 1 - math.floor(math.log10(abs(x))) if x else 0
     return f"{x:.{max(decimals, min_decimals)}f}"
+
+
+def print_calibration(console: Console, fits, calibration: dict) -> None:
+    """Each record's step time and peak GPU memory, measured against predicted before and after calibration, the
+    mean absolute errors, and the fitted terms."""
+    table = Table(title="calibration: predicted against measured")
+    for column in ("record", "step measured", "before", "after", "peak measured", "before", "after"):
+        table.add_column(column, justify="left" if column == "record" else "right")
+    for fit in fits:
+        before, after = fit.step_errors
+        peak = fit.peak_errors
+        table.add_row(fit.name, f"{fit.measured_step_s:.3f} s", f"{before:+.1%}", f"{after:+.1%}",
+                      f"{fit.measured_peak_bytes / 2**30:.2f} GiB" if fit.measured_peak_bytes else "-",
+                      f"{peak[0]:+.1%}" if peak else "-", f"{peak[1]:+.1%}" if peak else "-")
+    console.print(table)
+    steps = [fit.step_errors for fit in fits]
+    peaks = [fit.peak_errors for fit in fits if fit.peak_errors]
+    console.print(f"mean absolute error of step time: {_mean_abs(e[0] for e in steps):.1%} before, "
+                  f"{_mean_abs(e[1] for e in steps):.1%} after" + (
+                      f"; of peak GPU memory: {_mean_abs(e[0] for e in peaks):.1%} before, "
+                      f"{_mean_abs(e[1] for e in peaks):.1%} after" if peaks else ""), highlight=False)
+    console.print("fitted: " + ", ".join(f"{k} {v:.4g}" for k, v in calibration.items() if k != "records"),
+                  highlight=False)
+
+
+def _mean_abs(errors) -> float:
+    errors = [abs(e) for e in errors]
+    return sum(errors) / len(errors) if errors else math.nan

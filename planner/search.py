@@ -139,7 +139,7 @@ def without_no_ops(spec: ModelSpec, values: dict) -> dict:
 def evaluate(problem: Problem, knobs: Knobs) -> Candidate:
     """Memory first; only knobs that fit are simulated."""
     m = memory(problem.spec, problem.seq_len, knobs, problem.machine.num_gpus, problem.machine.gpus_per_node,
-               problem.machine.device)
+               problem.machine.device, problem.machine.calibration)
     gpu_over = m.gpu_total - problem.gpu_budget()
     host_over = m.host_total - problem.host_budget()
     if problem.machine.shares_host_memory:  # a CPU: every process's device bytes and the host's fill one pool

@@ -83,6 +83,7 @@ class _StepGraph:
     def __init__(self, spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine):
         self.graph = nx.DiGraph()
         self.c = costs(spec, seq_len, knobs, machine)
+        self.step_overhead_s = machine.calibration.step_overhead_s
         self.knobs = knobs
         self.num_layers = spec.num_layers
         self.multi = machine.num_gpus > 1
@@ -277,6 +278,8 @@ class _StepGraph:
         updated += [self.cpu_step(group, clip, cpu_inputs[group]) for group in on_cpu]
         if self.multi and self.knobs.shard_optimizer and not self.knobs.shard_weights:
             self.collective("gather updated weights", self.c.step_weight_gather, updated)
+        if self.step_overhead_s:  # the CPU's own work of a step, which the GPU waits for (calibrated)
+            self.compute("step overhead", self.step_overhead_s, "other")
 
     def share(self, group: str) -> float:
         """The parameters of `group` that this GPU's optimizer steps."""

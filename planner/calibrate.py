@@ -1,0 +1,163 @@
+"""`fastml calibrate`: fits a hardware profile's `calibration` (hwprofiles/schema.py) to what runs on that machine
+measured (their records, fastml.record), so that its plans predict what it does.
+
+Step time. The simulator splits each step into components (plan.TIME_COMPONENTS); the GPU's work (compute,
+recompute, optimizer) scales with the `compute` term, what waits on copies and collectives with `transfer`, and each
+pass of a block or of the head adds `layer_overhead_s`, each step `step_overhead_s`. That makes a record's step time
+linear in the four terms at the uncalibrated prediction, and a bounded linear least-squares fit of the relative
+errors (scipy's lsq_linear) gives them. The errors after are not the fit's: each record is simulated again with the
+fitted profile, overlap and all.
+
+Peak memory. What a compiled block keeps (`compiled_activations`, of the activations the model counts, which
+Inductor does not keep all of) and the allocator's `fragmentation` (a fraction of the peak) are fitted the same way,
+linear in both to first order.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+
+from fastml.config import fail, to_dict
+from fastml.hwprofiles.schema import Calibration, parse_profile
+from fastml.plan import Plan
+from fastml.record import RunRecord
+from fastml.planner.hardware import load_machine
+from fastml.planner.search import Problem, evaluate
+
+TIME_BOUNDS = {"compute": (0.5, 4.0), "transfer": (0.5, 8.0), "layer_overhead_s": (0.0, 0.05),
+               "step_overhead_s": (0.0, 5.0)}
+MEMORY_BOUNDS = {"compiled_activations": (0.2, 1.5), "fragmentation": (0.0, 0.5)}
+FIT_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One record's step time and peak GPU memory: measured, and predicted before and after calibration."""
+
+    name: str
+    measured_step_s: float
+    before_step_s: float
+    after_step_s: float
+    measured_peak_bytes: int | None
+    before_peak_bytes: int
+    after_peak_bytes: int
+
+    @property
+    def step_errors(self) -> tuple[float, float]:
+        return self.before_step_s / self.measured_step_s - 1, self.after_step_s / self.measured_step_s - 1
+
+    @property
+    def peak_errors(self) -> tuple[float, float] | None:
+        measured = self.measured_peak_bytes
+        return (self.before_peak_bytes / measured - 1, self.after_peak_bytes / measured - 1) if measured else None
+
+
+def check_machine(records: dict[str, RunRecord], profile: dict) -> None:
+    """Every record ran on the machine `profile` describes: the GPU it names, or for a CPU profile its CPU."""
+    parsed = parse_profile(profile, profile.get("name", "profile"))
+    for name, record in records.items():
+        m = record.machine
+        if m.device != parsed.device:
+            fail(name, f"ran on a {m.device.upper()}, but {parsed.name} is a {parsed.device.upper()} profile")
+        known = parsed.device_names if parsed.device == "cuda" else [profile.get("measured", {}).get("key", {})
+                                                                      .get("cpu")]
+        if m.device_name not in known:
+            fail(name, f"ran on {m.device_name!r} (host {m.host}), not on the machine of profile {parsed.name} "
+                       f"({', '.join(filter(None, known)) or 'no device named'}); calibrate each machine's profile "
+                       f"with its own runs")
+
+
+def calibrate(records: dict[str, RunRecord], profile: dict) -> tuple[dict, list[Fit]]:
+    """`profile` (a profile's JSON) with its calibration fitted to `records` (by name), and each record's fit."""
+    if not records:
+        fail("calibrate", "give at least one run record")
+    check_machine(records, profile)
+    base = with_calibration(profile, Calibration())
+    before = {name: _predict(r.plan, base) for name, r in records.items()}
+    time_terms = {name: getattr(Calibration(), name) for name in TIME_BOUNDS}
+    for _ in range(FIT_ROUNDS):  # overlap makes the waits on transfers change with the terms: linearize again
+        now = with_calibration(profile, Calibration(**time_terms))
+        time_terms = _fit_time(records, {name: _predict(r.plan, now) for name, r in records.items()}, time_terms)
+    terms = time_terms | _fit_memory(records, before)
+    fitted = with_calibration(profile, Calibration(**terms, records=len(records)))
+    fits = []
+    for name, record in records.items():
+        after = _predict(record.plan, fitted)
+        fits.append(Fit(name, record.measured.step_time_s, before[name].step_s, after.step_s,
+                        record.measured.peak_memory_bytes, before[name].peak_bytes, after.peak_bytes))
+    return fitted, fits
+
+
+def with_calibration(profile: dict, calibration: Calibration) -> dict:
+    data = copy.deepcopy(profile)
+    data["calibration"] = to_dict(calibration)
+    return data
+
+
+@dataclass(frozen=True)
+class _Prediction:
+    step_s: float
+    time_s: dict[str, float]
+    peak_bytes: int
+    activations_compiled: int
+    """Activation bytes counted for compiled blocks (0 where the plan does not compile)."""
+    passes: int
+    """Passes of a block or the head in a step: what layer_overhead_s multiplies."""
+
+
+def _predict(plan: Plan, profile: dict) -> _Prediction:
+    h, t, k = plan.hardware, plan.training, plan.knobs
+    machine = load_machine(profile, num_gpus=h.gpus_per_node, num_nodes=max(1, h.num_gpus // h.gpus_per_node),
+                           gpu_memory=h.gpu_memory_bytes or None, host_memory=h.host_memory_bytes or None)
+    candidate = evaluate(Problem(plan.model, t.seq_len, t.global_batch_tokens, machine), k)
+    if candidate.simulation is None:
+        fail("calibrate", f"the plan of a record ({plan.model.name}) does not fit in memory on {machine.profile}")
+    passes = k.grad_accum_steps * (plan.model.num_layers * (2 + bool(k.recompute)) + 1)
+    return _Prediction(candidate.simulation.step_time_s, candidate.simulation.time_s, candidate.memory.gpu_total,
+                       candidate.memory.gpu["activations"] if k.compile else 0, passes)
+
+
+def _fit_time(records: dict[str, RunRecord], predicted: dict[str, _Prediction],
+              terms: dict[str, float]) -> dict[str, float]:
+    """Measured step = compute x (GPU work) + transfer x (waits on copies and collectives) + layer_overhead_s x
+    passes + step_overhead_s + the rest, in relative terms; the uncalibrated parts taken from a prediction made with
+    `terms`."""
+    from scipy.optimize import lsq_linear
+
+    rows, target = [], []
+    for name, record in records.items():
+        p, measured = predicted[name], record.measured.step_time_s
+        s = p.time_s
+        gpu_work = (s["compute"] + s["recompute"] + s["optimizer"] - terms["layer_overhead_s"] * p.passes) / \
+            terms["compute"]
+        waits = (s["exposed_comm"] + s["exposed_offload"]) / terms["transfer"]
+        rest = s["other"] - terms["step_overhead_s"]
+        rows.append(np.array([gpu_work, waits, p.passes, 1.0]) / measured)
+        target.append(1.0 - rest / measured)
+    bounds = np.array(list(TIME_BOUNDS.values())).T
+    solution = lsq_linear(np.array(rows), np.array(target), bounds=(bounds[0], bounds[1])).x
+    return dict(zip(TIME_BOUNDS, map(float, solution)))
+
+
+def _fit_memory(records: dict[str, RunRecord], before: dict[str, _Prediction]) -> dict[str, float]:
+    """Measured peak = (predicted peak + (compiled_activations - 1) x compiled activations) x (1 + fragmentation),
+    to first order: linear in both terms. Records without a GPU peak (a CPU's) leave them as they are."""
+    from scipy.optimize import lsq_linear
+
+    rows, target = [], []
+    for name, record in records.items():
+        measured, p = record.measured.peak_memory_bytes, before[name]
+        if measured:
+            rows.append(np.array([p.activations_compiled, p.peak_bytes]) / measured)
+            target.append(1.0 - (p.peak_bytes - p.activations_compiled) / measured)
+    if not rows:
+        return {name: getattr(Calibration(), name) for name in MEMORY_BOUNDS}
+    bounds = np.array(list(MEMORY_BOUNDS.values())).T
+    a, f = lsq_linear(np.array(rows), np.array(target), bounds=(bounds[0], bounds[1])).x
+    if not any(row[0] for row in rows):  # no record compiles: nothing tells the compiled term, which stays 1
+        a = Calibration().compiled_activations
+    return {"compiled_activations": float(a), "fragmentation": float(f)}
+

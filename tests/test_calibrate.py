@@ -1,0 +1,94 @@
+"""Run records and `fastml calibrate`: every run writes its record; calibration recovers known terms from synthetic
+records (made by the simulator with those terms) and refuses records of another machine."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fastml import hwprofiles
+from fastml.config import UserError
+from fastml.hwprofiles.schema import Calibration
+from fastml.plan import Hardware, Knobs, Plan, Training
+from fastml.record import Measured, RunMachine, RunRecord, load_record
+from fastml.spec import PRESETS
+from fastml.planner.calibrate import _predict, calibrate, with_calibration
+from fastml.planner.hardware import load_machine
+
+TRUE = Calibration(compute=1.25, transfer=1.6, layer_overhead_s=2e-4, step_overhead_s=0.03,
+                   compiled_activations=0.85, fragmentation=0.05)
+# (model, micro-batch, accumulation, recompute, compile, other knobs): compute- and copy-bound, compiled or not
+CASES = [("tinyllama-1.1b", 8, 2, (), False, {}), ("tinyllama-1.1b", 4, 4, ("block",), True, {}),
+         ("qwen2.5-0.5b", 16, 1, (), True, {}), ("qwen2.5-0.5b", 2, 8, ("ffn",), False, dict(offload_residuals=1.0)),
+         ("llama-3.2-1b", 4, 4, ("block",), True, dict(offload_gradients=1.0)),
+         ("tinyllama-1.1b", 1, 16, ("attention",), True, dict(offload_weights=0.5))]
+
+
+def synthetic_records(profile: dict, device_name: str = "NVIDIA H200") -> dict[str, RunRecord]:
+    """What runs of CASES would measure on a machine that behaves as the simulator does with TRUE."""
+    truth = with_calibration(profile, TRUE)
+    records = {}
+    for i, (model, micro, accum, recompute, compiled, knobs) in enumerate(CASES):
+        plan = Plan(model=PRESETS[model], training=Training(seq_len=2048, global_batch_tokens=2048 * micro * accum),
+                    hardware=Hardware(profile="h200", device="cuda"),
+                    knobs=Knobs(micro_batch_size=micro, grad_accum_steps=accum, recompute=recompute,
+                                compile=compiled, **knobs))
+        p = _predict(plan, truth)
+        measured = Measured(step_time_s=p.step_s, tokens_per_s=plan.training.global_batch_tokens / p.step_s, mfu=None,
+                            peak_memory_bytes=p.peak_bytes, memory_bytes=None, host_memory_bytes=None)
+        records[f"run{i}"] = RunRecord(plan=plan, machine=RunMachine(device="cuda", device_name=device_name,
+                                                                     num_devices=1, host="h"),
+                                       steps=10, date="2026-12-01", measured=measured)
+    return records
+
+
+def test_calibration_recovers_known_terms_from_synthetic_records():
+    profile = hwprofiles.load("h200")
+    fitted, fits = calibrate(synthetic_records(profile), profile)
+    terms = fitted["calibration"]
+    for name in ("compute", "layer_overhead_s", "step_overhead_s", "compiled_activations", "fragmentation"):
+        assert terms[name] == pytest.approx(getattr(TRUE, name), rel=0.05), name
+    assert terms["transfer"] == pytest.approx(TRUE.transfer, rel=0.15)  # seen only where copies are exposed
+    assert terms["records"] == len(CASES)
+    assert all(abs(fit.step_errors[0]) > 0.2 for fit in fits)  # far off before
+    assert all(abs(fit.step_errors[1]) < 0.03 and abs(fit.peak_errors[1]) < 0.01 for fit in fits)
+    # The fitted profile is a profile: plans made with it predict what the records measured.
+    machine = load_machine(fitted, 1)
+    assert machine.calibration == Calibration(**terms)
+
+
+def test_records_of_another_machine_are_refused():
+    profile = hwprofiles.load("h200")
+    with pytest.raises(UserError, match="run0: ran on 'NVIDIA A100-SXM4-80GB' .* not on the machine of profile h200"):
+        calibrate(synthetic_records(profile, device_name="NVIDIA A100-SXM4-80GB"), profile)
+    record = synthetic_records(profile)["run0"]
+    on_a_cpu = dataclasses.replace(record, machine=RunMachine(device="cpu", device_name="AMD EPYC", num_devices=1,
+                                                              host="h"))
+    with pytest.raises(UserError, match="run0: ran on a CPU, but h200 is a CUDA profile"):
+        calibrate({"run0": on_a_cpu}, profile)
+
+
+def fastml(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "fastml", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_every_run_writes_a_record_that_calibrate_reads(tmp_path):
+    """`fastml run` writes its log, plan and record into its run directory; `fastml calibrate` fits this CPU's
+    profile to two runs and says the errors before and after."""
+    assert fastml("plan", "--device", "cpu", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
+    for name in ("a", "b"):
+        ran = fastml("run", "p.json", "--steps", "4", "--no-progress", "--run-dir", name, cwd=tmp_path)
+        assert ran.returncode == 0, ran.stderr
+        assert f"run record: {name}/record.json" in ran.stderr
+    record = load_record(tmp_path / "a" / "record.json")
+    log = [json.loads(line) for line in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
+    assert record.steps == len(log) == 4 and record.machine.device == "cpu"
+    assert record.measured.step_time_s == sorted(r["step_time_s"] for r in log[1:])[1]  # the steady median
+    assert record.plan.model.name == "tiny" and record.measured.memory_bytes is None  # a CPU has no GPU memory
+    calibrated = fastml("calibrate", "a", "b", "--hw", "cpu", "-o", "cal.json", cwd=tmp_path)
+    assert calibrated.returncode == 0, calibrated.stderr
+    assert "mean absolute error of step time:" in calibrated.stdout and "after" in calibrated.stdout
+    assert json.loads((tmp_path / "cal.json").read_text())["calibration"]["records"] == 2
