@@ -128,7 +128,7 @@ def _record_paths(given: list[str]) -> list[Path]:
 def cmd_profile(args: argparse.Namespace) -> None:
     from fastml.planner.profile import profile
 
-    profile(args.output)
+    profile(args.output, quick=args.quick)
 
 
 def check_data(data: str, seq_len: int, vocab_size: int) -> None:
@@ -418,6 +418,7 @@ def parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser("profile", help="detect the GPUs and their topology, and write a hardware profile")
     prof.add_argument("-o", "--output", default="hwprofile.json", help="where to write it (default: hwprofile.json)")
+    prof.add_argument("--quick", action="store_true", help="fewer sizes and smaller copies (under 20 s)")
     prof.set_defaults(func=cmd_profile)
 
     _add_run_command(sub)

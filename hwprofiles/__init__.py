@@ -138,6 +138,26 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine_profile_path(device_name: str, count: int) -> Path:
+    """Where `fastml profile` keeps this machine's measured profile, by its GPUs' kind and number."""
+    tag = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
+    return cache_dir() / f"machine-{tag}-x{count}.json"
+
+
+def save_machine_profile(data: dict) -> Path:
+    gpus = data["detected"]["gpus"]
+    path = machine_profile_path(gpus[0]["name"], len(gpus))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def machine_profile(device_name: str, count: int) -> dict | None:
+    """This machine's measured profile (`fastml profile`), or None where it has not been measured."""
+    path = machine_profile_path(device_name, count)
+    return read_json(path, "a hardware profile") if path.is_file() else None
+
+
 def host_memory_bytes() -> int:
     """This machine's physical memory (on some VMs memory is added as it is used, so this can read low)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -78,8 +78,10 @@ def replan(plan: Plan, hw: str | None = None) -> tuple[Candidate, Problem]:
                                          f"machine's ({hwprofiles.fingerprint_of(hw)}); plan again here, or give "
                                          f"the profile file it was made with: fastml explain PLAN --hw FILE")
     elif hw is None and h.profile not in hwprofiles.names():
-        fail("hardware.profile", f"{h.profile!r} is not a shipped profile; give the profile file the plan was made "
-                                 f"with: fastml explain PLAN --hw FILE")
+        hw = _measured_here(h.fingerprint)
+        if hw is None:
+            fail("hardware.profile", f"{h.profile!r} is neither a shipped profile nor this machine's measured one; "
+                                     f"give the profile file the plan was made with: fastml explain PLAN --hw FILE")
     cpu = h.device == "cpu"
     machine = load_machine(hw or h.profile, num_gpus=None if cpu else h.gpus_per_node,
                            num_nodes=None if cpu else max(1, h.num_gpus // h.gpus_per_node),
@@ -173,16 +175,25 @@ def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
     if not torch.cuda.is_available():
         fail("--device", "'cuda' was asked for, but this machine has no CUDA GPU")
     name = torch.cuda.get_device_name(0)
-    profile = hwprofiles.for_device_name(name)
-    if profile is None:
-        fail("--hw", f"no shipped profile for the GPU {name!r}; run `fastml profile -o my.json` and plan with "
-                     f"--hw my.json, or pass --hw with the nearest of {', '.join(hwprofiles.names())}")
     present = torch.cuda.device_count()
+    measured = hwprofiles.machine_profile(name, present)  # `fastml profile` on this machine
+    profile = hwprofiles.for_device_name(name)
+    if profile is None and measured is None:
+        fail("--hw", f"no shipped profile for the GPU {name!r}; run `fastml profile`, which measures this machine "
+                     f"for the plans made on it, or pass --hw with the nearest of {', '.join(hwprofiles.names())}")
     gpus = r.gpus or present
-    _check_gpu_count(gpus, present, profile)
-    machine = load_machine(profile, gpus, None, r.gpu_mem, r.host_mem or hwprofiles.host_memory_bytes())
+    _check_gpu_count(gpus, present, profile or "PROFILE")
+    machine = load_machine(measured or profile, gpus, None, r.gpu_mem, r.host_mem or hwprofiles.host_memory_bytes())
     p2p = machine.gpu.p2p and _peer_access(gpus)
     return dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, p2p=p2p))
+
+
+def _measured_here(fingerprint: str) -> dict | None:
+    """This machine's measured profile (`fastml profile`), if it is the one with `fingerprint`."""
+    if not torch.cuda.is_available():
+        return None
+    measured = hwprofiles.machine_profile(torch.cuda.get_device_name(0), torch.cuda.device_count())
+    return measured if measured is not None and hwprofiles.fingerprint_of(measured) == fingerprint else None
 
 
 def _check_gpu_count(gpus: int, present: int, profile: str) -> None:

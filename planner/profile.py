@@ -1,12 +1,12 @@
-"""`fastml profile`: the GPUs, their links and the host as NVML reports them, written as a hwprofile JSON; and
-this machine's CPU, measured, as the profile CPU plans are made with.
+"""`fastml profile`: the GPUs, their links and the host as NVML reports them, and the rates measured on them
+(planner/measure.py), written as a hwprofile JSON that `fastml plan` then uses for this machine; and this machine's
+CPU, measured, as the profile CPU plans are made with.
 
-For GPUs only what NVML reports is detected here. Every rate (FLOP/s, GEMM efficiency, HBM, PCIe, NVLink,
-collectives), the price and the power still come from the nearest shipped profile until microbenchmarks measure
-them (DESIGN.md, Planner / Profile); the written `source` says which fields are which. A CPU has no datasheet to
-take rates from, so they are measured (a few seconds, once per machine and torch, cached): the best fp32 matmul
-rate, the forward and backward GEMMs of the linear layers of each model planned (the efficiency curve), and the
-memory bandwidth of a large tensor copy.
+A GPU profile starts from the nearest shipped one: what NVML detects and what is measured are written over it, and
+the rest (the dense peaks, the collectives between GPUs, the price and the power) is the shipped profile's; the
+written `source` says which fields are which. A CPU has no datasheet to take rates from, so they are measured (a few
+seconds, once per machine and torch, cached): the best fp32 matmul rate, the forward and backward GEMMs of the
+linear layers of each model planned (the efficiency curve), and the memory bandwidth of a large tensor copy.
 """
 
 from __future__ import annotations
@@ -147,9 +147,10 @@ def _cpu_list(words) -> str | None:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or None
 
 
-def profile_json(topology: dict) -> dict:
+def profile_json(topology: dict, measured: dict | None = None) -> dict:
     """A hwprofile (the schema of hwprofiles/*.json) for the detected machine: the nearest shipped profile with
-    what was detected written over it, and the raw topology under the extra top-level key `detected`."""
+    what was detected and what was `measured` (planner/measure.py's fields) written over it, the raw topology under
+    the extra top-level key `detected` and the measurements under `measured`."""
     if not topology["gpus"]:
         # Measured again: the way to replace a cached measurement taken while other work loaded the CPU.
         return this_cpu_profile(topology=topology, fresh=True)
@@ -157,17 +158,36 @@ def profile_json(topology: dict) -> dict:
     base, match = _base_profile(gpus[0]["name"], gpus[0]["memory_bytes"])
     data = copy.deepcopy(hwprofiles.load(base))
     fields = _write_detected(data, topology)
+    rates = _write_measured(data, measured or {})
     kinds = sorted({g["name"] for g in gpus})
     mixed = f"; the GPUs are of {len(kinds)} kinds, so the profile takes the smallest memory and PCIe link" \
         if len(kinds) > 1 else ""
+    how = "--quick, " if rates and measured.get("quick") else ""
+    measured_here = f" Measured by `fastml profile` ({how}planner/measure.py): {', '.join(rates)}." if rates else ""
     data["name"] = f"detected-{base}"
     data["source"] = (
         f"detected by `fastml profile` on {topology['date']}: {', '.join(fields)}; the raw NVML topology is under "
-        f"`detected`{mixed}. Not measured on this machine but taken from shipped profile {base!r} ({match}): every "
-        f"rate (peak FLOP/s, GEMM efficiency, HBM, PCIe, NVLink, host, collectives), price and power. "
-        f"Source of {base!r}: {data['source']}")
+        f"`detected`{mixed}.{measured_here} Taken from shipped profile {base!r} ({match}): every other figure "
+        f"(the dense peaks, NVLink, the collectives, price and power). Source of {base!r}: {data['source']}")
     data["detected"] = {**topology, "base_profile": base, "base_match": match}
+    if measured:
+        data["measured"] = measured
     return data
+
+
+def _write_measured(data: dict, measured: dict) -> list[str]:
+    """Writes the measured rates over `data` (dotted profile fields, planner/measure.py); returns their names."""
+    written = []
+    for field, value in measured.items():
+        if "." not in field:  # informational (the launch cost, whether --quick)
+            continue
+        section, _, name = field.rpartition(".")
+        target = data
+        for part in section.split("."):
+            target = target.setdefault(part, {})
+        target[name] = value
+        written.append(field)
+    return written
 
 
 def _base_profile(device_name: str, memory_bytes: int) -> tuple[str, str]:
@@ -258,25 +278,41 @@ def _dumps(data: dict) -> str:
     return re.sub(r"\[[^\[\]{}]*\]", one_line, json.dumps(data, indent=2)) + "\n"
 
 
-def profile(output: str | None = None, console: Console | None = None) -> dict:
-    """`fastml profile [-o FILE]`: detects the machine, prints it, writes its hwprofile JSON to `output`
-    (default hwprofile.json) and returns it."""
+def profile(output: str | None = None, console: Console | None = None, quick: bool = False) -> dict:
+    """`fastml profile [--quick] [-o FILE]`: detects the machine, prints it, measures its GPUs' rates, writes its
+    hwprofile JSON to `output` (default hwprofile.json) and as this machine's profile, which `fastml plan` uses
+    (hwprofiles.machine_profile_path), and returns it."""
     console = console or Console()
     topology = detect_topology()
     print_topology(topology, console)
-    data = profile_json(topology)
+    data = profile_json(topology, _measure(topology, quick, console) if topology["gpus"] else None)
     path = Path(output or DEFAULT_OUTPUT)
     try:
         path.write_text(_dumps(data))
     except OSError as e:
         fail("-o", f"cannot write {path}: {e.strerror or e}")
-    detected = data["detected"]
     if data.get("device") == "cpu":
         console.print(f"wrote {path}: profile {data['name']!r}, no CUDA GPU: this CPU's rates, measured")
-    else:
-        console.print(f"wrote {path}: profile {data['name']!r}; rates not measured yet, taken from shipped profile "
-                      f"{detected['base_profile']!r} ({detected['base_match']})")
+        return data
+    cached = hwprofiles.save_machine_profile(data)
+    console.print(f"wrote {path}: profile {data['name']!r}, measured here (see its source); `fastml plan` on this "
+                  f"machine uses it ({cached})")
     return data
+
+
+def _measure(topology: dict, quick: bool, console: Console) -> dict:
+    from rich.progress import Progress
+
+    from fastml.planner.measure import measure_gpus
+
+    base, _ = _base_profile(topology["gpus"][0]["name"], topology["gpus"][0]["memory_bytes"])
+    peak = hwprofiles.load(base)["gpu"]["peak_flops"]["bf16"]
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("measuring", total=None)
+        start = time.perf_counter()
+        measured = measure_gpus(peak, quick, lambda what: progress.update(task, description=f"measuring {what}"))
+    console.print(f"measured in {time.perf_counter() - start:.0f} s", highlight=False)
+    return {**measured, "quick": quick, "date": topology["date"]}
 
 
 # ------------------------------------------------------------------------------------ this machine's CPU, measured

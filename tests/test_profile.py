@@ -163,7 +163,8 @@ def test_four_rtx4090s_without_p2p(monkeypatch, tmp_path):
         assert machine.gpu.peak_flops == hwprofiles.load(base)["gpu"]["peak_flops"]
     else:  # no shipped RTX 4090 profile yet: the nearest-memory fallback, tested on its own below
         assert "nearest in GPU memory" in data["detected"]["base_match"]
-    assert "gpu.p2p" in data["source"] and "Not measured on this machine" in data["source"]
+    assert "gpu.p2p" in data["source"] and "Taken from shipped profile" in data["source"]
+    assert "Measured by" not in data["source"] and "measured" not in data  # nothing was
 
     text = printed(topology)
     assert text.count(RTX4090) == 4 and "24.0" in text and "gen4 x16 (now gen1 x16)" in text
@@ -187,6 +188,36 @@ def test_two_h200s_with_nvlink_and_p2p(monkeypatch, tmp_path):
 
     text = printed(topology)
     assert "gen5 x16" in text and "(now" not in text and "ok SYS" in text and "0-31" in text
+
+
+MEASURED = {"gpu.gemm_efficiency": [[1024, 0.1], [8192, 0.71]], "gpu.hbm_bytes_per_s": 4.0e12,
+            "gpu.pcie.h2d_bytes_per_s": 5.0e10, "gpu.pcie.d2h_bytes_per_s": 5.1e10,
+            "node.h2d_all_gpus_bytes_per_s": 9.0e10, "node.host_copy_bytes_per_s": 6.0e10,
+            "node.cpu_adam_params_per_s": 3.0e9, "launch_s": 3e-6, "quick": True, "date": "2026-12-01"}
+
+
+def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(monkeypatch, tmp_path):
+    """The profile schema of a measured machine: each rate planner/measure.py measured replaces the shipped one,
+    the source says which, and `fastml plan` for this machine plans with it once `fastml profile` saved it."""
+    topology = use(monkeypatch, fake_nvml(h200s(), p2p_status=0, level=lambda a, b: 50))
+    data = profile_json(topology, MEASURED)
+    machine = write_and_load(tmp_path, data)
+    assert machine.gpu.hbm_bytes_per_s == 4.0e12 and machine.gpu.gemm_efficiency == ((1024, 0.1), (8192, 0.71))
+    assert (machine.gpu.h2d_bytes_per_s, machine.gpu.d2h_bytes_per_s) == (5.0e10, 5.1e10)
+    assert machine.node.cpu_adam_params_per_s == 3.0e9 and machine.node.h2d_all_gpus_bytes_per_s == 9.0e10
+    assert machine.gpu.peak_flops == hwprofiles.load("h200")["gpu"]["peak_flops"]  # datasheet peaks: not measured
+    assert "Measured by `fastml profile` (--quick, planner/measure.py): gpu.gemm_efficiency" in data["source"]
+    assert data["measured"]["launch_s"] == 3e-6
+    monkeypatch.setenv("FASTML_CACHE", str(tmp_path))
+    hwprofiles.save_machine_profile(data)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    from fastml.planner.planner import make_plan
+
+    plan = make_plan(trials=10).plan
+    assert plan.hardware.profile == "detected-h200" and plan.hardware.num_gpus == 2
 
 
 def test_unknown_gpu_starts_from_the_profile_nearest_in_memory(monkeypatch, tmp_path):
@@ -245,9 +276,19 @@ def test_real_detection_without_a_gpu(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 @pytest.mark.skipif("CUDA_VISIBLE_DEVICES" in os.environ,
                     reason="NVML sees every GPU of the machine, torch only those in CUDA_VISIBLE_DEVICES")
-def test_real_detection_on_gpus(tmp_path):
+def test_real_detection_on_gpus(tmp_path, monkeypatch):
+    """`fastml profile --quick` on this machine's GPUs: detected, then measured (rates a GPU reaches, not the
+    datasheet's), and saved as this machine's profile."""
+    monkeypatch.setenv("FASTML_CACHE", str(tmp_path))
     out = io.StringIO()
-    data = profile(str(tmp_path / "hw.json"), Console(file=out, width=160, color_system=None))
+    data = profile(str(tmp_path / "hw.json"), Console(file=out, width=160, color_system=None), quick=True)
+    measured = data["measured"]
+    assert 0 < max(e for _, e in data["gpu"]["gemm_efficiency"]) <= 1.0
+    assert data["gpu"]["hbm_bytes_per_s"] == measured["gpu.hbm_bytes_per_s"] > 1e11
+    assert data["gpu"]["pcie"]["h2d_bytes_per_s"] > 1e9 and data["node"]["cpu_adam_params_per_s"] > 1e7
+    assert 0 < measured["launch_s"] < 1e-3
+    assert hwprofiles.machine_profile(torch.cuda.get_device_name(0), torch.cuda.device_count()) == \
+        json.loads(json.dumps(data))
     gpus = data["detected"]["gpus"]
     torch_names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     assert len(gpus) == torch.cuda.device_count()

@@ -1,0 +1,178 @@
+"""What `fastml profile` measures on a GPU machine, each rate the way the planner uses it: the bf16 GEMM efficiency
+curve against the GPU's dense peak (square GEMMs) and at the linear layers' exact shapes, HBM bandwidth (a copy,
+bytes read and written), pinned host copies up and down (one GPU alone, and every GPU at once through the shared
+PCIe root), the cost of a kernel launch, the host's memory bandwidth and the C++ CPU AdamW's throughput on its
+cores. GPU work is timed with CUDA events, the median of several runs after warm-ups; `quick` takes fewer sizes
+and smaller copies (under 20 s on an H200).
+
+Not measured here yet: peer-to-peer copies and the collectives (NCCL's and the memcpy ones) between several GPUs,
+and fp8 GEMMs; a profile keeps its base profile's figures for them and says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
+QUICK_SQUARE_SIZES = (1024, 4096, 8192)
+SHAPE_MODELS = ("tinyllama-1.1b", "llama-3.1-8b")
+"""Presets whose linear layers are measured at their exact shapes (not in `quick`), at SHAPE_TOKENS tokens."""
+SHAPE_TOKENS = (2048, 8192)
+COPY_BYTES, QUICK_COPY_BYTES = 2**30, 2**28
+ADAM_PARAMS = 2**24
+
+
+def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None) -> dict:
+    """Every rate, by the profile field it is written to (`profile.profile_json`); `on_step(what)` before each."""
+    import torch
+
+    copy_bytes = QUICK_COPY_BYTES if quick else COPY_BYTES
+    measured = {}
+    on_step("bf16 GEMMs")
+    sizes = QUICK_SQUARE_SIZES if quick else SQUARE_SIZES
+    measured["gpu.gemm_efficiency"] = [[g, round(_gemm_flops(g, g, g) / peak_bf16_flops, 4)] for g in sizes]
+    if not quick:
+        on_step("the presets' linear layers")
+        measured["gpu.gemm_shapes"] = [[m, n, k, round(_gemm_flops(m, n, k) / peak_bf16_flops, 4)]
+                                       for m, n, k in _model_shapes()]
+    on_step("HBM")
+    measured["gpu.hbm_bytes_per_s"] = _hbm_bytes_per_s(copy_bytes)
+    on_step("pinned host copies")
+    up, down = _host_copies(0, copy_bytes)
+    measured["gpu.pcie.h2d_bytes_per_s"], measured["gpu.pcie.d2h_bytes_per_s"] = up, down
+    measured["node.h2d_all_gpus_bytes_per_s"] = _all_gpus_up(copy_bytes) if torch.cuda.device_count() > 1 else up
+    on_step("kernel launches")
+    measured["launch_s"] = _launch_s()
+    on_step("host memory")
+    measured["node.host_copy_bytes_per_s"] = _host_copy_bytes_per_s(copy_bytes // 2)
+    on_step("C++ CPU AdamW")
+    measured["node.cpu_adam_params_per_s"] = _cpu_adam_params_per_s()
+    return measured
+
+
+def _cuda_seconds(run, repeats: int = 10, warmups: int = 2) -> float:
+    import torch
+
+    for _ in range(warmups):
+        run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _gemm_flops(m: int, n: int, k: int) -> float:
+    import torch
+
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * m * n * k / _cuda_seconds(lambda: a @ b)
+
+
+def _model_shapes() -> list[tuple[int, int, int]]:
+    """(tokens, out, in) of each linear layer of SHAPE_MODELS, forward: the GEMMs costs.py times."""
+    from fastml.spec import PRESETS
+
+    shapes = set()
+    for name in SHAPE_MODELS:
+        spec = PRESETS[name]
+        for tokens in SHAPE_TOKENS:
+            shapes |= {(tokens, n, k) for n, k in [*spec.block_linear_shapes().values(), spec.lm_head_shape()]}
+    return sorted(shapes)
+
+
+def _hbm_bytes_per_s(num_bytes: int) -> float:
+    import torch
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / _cuda_seconds(lambda: dst.copy_(src))
+
+
+def _host_copies(device: int, num_bytes: int) -> tuple[float, float]:
+    """One GPU's pinned host-to-device and device-to-host rates."""
+    import torch
+
+    gpu = torch.empty(num_bytes, dtype=torch.uint8, device=f"cuda:{device}")
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    with torch.cuda.device(device):
+        up = num_bytes / _cuda_seconds(lambda: gpu.copy_(host, non_blocking=True), repeats=5)
+        down = num_bytes / _cuda_seconds(lambda: host.copy_(gpu, non_blocking=True), repeats=5)
+    return up, down
+
+
+def _all_gpus_up(num_bytes: int) -> float:
+    """Every GPU copying from pinned host memory at once, one thread each: what the node's PCIe root carries."""
+    import torch
+
+    count = torch.cuda.device_count()
+    buffers = [(torch.empty(num_bytes, dtype=torch.uint8, device=f"cuda:{i}"),
+                torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)) for i in range(count)]
+
+    def copy(i: int) -> None:
+        gpu, host = buffers[i]
+        with torch.cuda.device(i):
+            for _ in range(3):
+                gpu.copy_(host, non_blocking=True)
+            torch.cuda.synchronize(i)
+
+    for i in range(count):  # warm-up
+        copy(i)
+    threads = [threading.Thread(target=copy, args=(i,)) for i in range(count)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return 3 * count * num_bytes / (time.perf_counter() - start)
+
+
+def _launch_s(launches: int = 2000) -> float:
+    """The GPU time per kernel of a long run of the smallest ones: launch and scheduling, no work."""
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+
+    def run() -> None:
+        for _ in range(launches):
+            x.add_(1)
+    return _cuda_seconds(run, repeats=3) / launches
+
+
+def _host_copy_bytes_per_s(num_bytes: int) -> float:
+    """A large copy in host memory: bytes read plus written per second, the fastest of a few."""
+    import torch
+
+    src = torch.ones(num_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_wall_s(lambda: dst.copy_(src)) for _ in range(3))
+    return 2 * num_bytes / best
+
+
+def _cpu_adam_params_per_s() -> float:
+    """The C++ CPU AdamW with a bf16 gradient and bf16 weights out, as offloaded optimizer states are stepped."""
+    import torch
+
+    from fastml.executor import cpu_adam
+
+    master, m, v = torch.randn(ADAM_PARAMS), torch.zeros(ADAM_PARAMS), torch.zeros(ADAM_PARAMS)
+    grad, out = torch.randn(ADAM_PARAMS).to(torch.bfloat16), torch.empty(ADAM_PARAMS, dtype=torch.bfloat16)
+
+    def step() -> None:
+        cpu_adam.adamw_step_(master, m, v, grad, out, 1e-4, 0.9, 0.95, 1e-8, 0.1, 1)
+    step()
+    return ADAM_PARAMS / min(_wall_s(step) for _ in range(3))
+
+
+def _wall_s(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
