@@ -33,10 +33,10 @@ def this_machine() -> str:
 
 
 def gpu_tag() -> str:
-    """A short name of this GPU for file names: 'h200' for 'NVIDIA H200'."""
+    """A short name of this GPU for file names: 'h200' for 'NVIDIA H200'; 'cpu' without one (dry runs)."""
     import torch
 
-    return torch.cuda.get_device_name().split()[-1].lower()
+    return torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
 
 
 def _commit() -> str | None:

@@ -1,0 +1,390 @@
+"""How right the planner is on this machine (issue 10): the machine measured by `fastml profile`, a calibration set
+of runs fitted by `fastml calibrate`, then a different set scored: predicted against measured step time and peak GPU
+memory, plans pinned and plans the planner chose itself, and a grid of neighbours around one of its choices.
+
+    python benchmarks/fidelity.py run [--parts calibrate,planner,pinned,grid] [--out DIR] [--deadline S]  # the GPU
+    python benchmarks/fidelity.py score      # anywhere: the table, its errors and the plot
+
+`run` writes into DIR (default benchmarks/results) `fidelity-runs-<gpu>.jsonl`, one line per run as it ends, and
+`fidelity-profile-<gpu>.json`, the measured profile (with, after the calibration part, its fitted calibration,
+which the planner's and the pinned runs are planned with). Runs already in DIR's file are not run again, so that
+the benchmark can be spread over several calls of a limited length (`--deadline`). Each run is its own `fastml run`
+process, so that its cap, pinned memory and peak are its own. `score` re-predicts every run with this code and the
+calibration fitted to the calibration set alone, and writes `fidelity.json` and `fidelity.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from record import RESULTS, _commit, gpu_tag, write_result
+
+STEPS = 4  # the first compiles and is left out: the median of three steady steps
+TARGETS = {"step_time_mape": 0.05, "peak_memory_mape": 0.03, "spearman": 0.9, "grid_share": 0.97}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    seq_len: int
+    sequences: int
+    """Sequences per optimizer step."""
+    knobs: dict | None = None
+    """Pinned knobs (the others at their defaults); None: the planner's own choice."""
+    gpu_mem: str | None = None
+    grid: str | None = None
+    """The planner's case this one is a neighbour of (pinned from its knobs with one change)."""
+    extra: dict = field(default_factory=dict)
+
+
+def pin(**knobs) -> dict:
+    return knobs
+
+
+CALIBRATION = [
+    Case("c-0.5b-s2048-mb8", "qwen2.5-0.5b", 2048, 32, pin(micro_batch_size=8, compile=True)),
+    Case("c-0.5b-s1024-mb32-block", "qwen2.5-0.5b", 1024, 64, pin(micro_batch_size=32, recompute=["block"])),
+    Case("c-1b-s4096-mb4-attn", "llama-3.2-1b", 4096, 8,
+         pin(micro_batch_size=4, recompute=["attention"], lm_head_chunks=4, compile=True)),
+    Case("c-1.5b-s8192-mb1-ffn", "qwen2.5-1.5b", 8192, 4, pin(micro_batch_size=1, recompute=["ffn"], compile=True)),
+    Case("c-3b-s2048-mb4-cpu-adam", "llama-3.2-3b", 2048, 8,
+         pin(micro_batch_size=4, compile=True, offload_optimizer=1.0, offload_master=1.0)),
+    Case("c-1b-s2048-mb8-residuals-weights", "llama-3.2-1b", 2048, 16,
+         pin(micro_batch_size=8, recompute=["block"], offload_residuals=1.0, offload_weights=0.5)),
+    Case("c-8b-s2048-mb1", "llama-3.1-8b", 2048, 8, pin(micro_batch_size=1, lm_head_chunks=4, compile=True)),
+    Case("c-1.1b-s4096-mb2-norm", "tinyllama-1.1b", 4096, 8, pin(micro_batch_size=2, recompute=["norm"])),
+]
+
+PLANNER = [
+    Case("p-0.5b-s2048", "qwen2.5-0.5b", 2048, 32),
+    Case("p-0.5b-s8192", "qwen2.5-0.5b", 8192, 8),
+    Case("p-1b-s1024", "llama-3.2-1b", 1024, 64),
+    Case("p-1.1b-s2048", "tinyllama-1.1b", 2048, 32),
+    Case("p-1.5b-s4096", "qwen2.5-1.5b", 4096, 16),
+    Case("p-3b-s2048", "llama-3.2-3b", 2048, 16),
+    Case("p-3b-s8192", "qwen2.5-3b", 8192, 4),
+    Case("p-8b-s2048", "llama-3.1-8b", 2048, 16),
+    Case("p-8b-s1024-qwen3", "qwen3-8b", 1024, 8),
+    Case("p-1b-s4096-6gib", "llama-3.2-1b", 4096, 8, gpu_mem="6GiB"),
+    Case("p-3b-s2048-12gib", "llama-3.2-3b", 2048, 8, gpu_mem="12GiB"),
+    Case("p-1.5b-s2048-8gib", "qwen2.5-1.5b", 2048, 16, gpu_mem="8GiB"),
+]
+
+PINNED = [
+    Case("s-0.5b-s4096-mb8-attn", "qwen2.5-0.5b", 4096, 16, pin(micro_batch_size=8, recompute=["attention"])),
+    Case("s-0.5b-s1024-mb16-compile-chunks", "qwen2.5-0.5b", 1024, 32,
+         pin(micro_batch_size=16, compile=True, lm_head_chunks=8)),
+    Case("s-1b-s2048-mb4-swiglu+attn", "llama-3.2-1b", 2048, 16,
+         pin(micro_batch_size=4, recompute=["swiglu", "attention"], compile=True)),
+    Case("s-1.1b-s1024-mb32-block", "tinyllama-1.1b", 1024, 64, pin(micro_batch_size=32, recompute=["block"])),
+    Case("s-1.1b-s8192-mb1-ffn+attn", "tinyllama-1.1b", 8192, 4,
+         pin(micro_batch_size=1, recompute=["ffn", "attention"], compile=True)),
+    Case("s-1.5b-s2048-mb8-optimizer", "qwen2.5-1.5b", 2048, 16,
+         pin(micro_batch_size=8, compile=True, offload_optimizer=1.0, offload_master=1.0, offload_gradients=1.0)),
+    Case("s-1.5b-s2048-mb4-weights", "qwen2.5-1.5b", 2048, 8,
+         pin(micro_batch_size=4, recompute=["block"], offload_weights=1.0)),
+    Case("s-3b-s4096-mb2-block", "llama-3.2-3b", 4096, 8, pin(micro_batch_size=2, recompute=["block"], compile=True)),
+    Case("s-3b-s2048-mb8-swiglu", "qwen2.5-3b", 2048, 16, pin(micro_batch_size=8, recompute=["swiglu"])),
+    Case("s-8b-s2048-mb2-block", "llama-3.1-8b", 2048, 8,
+         pin(micro_batch_size=2, recompute=["block"], lm_head_chunks=8, compile=True)),
+    Case("s-8b-s8192-mb1-block", "llama-3.1-8b", 8192, 2,
+         pin(micro_batch_size=1, recompute=["block"], lm_head_chunks=8, compile=True)),
+    Case("s-7b-s1024-mb4-block", "llama-2-7b", 1024, 16, pin(micro_batch_size=4, recompute=["block"], compile=True)),
+]
+
+GRID_CENTRES = ("p-1.1b-s2048",)
+SETS = {"calibrate": CALIBRATION, "planner": PLANNER, "pinned": PINNED}
+PARTS = (*SETS, "grid")
+RUN_TIMEOUT_S = 240
+"""One run's limit: a hung run is a finding, and the benchmark goes on."""
+
+
+def grid_around(centre: Case, knobs: dict) -> list[Case]:
+    """The planner's plan for `centre` with one knob moved a step each way: micro-batch (the step's sequences kept),
+    recompute, LM-head chunks and compile."""
+    mb, accumulate = knobs["micro_batch_size"], knobs["grad_accum_steps"]
+    changes = {}
+    if mb > 1:
+        changes["mb-half"] = {"micro_batch_size": mb // 2}
+    if accumulate > 1:
+        changes["mb-double"] = {"micro_batch_size": mb * 2}
+    changes["recompute"] = {"recompute": [] if knobs["recompute"] else ["block"]}
+    changes["chunks"] = {"lm_head_chunks": knobs["lm_head_chunks"] * 2 if knobs["lm_head_chunks"] < 8 else 1}
+    changes["compile"] = {"compile": not knobs["compile"]}
+    searched = {k: v for k, v in knobs.items() if k not in ("grad_accum_steps",)}
+    return [Case(f"g-{centre.name}-{label}", centre.model, centre.seq_len, centre.sequences, {**searched, **change},
+                 centre.gpu_mem, grid=centre.name) for label, change in changes.items()]
+
+
+# ---------------------------------------------------------------------------------------------------------- run
+
+
+def run_parts(parts: list[str], out: Path, profile_path: Path, deadline_s: float) -> None:
+    """Runs `parts` in order into `out`, skipping runs already there, and starts no run after `deadline_s` seconds
+    (a device call's limit) less the longest run so far."""
+    from fastml import hwprofiles
+
+    started = time.perf_counter()
+    # This benchmark's own cache: its measured profile is the one `fastml plan` uses here, and no other's.
+    os.environ.setdefault("FASTML_CACHE", tempfile.mkdtemp(prefix="fastml-cache-"))
+    runs = out / f"fidelity-runs-{gpu_tag()}.jsonl"
+    done = {r["name"]: r for r in _rows(runs)}
+    longest = 60.0
+    for part in parts:
+        calibrated = profile_path.is_file() and json.loads(profile_path.read_text())["calibration"]["records"] > 0
+        if part == "calibrate" and not profile_path.is_file():
+            measure_profile(out, profile_path)
+        elif part != "calibrate" and not calibrated:
+            sys.exit(f"{profile_path} is not calibrated: run the calibrate part first")
+        profile = json.loads(profile_path.read_text())
+        if profile.get("device", "cuda") == "cuda":  # a CPU's (a dry run's) is measured where it is planned
+            hwprofiles.save_machine_profile(profile)  # what `fastml plan` uses here
+        for case in _cases(part, done):
+            if case.name in done:
+                continue
+            if time.perf_counter() - started + longest > deadline_s:
+                print(f"stopping before {case.name}: the deadline ({deadline_s:.0f} s) is near")
+                return
+            done[case.name] = run_case(case, runs)
+            longest = max(longest, done[case.name].get("wall_s", 0.0))
+        if part == "calibrate" and not calibrated:
+            calibrate_profile(json.loads(profile_path.read_text()),
+                              [done[c.name] for c in CALIBRATION if "record" in done[c.name]], profile_path)
+
+
+def _cases(part: str, done: dict) -> list[Case]:
+    if part != "grid":
+        return SETS[part]
+    return [case for centre in GRID_CENTRES if "record" in done.get(centre, {})
+            for case in grid_around(next(c for c in PLANNER if c.name == centre), done[centre]["knobs"])]
+
+
+def _rows(runs: Path) -> list[dict]:
+    return [json.loads(line) for line in runs.read_text().splitlines()] if runs.is_file() else []
+
+
+def measure_profile(out: Path, path: Path) -> dict:
+    """`fastml profile --quick` then `fastml profile` into `path`, each timed; the full one is this machine's."""
+    times = {}
+    for quick in (True, False):
+        start = time.perf_counter()
+        written = out / "profile-quick.json" if quick else path
+        subprocess.run(["fastml", "profile", "-o", str(written)] + (["--quick"] if quick else []), check=True)
+        times["quick_s" if quick else "full_s"] = round(time.perf_counter() - start, 1)
+    profile = json.loads(path.read_text())
+    profile["measured"]["profile_command_s"] = times  # wall time of each command, its Python start included
+    path.write_text(json.dumps(profile, indent=1) + "\n")
+    print(f"fastml profile took {times['quick_s']} s with --quick, {times['full_s']} s in full")
+    return profile
+
+
+def run_case(case: Case, runs: Path) -> dict:
+    """Plans `case` (on this machine's profile), trains it for STEPS steps in its own process, and appends the row."""
+    from fastml.plan import pinned, save_plan
+    from fastml.planner.planner import make_plan
+
+    work = Path(tempfile.mkdtemp(prefix=f"{case.name}-"))
+    row = {"name": case.name, "model": case.model, "seq_len": case.seq_len, "sequences": case.sequences,
+           "pins": case.knobs, "gpu_mem": case.gpu_mem, "grid": case.grid, "git_commit": _commit()}
+    started = time.perf_counter()
+    try:
+        plan = make_plan(model=case.model, seq_len=case.seq_len, global_batch_tokens=case.sequences * case.seq_len,
+                         steps=STEPS, gpus=1, gpu_mem=case.gpu_mem, lower_precision=False,
+                         overrides=() if case.knobs is None else tuple(pinned(**case.knobs))).plan
+    except Exception as e:  # a pinned plan that does not fit is a finding, not a crash of the benchmark
+        row["error"] = f"planning: {str(e).splitlines()[0]}"
+        return _append(row, runs)
+    save_plan(plan, work / "plan.json")
+    row["knobs"] = json.loads((work / "plan.json").read_text())["knobs"]
+    row["predicted_at_run"] = {"step_time_s": plan.predicted.step_time_s,
+                               "peak_memory_bytes": plan.predicted.peak_memory_bytes}
+    try:
+        done = subprocess.run(["fastml", "run", str(work / "plan.json"), "--no-progress", "--run-dir",
+                               str(work / "run")], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        row["error"] = f"did not end within {RUN_TIMEOUT_S} s"
+        return _append(row, runs)
+    row["wall_s"] = round(time.perf_counter() - started, 1)
+    record = work / "run" / "record.json"
+    if done.returncode != 0 or not record.is_file():
+        row["error"] = f"exit {done.returncode}: " + " | ".join(done.stderr.strip().splitlines()[-3:])
+    else:
+        row["record"] = json.loads(record.read_text())
+    return _append(row, runs)
+
+
+def _append(row: dict, runs: Path) -> dict:
+    with runs.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    measured = row.get("record", {}).get("measured", {})
+    print(f"{row['name']:>40}: " + (row.get("error") or
+          f"{measured['step_time_s']:.3f} s/step (predicted {row['predicted_at_run']['step_time_s']:.3f}), peak "
+          f"{_gib(measured['peak_memory_bytes'])} (predicted {_gib(row['predicted_at_run']['peak_memory_bytes'])}) "
+          f"in {row['wall_s']} s"), flush=True)
+    return row
+
+
+def _gib(num_bytes: int | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / 2**30:.2f} GiB"
+
+
+def calibrate_profile(profile: dict, rows: list[dict], path: Path) -> None:
+    from fastml.planner.calibrate import calibrate
+
+    fitted, fits = calibrate(_records(rows), profile)
+    path.write_text(json.dumps(fitted, indent=1) + "\n")
+    for fit in fits:
+        print(f"{fit.name:>40}: step time {fit.step_errors[0]:+.1%} -> {fit.step_errors[1]:+.1%}")
+
+
+def _records(rows: list[dict]) -> dict:
+    from fastml.config import from_dict
+    from fastml.record import RunRecord
+
+    return {row["name"]: from_dict(RunRecord, row["record"], row["name"]) for row in rows}
+
+
+# -------------------------------------------------------------------------------------------------------- score
+
+
+def score(runs: Path, profile_path: Path) -> None:
+    """Calibrates the measured profile on the calibration set, predicts every other run with it, and writes the
+    table, its errors and the plot."""
+    from scipy.stats import spearmanr
+
+    from fastml.hwprofiles.schema import Calibration
+    from fastml.planner.calibrate import _predict, calibrate, with_calibration
+
+    rows = _latest(_rows(runs))
+    measured_profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
+    calibration_names = {c.name for c in CALIBRATION}
+    fitted, _ = calibrate(_records([r for r in rows if r["name"] in calibration_names and "record" in r]),
+                          measured_profile)
+    plans, failed = [], []
+    for name, record in _records([r for r in rows if "record" in r]).items():
+        row = next(r for r in rows if r["name"] == name)
+        p = _predict(record.plan, fitted)
+        m = record.measured
+        plans.append({"name": name, "set": "calibration" if name in calibration_names else "scored",
+                      "chosen_by": "planner" if row["pins"] is None else "pinned", "grid": row["grid"],
+                      "model": row["model"], "seq_len": row["seq_len"], "gpu_mem": row["gpu_mem"],
+                      "machine": record.machine.device_name, "knobs": row["knobs"],
+                      "predicted": {"step_time_s": p.step_s, "peak_memory_bytes": p.peak_bytes,
+                                    "tokens_per_s": record.plan.training.global_batch_tokens / p.step_s},
+                      "predicted_at_run": row["predicted_at_run"],
+                      "measured": {"step_time_s": m.step_time_s, "peak_memory_bytes": m.peak_memory_bytes,
+                                   "tokens_per_s": m.tokens_per_s},
+                      "step_time_error": p.step_s / m.step_time_s - 1,
+                      "peak_memory_error": p.peak_bytes / m.peak_memory_bytes - 1 if m.peak_memory_bytes else None})
+    failed = [{"name": r["name"], "error": r["error"]} for r in rows if "error" in r]
+    scored = [p for p in plans if p["set"] == "scored"]
+    figures = {
+        "plans": plans, "failed": failed, "targets": TARGETS,
+        "calibration": fitted["calibration"], "calibrated_on": sorted(calibration_names),
+        "scored_plans": len(scored),
+        "step_time_mape": _mape(p["step_time_error"] for p in scored),
+        "peak_memory_mape": _mape(p["peak_memory_error"] for p in scored),
+        "spearman": float(spearmanr([p["predicted"]["tokens_per_s"] for p in scored],
+                                    [p["measured"]["tokens_per_s"] for p in scored]).statistic),
+        "grids": _grids(scored),
+        "profile_command_s": measured_profile.get("measured", {}).get("profile_command_s"),
+    }
+    path = write_result("fidelity.json", figures, machine=plans[0]["machine"] if plans else None)
+    _plot(scored, RESULTS / "fidelity.png")
+    print(f"wrote {path} and fidelity.png: {len(scored)} scored plans, step time MAPE "
+          f"{figures['step_time_mape']:.1%}, peak memory MAPE {figures['peak_memory_mape'] or 0:.1%}, Spearman "
+          f"{figures['spearman']:.3f}")
+    for g in figures["grids"]:
+        print(f"grid around {g['centre']}: the planner's plan reaches {g['share_of_best']:.1%} of the best "
+              f"({g['best']})")
+
+
+def _mape(errors) -> float | None:
+    """The mean absolute relative error, of the errors there are (a CPU measures no GPU peak)."""
+    errors = [abs(e) for e in errors if e is not None]
+    return statistics.mean(errors) if errors else None
+
+
+def _latest(rows: list[dict]) -> list[dict]:
+    """The last row of each name: a case run again replaces its earlier row."""
+    return list({r["name"]: r for r in rows}.values())
+
+
+def _grids(scored: list[dict]) -> list[dict]:
+    grids = []
+    for centre in GRID_CENTRES:
+        chosen = next((p for p in scored if p["name"] == centre), None)
+        members = [p for p in scored if p["grid"] == centre] + ([chosen] if chosen else [])
+        if chosen is None or len(members) < 2:
+            continue
+        best = max(members, key=lambda p: p["measured"]["tokens_per_s"])
+        grids.append({"centre": centre, "plans": {p["name"]: p["measured"]["tokens_per_s"] for p in members},
+                      "best": best["name"],
+                      "share_of_best": chosen["measured"]["tokens_per_s"] / best["measured"]["tokens_per_s"]})
+    return grids
+
+
+def _plot(scored: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, key, unit, scale in ((axes[0], "step_time_s", "step time (s)", 1), (axes[1], "peak_memory_bytes",
+                                                                               "peak GPU memory (GiB)", 2**30)):
+        for chosen_by, marker in (("planner", "o"), ("pinned", "s")):
+            points = [p for p in scored if p["chosen_by"] == chosen_by and p["measured"][key]]
+            ax.scatter([p["measured"][key] / scale for p in points], [p["predicted"][key] / scale for p in points],
+                       marker=marker, label=f"{chosen_by} ({len(points)})")
+        values = [p[s][key] / scale for p in scored for s in ("measured", "predicted") if p["measured"][key]]
+        if not values:
+            continue
+        lo, hi = min(values) * 0.9, max(values) * 1.1
+        ax.plot([lo, hi], [lo, hi], "k--", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"measured {unit}")
+        ax.set_ylabel(f"predicted {unit}")
+        ax.legend()
+    fig.suptitle("fastml predicted against measured, plans scored after calibration on a separate set")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run")
+    run.add_argument("--parts", default=",".join(PARTS), help=f"of {', '.join(PARTS)}, in order (default: all)")
+    run.add_argument("--out", type=Path, default=RESULTS)
+    run.add_argument("--deadline", type=float, default=float("inf"), metavar="SECONDS",
+                     help="start no run that could end after this")
+    scoring = sub.add_parser("score")
+    scoring.add_argument("--runs", type=Path)
+    scoring.add_argument("--profile", type=Path)
+    args = parser.parse_args()
+    if args.command == "run":
+        args.out.mkdir(parents=True, exist_ok=True)
+        parts = args.parts.split(",")
+        unknown = set(parts) - set(PARTS)
+        if unknown:
+            parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
+        run_parts(parts, args.out, args.out / f"fidelity-profile-{gpu_tag()}.json", args.deadline)
+    else:
+        tag = "h200"
+        score(args.runs or RESULTS / f"fidelity-runs-{tag}.jsonl", args.profile or RESULTS / f"fidelity-profile-{tag}.json")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
