@@ -260,8 +260,6 @@ def _records(rows: list[dict]) -> dict:
 def score(runs: Path, profile_path: Path) -> None:
     """Calibrates the measured profile on the calibration set, predicts every other run with it, and writes the
     table, its errors and the plot."""
-    from scipy.stats import spearmanr
-
     from fastml.hwprofiles.schema import Calibration
     from fastml.planner.calibrate import _predict, calibrate, with_calibration
 
@@ -287,15 +285,15 @@ def score(runs: Path, profile_path: Path) -> None:
                       "step_time_error": p.step_s / m.step_time_s - 1,
                       "peak_memory_error": p.peak_bytes / m.peak_memory_bytes - 1 if m.peak_memory_bytes else None})
     failed = [{"name": r["name"], "error": r["error"]} for r in rows if "error" in r]
+    _cross_validate(plans, _records([r for r in rows if "record" in r]), measured_profile)
     scored = [p for p in plans if p["set"] == "scored"]
     figures = {
         "plans": plans, "failed": failed, "targets": TARGETS,
         "calibration": fitted["calibration"], "calibrated_on": sorted(calibration_names),
-        "scored_plans": len(scored),
-        "step_time_mape": _mape(p["step_time_error"] for p in scored),
-        "peak_memory_mape": _mape(p["peak_memory_error"] for p in scored),
-        "spearman": float(spearmanr([p["predicted"]["tokens_per_s"] for p in scored],
-                                    [p["measured"]["tokens_per_s"] for p in scored]).statistic),
+        "scored_plans": len(scored), **_errors(scored, "predicted"),
+        "cross_validated": {"how": f"{FOLDS}-fold: every run predicted with a calibration fitted to the runs of the "
+                                   f"other folds (calibration set included)",
+                            **_errors(plans, "predicted_out_of_fold")},
         "grids": _grids(scored),
         "profile_command_s": measured_profile.get("measured", {}).get("profile_command_s"),
     }
@@ -304,9 +302,45 @@ def score(runs: Path, profile_path: Path) -> None:
     print(f"wrote {path} and fidelity.png: {len(scored)} scored plans, step time MAPE "
           f"{figures['step_time_mape']:.1%}, peak memory MAPE {figures['peak_memory_mape'] or 0:.1%}, Spearman "
           f"{figures['spearman']:.3f}")
+    cv = figures["cross_validated"]
+    print(f"cross-validated over all {len(plans)} runs ({FOLDS} folds): step time MAPE {cv['step_time_mape']:.1%}, "
+          f"peak memory MAPE {cv['peak_memory_mape'] or 0:.1%}, Spearman {cv['spearman']:.3f}")
     for g in figures["grids"]:
         print(f"grid around {g['centre']}: the planner's plan reaches {g['share_of_best']:.1%} of the best "
               f"({g['best']})")
+
+
+FOLDS = 5
+
+
+def _cross_validate(plans: list[dict], records: dict, profile: dict) -> None:
+    """Adds to each plan its prediction by a calibration fitted to the runs outside its fold (folds by name order,
+    every FOLDS-th run): each run is predicted by terms fitted without it."""
+    from fastml.planner.calibrate import _predict, calibrate
+
+    names = sorted(records)
+    for fold in range(FOLDS):
+        held_out = set(names[fold::FOLDS])
+        fitted, _ = calibrate({n: r for n, r in records.items() if n not in held_out}, profile)
+        for plan in plans:
+            if plan["name"] in held_out:
+                p = _predict(records[plan["name"]].plan, fitted)
+                plan["predicted_out_of_fold"] = {"step_time_s": p.step_s, "peak_memory_bytes": p.peak_bytes,
+                                                 "tokens_per_s": plan["measured"]["tokens_per_s"] *
+                                                 plan["measured"]["step_time_s"] / p.step_s}
+
+
+def _errors(plans: list[dict], key: str) -> dict:
+    """Mean absolute errors of step time and peak memory, and the rank correlation of throughput, of `key`."""
+    from scipy.stats import spearmanr
+
+    def error(plan: dict, figure: str) -> float | None:
+        measured = plan["measured"][figure]
+        return plan[key][figure] / measured - 1 if measured else None
+    return {"step_time_mape": _mape(error(p, "step_time_s") for p in plans),
+            "peak_memory_mape": _mape(error(p, "peak_memory_bytes") for p in plans),
+            "spearman": float(spearmanr([p[key]["tokens_per_s"] for p in plans],
+                                        [p["measured"]["tokens_per_s"] for p in plans]).statistic)}
 
 
 def _mape(errors) -> float | None:

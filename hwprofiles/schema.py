@@ -77,8 +77,11 @@ class Calibration:
     """How this machine's measured runs differ from the planner's model of them, fitted by `fastml calibrate` from
     run records (planner/calibrate.py); the defaults leave the model as it is."""
 
+    forward: float = 1.0
+    """Measured over modelled time of the blocks' forward passes, recomputed ones too."""
     compute: float = 1.0
-    """Measured over modelled time of the GPU's work: matmuls, attention, elementwise kernels, optimizer."""
+    """Measured over modelled time of the GPU's other work: backward passes, the head and loss, the optimizer
+    (backward kernels reach another share of the peak than forward ones)."""
     transfer: float = 1.0
     """Measured over modelled time of copies between host and GPU and of collectives."""
     layer_overhead_s: float = 0.0

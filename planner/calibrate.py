@@ -1,10 +1,10 @@
 """`fastml calibrate`: fits a hardware profile's `calibration` (hwprofiles/schema.py) to what runs on that machine
 measured (their records, fastml.record), so that its plans predict what it does.
 
-Step time. The simulator splits each step into components (plan.TIME_COMPONENTS); the GPU's work (compute,
-recompute, optimizer) scales with the `compute` term, what waits on copies and collectives with `transfer`, and each
-pass of a block or of the head adds `layer_overhead_s`, each step `step_overhead_s`. That makes a record's step time
-linear in the four terms at the uncalibrated prediction, and a bounded linear least-squares fit of the relative
+Step time. The simulator splits each step into components (plan.TIME_COMPONENTS); the blocks' forward passes
+(recomputed ones too) scale with the `forward` term, the GPU's other work (backward, head, optimizer) with `compute`,
+what waits on copies and collectives with `transfer`, and each pass of a block or of the head adds
+`layer_overhead_s`, each step `step_overhead_s`. That makes a record's step time linear in the five terms at the uncalibrated prediction, and a bounded linear least-squares fit of the relative
 errors (scipy's lsq_linear) gives them. The errors after are not the fit's: each record is simulated again with the
 fitted profile, overlap and all.
 
@@ -24,10 +24,12 @@ from fastml.config import fail, to_dict
 from fastml.hwprofiles.schema import Calibration, parse_profile
 from fastml.plan import Plan
 from fastml.record import RunRecord
+from fastml.planner.costs import costs
 from fastml.planner.hardware import load_machine
 from fastml.planner.search import Problem, evaluate
+from fastml.planner.simulate import simulate
 
-TIME_BOUNDS = {"compute": (0.5, 4.0), "transfer": (0.5, 8.0), "layer_overhead_s": (0.0, 0.05),
+TIME_BOUNDS = {"forward": (0.3, 4.0), "compute": (0.5, 4.0), "transfer": (0.5, 8.0), "layer_overhead_s": (0.0, 0.05),
                "step_overhead_s": (0.0, 5.0)}
 MEMORY_BOUNDS = {"compiled_activations": (0.2, 1.5), "fragmentation": (0.0, 0.5)}
 FIT_ROUNDS = 3
@@ -106,6 +108,9 @@ class _Prediction:
     """Activation bytes counted for compiled blocks (0 where the plan does not compile)."""
     passes: int
     """Passes of a block or the head in a step: what layer_overhead_s multiplies."""
+    forward_s: float
+    """The blocks' forward passes and recomputation in a step, as they were predicted."""
+    forward_passes: int
 
 
 def _predict(plan: Plan, profile: dict) -> _Prediction:
@@ -113,29 +118,33 @@ def _predict(plan: Plan, profile: dict) -> _Prediction:
     machine = load_machine(profile, num_gpus=h.gpus_per_node, num_nodes=max(1, h.num_gpus // h.gpus_per_node),
                            gpu_memory=h.gpu_memory_bytes or None, host_memory=h.host_memory_bytes or None)
     candidate = evaluate(Problem(plan.model, t.seq_len, t.global_batch_tokens, machine), k)
-    if candidate.simulation is None:
-        fail("calibrate", f"the plan of a record ({plan.model.name}) does not fit in memory on {machine.profile}")
-    passes = k.grad_accum_steps * (plan.model.num_layers * (2 + bool(k.recompute)) + 1)
-    return _Prediction(candidate.simulation.step_time_s, candidate.simulation.time_s, candidate.memory.gpu_total,
-                       candidate.memory.gpu["activations"] if k.compile else 0, passes)
+    # The plan ran: it is simulated even where the memory model (with terms being fitted) says it would not fit.
+    simulation = candidate.simulation or simulate(plan.model, t.seq_len, k, machine)
+    forward_passes = k.grad_accum_steps * plan.model.num_layers * (1 + bool(k.recompute))
+    passes = forward_passes + k.grad_accum_steps * (plan.model.num_layers + 1)
+    forward_s = k.grad_accum_steps * plan.model.num_layers * costs(plan.model, t.seq_len, k, machine).layer_forward + \
+        simulation.time_s["recompute"]
+    return _Prediction(simulation.step_time_s, simulation.time_s, candidate.memory.gpu_total,
+                       candidate.memory.gpu["activations"] if k.compile else 0, passes, forward_s, forward_passes)
 
 
 def _fit_time(records: dict[str, RunRecord], predicted: dict[str, _Prediction],
               terms: dict[str, float]) -> dict[str, float]:
-    """Measured step = compute x (GPU work) + transfer x (waits on copies and collectives) + layer_overhead_s x
-    passes + step_overhead_s + the rest, in relative terms; the uncalibrated parts taken from a prediction made with
-    `terms`."""
+    """Measured step = forward x (the blocks' forward passes) + compute x (the GPU's other work) + transfer x
+    (waits on copies and collectives) + layer_overhead_s x passes + step_overhead_s + the rest, in relative terms;
+    the uncalibrated parts taken from a prediction made with `terms`."""
     from scipy.optimize import lsq_linear
 
     rows, target = [], []
     for name, record in records.items():
         p, measured = predicted[name], record.measured.step_time_s
-        s = p.time_s
-        gpu_work = (s["compute"] + s["recompute"] + s["optimizer"] - terms["layer_overhead_s"] * p.passes) / \
-            terms["compute"]
+        s, overhead = p.time_s, terms["layer_overhead_s"]
+        forward = (p.forward_s - overhead * p.forward_passes) / terms["forward"]
+        other_work = (s["compute"] + s["recompute"] + s["optimizer"] - p.forward_s -
+                      overhead * (p.passes - p.forward_passes)) / terms["compute"]
         waits = (s["exposed_comm"] + s["exposed_offload"]) / terms["transfer"]
         rest = s["other"] - terms["step_overhead_s"]
-        rows.append(np.array([gpu_work, waits, p.passes, 1.0]) / measured)
+        rows.append(np.array([forward, other_work, waits, p.passes, 1.0]) / measured)
         target.append(1.0 - rest / measured)
     bounds = np.array(list(TIME_BOUNDS.values())).T
     solution = lsq_linear(np.array(rows), np.array(target), bounds=(bounds[0], bounds[1])).x

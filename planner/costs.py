@@ -131,20 +131,21 @@ def optimizer_step_bytes(knobs: Knobs) -> int:
 
 
 def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Costs:
-    """The durations, times the machine's calibration (`Calibration`: measured over modelled time of the GPU's work
-    and of transfers, and what each pass of a block adds)."""
+    """The durations, times the machine's calibration (`Calibration`: measured over modelled time of the blocks'
+    forward passes, of the GPU's other work and of transfers, and what each pass of a block adds)."""
     modelled = _modelled_costs(spec, seq_len, knobs, machine)
     cal = machine.calibration
     if cal == Calibration():
         return modelled
     compute = ("grad_accumulate", "grad_clip", "gpu_adam_per_param")
-    per_pass = ("layer_forward", "layer_backward", "head_forward_backward")
+    per_pass = ("layer_backward", "head_forward_backward")
     transfers = ("h2d_per_byte", "d2h_per_byte", "layer_weights_h2d", "layer_grads_h2d", "layer_grads_d2h",
                  "layer_input_d2h", "layer_input_h2d", "shard_h2d")
     changed = {name: getattr(modelled, name) * cal.compute + cal.layer_overhead_s for name in per_pass}
+    changed["layer_forward"] = modelled.layer_forward * cal.forward + cal.layer_overhead_s
     changed |= {name: getattr(modelled, name) * cal.compute for name in compute}
     changed |= {name: getattr(modelled, name) * cal.transfer for name in transfers}
-    changed["layer_recompute"] = modelled.layer_recompute * cal.compute + \
+    changed["layer_recompute"] = modelled.layer_recompute * cal.forward + \
         (cal.layer_overhead_s if knobs.recompute else 0.0)
     return dataclasses.replace(modelled, **changed)  # collectives apply cal.transfer themselves (`collective`)
 

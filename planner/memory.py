@@ -296,7 +296,12 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
 
     tokens = knobs.micro_batch_size * seq_len
     gpu["activations"], host["activations"] = _activations(spec, knobs, place, tokens, device)
-    backward_workspace = loss_workspace_bytes(spec, knobs, tokens)
+    # The backward pass peaks in one of two phases: at the loss (its tensors), or in a block's backward pass (the
+    # gradients of its activations, about one layer's worth, beside them rebuilt where it recomputes).
+    rebuilt = rebuilt_activation_bytes(spec, knobs, tokens, device)
+    gpu["activations"] += rebuilt
+    gradients = layer_activation_bytes(spec, replace(knobs, recompute=()), tokens, device)
+    backward_workspace = max(loss_workspace_bytes(spec, knobs, tokens) - rebuilt, gradients)
     if knobs.matmul_dtype == "fp8":
         backward_workspace += spec.layer_matmul_params() * DTYPE_BYTES["fp8"]  # one layer's weights cast to fp8
     optimizer_workspace = _gpu_optimizer_workspace(spec, place)
@@ -348,9 +353,12 @@ def _activations(spec: ModelSpec, knobs: Knobs, place: Placement, tokens: int, d
     block_input = block_input_bytes(spec, knobs, tokens)
     saved = spec.num_layers * layer_activation_bytes(spec, knobs, tokens, device)
     saved -= (num_offloaded - min(num_offloaded, STREAM_BUFFER_LAYERS)) * block_input
-    # A recomputed layer rebuilds all its activations during its backward pass: one layer's worth at a time.
-    rebuilt = layer_activation_bytes(spec, replace(knobs, recompute=()), tokens, device) if knobs.recompute else 0
-    return saved + rebuilt + head_activation_bytes(spec, knobs, tokens, device), num_offloaded * block_input
+    return saved + head_activation_bytes(spec, knobs, tokens, device), num_offloaded * block_input
+
+
+def rebuilt_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str) -> int:
+    """A recomputed layer rebuilds all its activations during its backward pass: one layer's worth at a time."""
+    return layer_activation_bytes(spec, replace(knobs, recompute=()), tokens, device) if knobs.recompute else 0
 
 
 def _gpu_optimizer_workspace(spec: ModelSpec, place: Placement) -> int:

@@ -17,7 +17,7 @@ from fastml.spec import PRESETS
 from fastml.planner.calibrate import _predict, calibrate, with_calibration
 from fastml.planner.hardware import load_machine
 
-TRUE = Calibration(compute=1.25, transfer=1.6, layer_overhead_s=2e-4, step_overhead_s=0.03,
+TRUE = Calibration(forward=0.8, compute=1.25, transfer=1.6, layer_overhead_s=2e-4, step_overhead_s=0.03,
                    compiled_activations=0.85, fragmentation=0.05)
 # (model, micro-batch, accumulation, recompute, compile, other knobs): compute- and copy-bound, compiled or not
 CASES = [("tinyllama-1.1b", 8, 2, (), False, {}), ("tinyllama-1.1b", 4, 4, ("block",), True, {}),
@@ -48,11 +48,11 @@ def test_calibration_recovers_known_terms_from_synthetic_records():
     profile = hwprofiles.load("h200")
     fitted, fits = calibrate(synthetic_records(profile), profile)
     terms = fitted["calibration"]
-    for name in ("compute", "layer_overhead_s", "step_overhead_s", "compiled_activations", "fragmentation"):
+    for name in ("forward", "compute", "layer_overhead_s", "step_overhead_s", "compiled_activations", "fragmentation"):
         assert terms[name] == pytest.approx(getattr(TRUE, name), rel=0.05), name
     assert terms["transfer"] == pytest.approx(TRUE.transfer, rel=0.15)  # seen only where copies are exposed
     assert terms["records"] == len(CASES)
-    assert all(abs(fit.step_errors[0]) > 0.2 for fit in fits)  # far off before
+    assert all(abs(fit.step_errors[0]) > 0.15 for fit in fits)  # far off before
     assert all(abs(fit.step_errors[1]) < 0.03 and abs(fit.peak_errors[1]) < 0.01 for fit in fits)
     # The fitted profile is a profile: plans made with it predict what the records measured.
     machine = load_machine(fitted, 1)
