@@ -3,7 +3,7 @@ of runs fitted by `fastml calibrate`, then a different set scored: predicted aga
 memory, plans pinned and plans the planner chose itself, and a grid of neighbours around one of its choices.
 
     python benchmarks/fidelity.py run [--parts calibrate,planner,pinned,grid] [--out DIR] [--deadline S]  # the GPU
-    python benchmarks/fidelity.py score      # anywhere: the table, its errors and the plot
+    python benchmarks/fidelity.py score [--gemm-shapes-from PROFILE]   # anywhere: the table, its errors, the plot
 
 `run` writes into DIR (default benchmarks/results) `fidelity-runs-<gpu>.jsonl`, one line per run as it ends, and
 `fidelity-profile-<gpu>.json`, the measured profile (with, after the calibration part, its fitted calibration,
@@ -257,14 +257,17 @@ def _records(rows: list[dict]) -> dict:
 # -------------------------------------------------------------------------------------------------------- score
 
 
-def score(runs: Path, profile_path: Path) -> None:
+def score(runs: Path, profile_path: Path, shapes_from: Path | None = None) -> None:
     """Calibrates the measured profile on the calibration set, predicts every other run with it, and writes the
-    table, its errors and the plot."""
+    table, its errors and the plot. `shapes_from`: a profile of the same machine measured later, whose GEMM rates at
+    the linear layers' shapes replace the runs' profile's (every other rate stays as measured beside the runs)."""
     from fastml.hwprofiles.schema import Calibration
     from fastml.planner.calibrate import _predict, calibrate, with_calibration
 
     rows = _latest(_rows(runs))
     measured_profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
+    if shapes_from:
+        measured_profile["gpu"]["gemm_shapes"] = json.loads(shapes_from.read_text())["gpu"]["gemm_shapes"]
     calibration_names = {c.name for c in CALIBRATION}
     fitted, _ = calibrate(_records([r for r in rows if r["name"] in calibration_names and "record" in r]),
                           measured_profile)
@@ -296,6 +299,7 @@ def score(runs: Path, profile_path: Path) -> None:
                             **_errors(plans, "predicted_out_of_fold")},
         "grids": _grids(scored),
         "profile_command_s": measured_profile.get("measured", {}).get("profile_command_s"),
+        "gemm_shapes_from": str(shapes_from) if shapes_from else None,
     }
     path = write_result("fidelity.json", figures, machine=plans[0]["machine"] if plans else None)
     _plot(scored, RESULTS / "fidelity.png")
@@ -407,6 +411,8 @@ def main() -> None:
     scoring = sub.add_parser("score")
     scoring.add_argument("--runs", type=Path)
     scoring.add_argument("--profile", type=Path)
+    scoring.add_argument("--gemm-shapes-from", type=Path, metavar="PROFILE",
+                         help="take the GEMM rates at the linear layers' shapes from this later profile of the machine")
     args = parser.parse_args()
     if args.command == "run":
         args.out.mkdir(parents=True, exist_ok=True)
@@ -416,8 +422,9 @@ def main() -> None:
             parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
         run_parts(parts, args.out, args.out / f"fidelity-profile-{gpu_tag()}.json", args.deadline)
     else:
-        tag = "h200"
-        score(args.runs or RESULTS / f"fidelity-runs-{tag}.jsonl", args.profile or RESULTS / f"fidelity-profile-{tag}.json")
+        tag = "h200"  # the results kept in the repository
+        score(args.runs or RESULTS / f"fidelity-runs-{tag}.jsonl",
+              args.profile or RESULTS / f"fidelity-profile-{tag}.json", args.gemm_shapes_from)
 
 
 if __name__ == "__main__":

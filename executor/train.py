@@ -18,9 +18,9 @@ import torch
 from rich.console import Console
 
 from fastml import hwprofiles
-from fastml.config import check_range
+from fastml.config import check_range, fail
 from fastml.plan import Plan, save_plan
-from fastml.record import Measured, RunMachine, RunRecord, save_record
+from fastml.record import TRACE_FILE, Measured, RunMachine, RunRecord, save_record
 from fastml.executor import display, faults, snapshot
 from fastml.executor.apply import build_training_model
 from fastml.executor.collectives import make_collectives
@@ -49,7 +49,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
           console: Console | None = None, resume: bool = False, keep_checkpoints: int = 3,
           max_nonfinite_steps: int = 5, strict: bool = False, start_over: bool = False,
           timeout_s: float = DEFAULT_TIMEOUT_S, summary_json: str | Path | None = None,
-          run_dir: str | Path | None = None) -> dict:
+          run_dir: str | Path | None = None, trace_step: int | None = None) -> dict:
     """Runs `plan` for `steps` optimizer steps in all (default: the plan's) and returns the summary of the run.
 
     With `resume`, continues from the newest intact checkpoint in the plan's checkpoint_dir; without it, a directory
@@ -62,7 +62,9 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     ranks that wait more than `timeout_s` for the others stop the job. `summary_json` receives the summary.
 
     `run_dir` receives the run's log (`log.jsonl`, unless `log_json` names another file), its plan and its record
-    (`record.json`: fastml.record, what `fastml calibrate` reads)."""
+    (`record.json`: fastml.record, what `fastml calibrate` reads); with `trace_step`, also `trace.json`, rank 0's
+    step of that number as torch's profiler saw it (`fastml explain RUN_DIR --trace` sets it beside the simulated
+    one)."""
     world = launched()
     run_dir = Path(run_dir) if run_dir is not None and (world is None or world.main) else None  # rank 0's alone
     if run_dir is not None:
@@ -73,8 +75,13 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     check_range("--keep-checkpoints", keep_checkpoints, 1)
     check_range("--max-nonfinite-steps", max_nonfinite_steps, 1)
     check_range("--timeout", timeout_s, 1)
+    if trace_step is not None:
+        check_range("--trace-step", trace_step, 1, plan.training.steps)
+        if run_dir is None and (world is None or world.main):
+            fail("--trace-step", "the trace is written into the run's directory: give --run-dir")
     options = dict(log_json=log_json, show_progress=show_progress, resume=resume, keep_checkpoints=keep_checkpoints,
-                   max_nonfinite_steps=max_nonfinite_steps, strict=strict, start_over=start_over, timeout_s=timeout_s)
+                   max_nonfinite_steps=max_nonfinite_steps, strict=strict, start_over=start_over, timeout_s=timeout_s,
+                   trace_step=trace_step)
     if world is None and plan.hardware.num_gpus > 1:
         from fastml.executor.launch import train_in_workers
 
@@ -93,7 +100,8 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     with Watchdog(world, timeout_s) as watchdog:
         comm = make_collectives(plan.knobs.comm, world, device, watchdog) if world.distributed else None
         try:
-            summary = _train(plan, world, device, comm, watchdog, console, cpu_threads, **options)
+            trace = run_dir / TRACE_FILE if run_dir is not None and world.main and trace_step else None
+            summary = _train(plan, world, device, comm, watchdog, console, cpu_threads, trace=trace, **options)
         finally:
             if comm is not None:
                 comm.close()
@@ -127,7 +135,7 @@ def _write_summary(summary: dict, path: str | Path | None) -> None:
 def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, console: Console,
            cpu_threads: int, *,
            log_json, show_progress: bool, resume: bool, keep_checkpoints: int, max_nonfinite_steps: int,
-           strict: bool, start_over: bool, timeout_s: float) -> dict:
+           strict: bool, start_over: bool, timeout_s: float, trace_step: int | None, trace: Path | None) -> dict:
     run = snapshot.open_run(plan, resume=resume, start_over=start_over, keep=keep_checkpoints,
                             say=lambda message: console.print(message, markup=False), world=world)
     model, optimizer = _model_and_optimizer(plan, device, world, comm)
@@ -151,8 +159,9 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
         first_step = position.step
         for step in range(first_step, plan.training.steps):
             watchdog.tick(f"step {step + 1}")
-            record = meter.measure(train_step(model, optimizer, batches, plan, step, device, hooks, meter, world,
-                                              stop_requested=lambda: stop.signal is not None))
+            with _profiled(trace if step + 1 == trace_step else None, device):
+                record = meter.measure(train_step(model, optimizer, batches, plan, step, device, hooks, meter, world,
+                                                  stop_requested=lambda: stop.signal is not None))
             stopping = record.pop("stop")
             if step == first_step:  # after the first batch was read: bad data is one line alone, never after it
                 display.print_knobs(console, plan)
@@ -173,6 +182,23 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
     summary = meter.summary()
     display.print_summary(console, plan, summary)
     return summary
+
+
+@contextlib.contextmanager
+def _profiled(trace: Path | None, device: torch.device):
+    """Runs the body under torch's profiler and writes what it saw to `trace` (Chrome's trace format); nothing where
+    `trace` is None. The step it traces is slower by the profiler's own work, and is logged as it ran."""
+    if trace is None:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the step's kernels end inside the trace
+    profiler.export_chrome_trace(str(trace))
 
 
 CHECKPOINT_S = 3600

@@ -73,17 +73,22 @@ def cmd_explain(args: argparse.Namespace) -> None:
     from fastml.planner import report
     from fastml.planner.explain import limit
     from fastml.planner.planner import predicted, replan
-    from fastml.planner.simulate import chrome_trace
+    from fastml.record import TRACE_FILE
+    from fastml.planner.simulate import beside_measured, chrome_trace
 
-    plan = load_plan(args.plan)
+    run_dir = Path(args.plan) if Path(args.plan).is_dir() else None
+    plan = load_plan(run_dir / "plan.json" if run_dir else args.plan)
     candidate, problem = replan(plan, args.hw)
     if not candidate.feasible:
         raise UserError(f"{args.plan}: these knobs do not fit in memory on {plan.hardware.profile} "
                         f"(GPU over by {candidate.gpu_over_bytes / 2**30:.1f} GiB, host over by "
                         f"{candidate.host_over_bytes / 2**30:.1f} GiB)")
     plan = dataclasses.replace(plan, predicted=predicted(problem, candidate))
+    measured = run_dir / TRACE_FILE if run_dir and (run_dir / TRACE_FILE).is_file() else None
     if args.trace:
-        Path(args.trace).write_text(json.dumps(chrome_trace(candidate.simulation)))
+        trace = chrome_trace(candidate.simulation)
+        Path(args.trace).write_text(json.dumps(beside_measured(trace, json.loads(measured.read_text()))
+                                               if measured else trace))
     if args.json:
         print(json.dumps(report.plan_json(plan, limit=limit(problem, candidate))
                          | {"critical_path": candidate.simulation.critical_path}, indent=2))
@@ -93,7 +98,10 @@ def cmd_explain(args: argparse.Namespace) -> None:
     console.print(f"critical path: {len(candidate.simulation.critical_path)} ops, from "
                   f"{candidate.simulation.critical_path[0]!r} to {candidate.simulation.critical_path[-1]!r}")
     if args.trace:
-        console.print(f"wrote trace {args.trace} (open in https://ui.perfetto.dev)")
+        beside = f", the measured step of {measured} beside the simulated one" if measured else (
+            f" (simulated only: {run_dir} holds no measured step; `fastml run --trace-step N` records one)"
+            if run_dir else "")
+        console.print(f"wrote trace {args.trace}{beside} (open in https://ui.perfetto.dev)")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -216,7 +224,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         train(plan, steps=args.steps, log_json=args.log_json, show_progress=not args.no_progress,
               resume=args.resume, start_over=args.start_over, keep_checkpoints=args.keep_checkpoints,
               max_nonfinite_steps=args.max_nonfinite_steps, strict=args.strict, timeout_s=args.timeout,
-              summary_json=args.summary_json, run_dir=args.run_dir or _new_run_dir())
+              summary_json=args.summary_json, run_dir=args.run_dir or _new_run_dir(), trace_step=args.trace_step)
     except (TrainingStopped, WorkersFailed) as e:
         if world is None or world.main:  # every rank stops alike; rank 0 says why
             print(f"fastml: {e}", file=sys.stderr)
@@ -394,6 +402,10 @@ def _add_run_command(sub) -> None:
                                                             "shows) as JSON to FILE")
     run.add_argument("--run-dir", help="the run's directory: its log (unless --log-json), plan and record, which "
                                        "`fastml calibrate` reads (default: runs/TIME)")
+    run.add_argument("--trace-step", type=int, metavar="N",
+                     help="trace optimizer step N with torch's profiler into the run directory's trace.json, which "
+                          "`fastml explain RUN_DIR --trace` sets beside the simulated step (a step after the first: "
+                          "the first compiles)")
     run.set_defaults(func=cmd_run)
 
 
@@ -403,9 +415,10 @@ def parser() -> argparse.ArgumentParser:
 
     _add_plan_command(sub)
     explain = sub.add_parser("explain", help="the cost breakdown of a plan, re-simulated")
-    explain.add_argument("plan", help="a plan.json")
+    explain.add_argument("plan", help="a plan.json, or a run's directory (`fastml run --run-dir`)")
     explain.add_argument("--json", action="store_true", help="machine-readable output")
-    explain.add_argument("--trace", metavar="FILE", help="write the simulated step as a Chrome/Perfetto trace")
+    explain.add_argument("--trace", metavar="FILE", help="write the simulated step as a Chrome/Perfetto trace; for a "
+                                                         "run traced with --trace-step, beside the measured step")
     explain.add_argument("--hw", help="the profile JSON file the plan was made with, when it is not a shipped one")
     explain.set_defaults(func=cmd_explain)
 

@@ -82,6 +82,9 @@ class Calibration:
     compute: float = 1.0
     """Measured over modelled time of the GPU's other work: backward passes, the head and loss, the optimizer
     (backward kernels reach another share of the peak than forward ones)."""
+    cpu_optimizer: float = 1.0
+    """Measured over modelled time of the CPU's optimizer steps: the C++ AdamW in a training step, beside the copies
+    that share the host's memory, against its rate measured alone."""
     transfer: float = 1.0
     """Measured over modelled time of copies between host and GPU and of collectives."""
     layer_overhead_s: float = 0.0

@@ -3,8 +3,9 @@ measured (their records, fastml.record), so that its plans predict what it does.
 
 Step time. The simulator splits each step into components (plan.TIME_COMPONENTS); the blocks' forward passes
 (recomputed ones too) scale with the `forward` term, the GPU's other work (backward, head, optimizer) with `compute`,
-what waits on copies and collectives with `transfer`, and each pass of a block or of the head adds
-`layer_overhead_s`, each step `step_overhead_s`. That makes a record's step time linear in the five terms at the uncalibrated prediction, and a bounded linear least-squares fit of the relative
+the CPU's optimizer steps with `cpu_optimizer`, what waits on copies and collectives with `transfer`, and each pass
+of a block or of the head adds `layer_overhead_s`, each step `step_overhead_s`. That makes a record's step time
+linear in the six terms at the uncalibrated prediction, and a bounded linear least-squares fit of the relative
 errors (scipy's lsq_linear) gives them. The errors after are not the fit's: each record is simulated again with the
 fitted profile, overlap and all.
 
@@ -26,11 +27,12 @@ from fastml.plan import Plan
 from fastml.record import RunRecord
 from fastml.planner.costs import costs
 from fastml.planner.hardware import load_machine
+from fastml.planner.memory import group_params, placement
 from fastml.planner.search import Problem, evaluate
 from fastml.planner.simulate import simulate
 
-TIME_BOUNDS = {"forward": (0.3, 4.0), "compute": (0.5, 4.0), "transfer": (0.5, 8.0), "layer_overhead_s": (0.0, 0.05),
-               "step_overhead_s": (0.0, 5.0)}
+TIME_BOUNDS = {"forward": (0.3, 4.0), "compute": (0.5, 4.0), "cpu_optimizer": (0.5, 4.0), "transfer": (0.5, 8.0),
+               "layer_overhead_s": (0.0, 0.05), "step_overhead_s": (0.0, 5.0)}
 MEMORY_BOUNDS = {"compiled_activations": (0.2, 1.5), "fragmentation": (0.0, 0.5)}
 FIT_ROUNDS = 3
 
@@ -111,6 +113,8 @@ class _Prediction:
     forward_s: float
     """The blocks' forward passes and recomputation in a step, as they were predicted."""
     forward_passes: int
+    cpu_step_s: float
+    """The CPU's optimizer steps, as they were predicted (they follow the backward pass, exposed)."""
 
 
 def _predict(plan: Plan, profile: dict) -> _Prediction:
@@ -122,16 +126,21 @@ def _predict(plan: Plan, profile: dict) -> _Prediction:
     simulation = candidate.simulation or simulate(plan.model, t.seq_len, k, machine)
     forward_passes = k.grad_accum_steps * plan.model.num_layers * (1 + bool(k.recompute))
     passes = forward_passes + k.grad_accum_steps * (plan.model.num_layers + 1)
-    forward_s = k.grad_accum_steps * plan.model.num_layers * costs(plan.model, t.seq_len, k, machine).layer_forward + \
-        simulation.time_s["recompute"]
+    c = costs(plan.model, t.seq_len, k, machine)
+    forward_s = k.grad_accum_steps * plan.model.num_layers * c.layer_forward + simulation.time_s["recompute"]
+    groups = group_params(plan.model)
+    shard = h.num_gpus if k.shard_optimizer else 1
+    cpu_step_s = sum(groups[g] for g in placement(plan.model, k).cpu_steps) / shard * c.cpu_adam_per_param
     return _Prediction(simulation.step_time_s, simulation.time_s, candidate.memory.gpu_total,
-                       candidate.memory.gpu["activations"] if k.compile else 0, passes, forward_s, forward_passes)
+                       candidate.memory.gpu["activations"] if k.compile else 0, passes, forward_s, forward_passes,
+                       cpu_step_s)
 
 
 def _fit_time(records: dict[str, RunRecord], predicted: dict[str, _Prediction],
               terms: dict[str, float]) -> dict[str, float]:
-    """Measured step = forward x (the blocks' forward passes) + compute x (the GPU's other work) + transfer x
-    (waits on copies and collectives) + layer_overhead_s x passes + step_overhead_s + the rest, in relative terms;
+    """Measured step = forward x (the blocks' forward passes) + compute x (the GPU's other work) + cpu_optimizer x
+    (the CPU's optimizer steps) + transfer x (waits on copies and collectives) + layer_overhead_s x passes +
+    step_overhead_s + the rest, in relative terms;
     the uncalibrated parts taken from a prediction made with `terms`."""
     from scipy.optimize import lsq_linear
 
@@ -140,11 +149,12 @@ def _fit_time(records: dict[str, RunRecord], predicted: dict[str, _Prediction],
         p, measured = predicted[name], record.measured.step_time_s
         s, overhead = p.time_s, terms["layer_overhead_s"]
         forward = (p.forward_s - overhead * p.forward_passes) / terms["forward"]
-        other_work = (s["compute"] + s["recompute"] + s["optimizer"] - p.forward_s -
+        other_work = (s["compute"] + s["recompute"] + s["optimizer"] - p.forward_s - p.cpu_step_s -
                       overhead * (p.passes - p.forward_passes)) / terms["compute"]
+        cpu_step = p.cpu_step_s / terms["cpu_optimizer"]
         waits = (s["exposed_comm"] + s["exposed_offload"]) / terms["transfer"]
         rest = s["other"] - terms["step_overhead_s"]
-        rows.append(np.array([forward, other_work, waits, p.passes, 1.0]) / measured)
+        rows.append(np.array([forward, other_work, cpu_step, waits, p.passes, 1.0]) / measured)
         target.append(1.0 - rest / measured)
     bounds = np.array(list(TIME_BOUNDS.values())).T
     solution = lsq_linear(np.array(rows), np.array(target), bounds=(bounds[0], bounds[1])).x

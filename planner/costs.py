@@ -132,7 +132,8 @@ def optimizer_step_bytes(knobs: Knobs) -> int:
 
 def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Costs:
     """The durations, times the machine's calibration (`Calibration`: measured over modelled time of the blocks'
-    forward passes, of the GPU's other work and of transfers, and what each pass of a block adds)."""
+    forward passes, of the GPU's other work, of the CPU's optimizer steps and of transfers, and what each pass of a
+    block adds)."""
     modelled = _modelled_costs(spec, seq_len, knobs, machine)
     cal = machine.calibration
     if cal == Calibration():
@@ -144,6 +145,7 @@ def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Cost
     changed = {name: getattr(modelled, name) * cal.compute + cal.layer_overhead_s for name in per_pass}
     changed["layer_forward"] = modelled.layer_forward * cal.forward + cal.layer_overhead_s
     changed |= {name: getattr(modelled, name) * cal.compute for name in compute}
+    changed["cpu_adam_per_param"] = modelled.cpu_adam_per_param * cal.cpu_optimizer
     changed |= {name: getattr(modelled, name) * cal.transfer for name in transfers}
     changed["layer_recompute"] = modelled.layer_recompute * cal.forward + \
         (cal.layer_overhead_s if knobs.recompute else 0.0)

@@ -5,8 +5,8 @@ PCIe root), the cost of a kernel launch, the host's memory bandwidth and the C++
 cores. GPU work is timed with CUDA events, the median of several runs after warm-ups; `quick` takes fewer sizes
 and smaller copies (under 20 s on an H200).
 
-Not measured here yet: peer-to-peer copies and the collectives (NCCL's and the memcpy ones) between several GPUs,
-and fp8 GEMMs; a profile keeps its base profile's figures for them and says so.
+With several GPUs, also peer-to-peer copies and the collectives between them (planner/between_gpus.py). Not
+measured here yet: fp8 GEMMs; a profile keeps its base profile's figures for them and says so.
 """
 
 from __future__ import annotations
@@ -17,15 +17,20 @@ import time
 
 SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 QUICK_SQUARE_SIZES = (1024, 4096, 8192)
-SHAPE_MODELS = ("tinyllama-1.1b", "llama-3.1-8b")
-"""Presets whose linear layers are measured at their exact shapes (not in `quick`), at SHAPE_TOKENS tokens."""
-SHAPE_TOKENS = (2048, 8192)
+SHAPE_MODELS = ("qwen2.5-0.5b", "llama-3.2-1b", "tinyllama-1.1b", "qwen2.5-1.5b", "llama-3.2-3b", "qwen2.5-3b",
+                "llama-2-7b", "mistral-7b", "qwen2.5-7b", "llama-3.1-8b", "qwen3-8b", "llama-2-13b", "qwen2.5-14b")
+"""Presets whose linear layers are measured at their exact shapes (not in `quick`), at SHAPE_TOKENS tokens: the
+efficiency of a GEMM depends on its narrowest side more than the curve of square ones says (0.5B's K of 896)."""
+SHAPE_TOKENS = (2048, 8192, 32768)
+"""Tokens of a micro-batch: with N and K of 2048, a GEMM's rate still grows from 8192 rows to 32768."""
 COPY_BYTES, QUICK_COPY_BYTES = 2**30, 2**28
 ADAM_PARAMS = 2**24
 
 
-def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None) -> dict:
-    """Every rate, by the profile field it is written to (`profile.profile_json`); `on_step(what)` before each."""
+def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None, nvlink: bool = False) -> dict:
+    """Every rate, by the profile field it is written to (`profile.profile_json`); `on_step(what)` before each.
+    With several GPUs also those between them (planner/between_gpus.py); `nvlink`: their peer copies go over
+    NVLink, whose rate the profile then takes from the copy."""
     import torch
 
     copy_bytes = QUICK_COPY_BYTES if quick else COPY_BYTES
@@ -35,8 +40,9 @@ def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None)
     measured["gpu.gemm_efficiency"] = [[g, round(_gemm_flops(g, g, g) / peak_bf16_flops, 4)] for g in sizes]
     if not quick:
         on_step("the presets' linear layers")
-        measured["gpu.gemm_shapes"] = [[m, n, k, round(_gemm_flops(m, n, k) / peak_bf16_flops, 4)]
-                                       for m, n, k in _model_shapes()]
+        rates = {shape: _gemm_flops_if_it_fits(*shape) for shape in _model_shapes()}
+        measured["gpu.gemm_shapes"] = [[m, n, k, round(flops / peak_bf16_flops, 4)]
+                                       for (m, n, k), flops in rates.items() if flops]
     on_step("HBM")
     measured["gpu.hbm_bytes_per_s"] = _hbm_bytes_per_s(copy_bytes)
     on_step("pinned host copies")
@@ -49,7 +55,27 @@ def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None)
     measured["node.host_copy_bytes_per_s"] = _host_copy_bytes_per_s(copy_bytes // 2)
     on_step("C++ CPU AdamW")
     measured["node.cpu_adam_params_per_s"] = _cpu_adam_params_per_s()
+    if torch.cuda.device_count() > 1:
+        measured |= _between_gpus(quick, on_step, nvlink)
     return measured
+
+
+def _between_gpus(quick: bool, on_step, nvlink: bool) -> dict:
+    import torch
+
+    from fastml.planner import between_gpus
+
+    measured = {}
+    p2p = torch.cuda.can_device_access_peer(0, 1)
+    if p2p:
+        on_step("peer copies")
+        measured["p2p_bytes_per_s"] = between_gpus.p2p_bytes_per_s()
+        if nvlink:
+            measured["gpu.nvlink_bytes_per_s"] = measured["p2p_bytes_per_s"]
+    on_step(f"NCCL and memcpy collectives on {torch.cuda.device_count()} GPUs")
+    seconds = between_gpus.time_collectives("cuda", torch.cuda.device_count(),
+                                            between_gpus.QUICK_SIZES if quick else between_gpus.SIZES)
+    return measured | between_gpus.profile_fields(seconds, torch.cuda.device_count(), p2p)
 
 
 def _cuda_seconds(run, repeats: int = 10, warmups: int = 2) -> float:
@@ -74,6 +100,18 @@ def _gemm_flops(m: int, n: int, k: int) -> float:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     return 2 * m * n * k / _cuda_seconds(lambda: a @ b)
+
+
+def _gemm_flops_if_it_fits(m: int, n: int, k: int) -> float | None:
+    """The rate, or None where the GPU has no room for the GEMM's tensors (a small GPU, the largest shapes): the
+    planner then takes the rate of the most rows measured."""
+    import torch
+
+    try:
+        return _gemm_flops(m, n, k)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
 
 
 def _model_shapes() -> list[tuple[int, int, int]]:

@@ -310,7 +310,8 @@ def _measure(topology: dict, quick: bool, console: Console) -> dict:
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("measuring", total=None)
         start = time.perf_counter()
-        measured = measure_gpus(peak, quick, lambda what: progress.update(task, description=f"measuring {what}"))
+        measured = measure_gpus(peak, quick, lambda what: progress.update(task, description=f"measuring {what}"),
+                                nvlink=all(g["num_nvlinks"] for g in topology["gpus"]))
     console.print(f"measured in {time.perf_counter() - start:.0f} s", highlight=False)
     return {**measured, "quick": quick, "date": topology["date"]}
 

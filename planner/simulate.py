@@ -419,6 +419,30 @@ def chrome_trace(sim: Simulation) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def beside_measured(simulated: dict, measured: dict) -> dict:
+    """One trace of both steps: the simulated one (`chrome_trace`) as process 0, named "simulated", and after it the
+    processes of a measured one (torch's profiler's Chrome trace: the Python threads, each GPU's streams), their
+    names prefixed "measured", their clock moved so that the measured step starts at 0 too."""
+    events = [e for e in measured.get("traceEvents", []) if isinstance(e, dict)]
+    start = min((float(e["ts"]) for e in events if e.get("ph") == "X" and "ts" in e), default=0.0)
+    pids: dict = {}
+    merged = [*simulated["traceEvents"], {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "simulated"}}]
+    named = set()
+    for event in events:
+        event = dict(event)
+        if "pid" in event:
+            event["pid"] = pids.setdefault(event["pid"], len(pids) + 1)
+        if event.get("ph") == "M" and event.get("name") == "process_name":
+            event["args"] = {**event.get("args", {}), "name": f"measured: {event.get('args', {}).get('name', '')}"}
+            named.add(event["pid"])
+        elif "ts" in event and event.get("ph") != "M":
+            event["ts"] = float(event["ts"]) - start
+        merged.append(event)
+    merged += [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"measured: {original}"}}
+               for original, pid in pids.items() if pid not in named]  # noqa: E501
+    return {"traceEvents": merged, "displayTimeUnit": "ms"}
+
+
 _MICRO_BATCH = re.compile(r" mb(\d+)\b")
 
 

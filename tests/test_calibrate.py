@@ -92,3 +92,30 @@ def test_every_run_writes_a_record_that_calibrate_reads(tmp_path):
     assert calibrated.returncode == 0, calibrated.stderr
     assert "mean absolute error of step time:" in calibrated.stdout and "after" in calibrated.stdout
     assert json.loads((tmp_path / "cal.json").read_text())["calibration"]["records"] == 2
+
+
+def test_a_traced_step_is_set_beside_the_simulated_one(tmp_path):
+    """`fastml run --trace-step N` writes step N as torch's profiler saw it into the run directory; `fastml explain
+    RUN_DIR --trace` writes one Chrome trace of the simulated step (process 0) and the measured one after it, both
+    starting at 0."""
+    assert fastml("plan", "--device", "cpu", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
+    ran = fastml("run", "p.json", "--steps", "3", "--no-progress", "--run-dir", "r", "--trace-step", "2",
+                 cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    explained = fastml("explain", "r", "--trace", "both.json", cwd=tmp_path)
+    assert explained.returncode == 0, explained.stderr
+    assert "the measured step of r/trace.json beside the simulated one" in " ".join(explained.stdout.split())
+    events = json.loads((tmp_path / "both.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names[0] == "simulated" and all(n.startswith("measured") for pid, n in names.items() if pid != 0)
+    simulated = [e for e in events if e.get("ph") == "X" and e["pid"] == 0]
+    measured = [e for e in events if e.get("ph") == "X" and e["pid"] != 0]
+    assert min(e["ts"] for e in simulated) == 0 and min(e["ts"] for e in measured) == 0
+    assert any(e["name"] == "Optimizer.step#AdamW.step" for e in measured)  # the step's own ops, measured
+    assert any(e["name"].startswith("fwd L0") for e in simulated)
+
+
+def test_a_trace_needs_a_run_directory_and_a_step_that_runs(tmp_path):
+    assert fastml("plan", "--device", "cpu", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
+    ran = fastml("run", "p.json", "--steps", "3", "--no-progress", "--trace-step", "4", cwd=tmp_path)
+    assert ran.returncode != 0 and "--trace-step: 4 is outside the allowed range [1, 3]" in ran.stderr

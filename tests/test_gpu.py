@@ -158,3 +158,16 @@ def test_offload_with_compile_trains(tmp_path):
     summary, records = run(tmp_path, "log.jsonl", steps=20, micro_batch_size=4, recompute=("block",), compile=True,
                            offload_weights=1.0, offload_gradients=1.0, offload_residuals=1.0)
     assert sum(r["loss"] for r in records[-5:]) / 5 <= 0.9 * sum(r["loss"] for r in records[:5]) / 5
+
+
+def test_a_traced_gpu_step_holds_its_kernels(tmp_path):
+    """The profiler's trace of a step on the GPU (`trace_step`) holds the GPU's kernels, which `fastml explain
+    RUN_DIR --trace` sets beside the simulated step."""
+    from fastml.planner.simulate import beside_measured
+
+    train(gpu_plan(3, micro_batch_size=4, compile=True), show_progress=False, run_dir=tmp_path / "run", trace_step=2)
+    measured = json.loads((tmp_path / "run" / "trace.json").read_text())
+    kernels = [e for e in measured["traceEvents"] if e.get("cat") == "kernel"]
+    assert len(kernels) > 20
+    both = beside_measured({"traceEvents": []}, measured)["traceEvents"]
+    assert any(e.get("cat") == "kernel" and e["pid"] != 0 for e in both)

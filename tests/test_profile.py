@@ -372,3 +372,47 @@ def test_profiles_load_through_from_dict(tmp_path, edit, fragment):
     with pytest.raises(UserError) as info:
         load_machine(data)
     assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_alpha_beta_fit_recovers_latency_and_bus_bandwidth():
+    from fastml.planner.between_gpus import SIZES, bus_bytes, fit_alpha_beta, profile_fields
+
+    def measured(alpha, bandwidth):
+        return {kind: {s: alpha + bus_bytes(kind, s, 4) / bandwidth for s in SIZES} for kind in
+                ("reduce_scatter", "all_gather", "all_reduce")}
+    alpha, bandwidth = fit_alpha_beta(measured(2e-5, 3e11)["all_reduce"], "all_reduce", 4)
+    assert alpha == pytest.approx(2e-5, rel=1e-3) and bandwidth == pytest.approx(3e11, rel=1e-3)
+    fields = profile_fields({"torch": measured(3e-5, 2e11), "memcpy": measured(1e-4, 4e10)}, 4, p2p=False)
+    assert fields["collectives.latency_s"] == pytest.approx(3e-5, rel=1e-3)
+    assert fields["collectives.bus_bytes_per_s"]["all_gather"] == pytest.approx(2e11, rel=1e-3)
+    assert fields["collectives.host_routed_bus_bytes_per_s"] == pytest.approx(2e11, rel=1e-3)  # no P2P: via host
+    assert fields["collectives_fit"]["memcpy"]["reduce_scatter"]["bus_bytes_per_s"] == pytest.approx(4e10, rel=1e-3)
+    assert "collectives.host_routed_bus_bytes_per_s" not in profile_fields({"torch": measured(3e-5, 2e11)}, 4, True)
+
+
+def test_collectives_are_timed_in_one_worker_per_rank():
+    """The workers `fastml profile` starts on a machine of several GPUs, here as CPU processes over gloo: every
+    transport, kind and size is timed, and larger collectives take longer."""
+    from fastml.planner.between_gpus import time_collectives
+
+    seconds = time_collectives("cpu", 2, sizes=(2**12, 2**22), repeats=2)
+    assert set(seconds) == {"torch", "memcpy"}
+    for kinds in seconds.values():
+        assert set(kinds) == {"reduce_scatter", "all_gather", "all_reduce"}
+        assert all(0 < by_size[2**12] < by_size[2**22] for by_size in kinds.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_profile_measures_between_gpus(tmp_path, monkeypatch):
+    """`fastml profile --quick` on several GPUs: NCCL's α-β fit and bus bandwidths, the memcpy collectives' and,
+    with P2P, the peer copy rate, written over the base profile."""
+    monkeypatch.setenv("FASTML_CACHE", str(tmp_path))
+    data = profile(str(tmp_path / "hw.json"), Console(file=io.StringIO()), quick=True)
+    measured = data["measured"]
+    assert 0 < data["collectives"]["latency_s"] == measured["collectives.latency_s"] < 1e-2
+    assert all(1e9 < b == data["collectives"]["bus_bytes_per_s"][k]
+               for k, b in measured["collectives.bus_bytes_per_s"].items())
+    assert set(measured["collectives_fit"]) == {"torch", "memcpy"}
+    if torch.cuda.can_device_access_peer(0, 1):
+        assert measured["p2p_bytes_per_s"] > 1e9
