@@ -63,6 +63,10 @@ class Meter:
         self.records.append(record)
         return record
 
+    def restart_clock(self) -> None:
+        """The time since the last step belongs to none (a trace being written): the next step's starts now."""
+        self.last = time.perf_counter()
+
     @contextlib.contextmanager
     def forward(self):
         """Around a micro-batch's forward pass, up to its loss: on a GPU, the memory the pass leaves allocated for the
@@ -90,8 +94,9 @@ class Meter:
                 host_memory(listed_host, peak_rss, on_gpu=True))
 
     def summary(self) -> dict:
-        # The first step carries compilation and allocator warm-up; steady-state figures leave it out.
-        steady = self.records[1:] or self.records
+        # The first step carries compilation and allocator warm-up, a traced one the profiler's own work: steady-state
+        # figures leave them out.
+        steady = [r for r in self.records[1:] if not r.get("traced")] or self.records
         step_time_s = statistics.median(r["step_time_s"] for r in steady)
         tokens_per_s = self.plan.training.global_batch_tokens / step_time_s
         peak_rss = peak_host_memory_bytes()

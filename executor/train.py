@@ -70,6 +70,8 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
         log_json = log_json or run_dir / "log.jsonl"
+        if not resume:  # the directory describes this run: an earlier run's trace is not this one's
+            (run_dir / TRACE_FILE).unlink(missing_ok=True)
     if steps is not None:
         plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, steps=steps))
     check_range("--keep-checkpoints", keep_checkpoints, 1)
@@ -159,9 +161,13 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
         first_step = position.step
         for step in range(first_step, plan.training.steps):
             watchdog.tick(f"step {step + 1}")
-            with _profiled(trace if step + 1 == trace_step else None, device):
+            traced = step + 1 == trace_step
+            with _profiled(trace if traced else None, device):
                 record = meter.measure(train_step(model, optimizer, batches, plan, step, device, hooks, meter, world,
                                                   stop_requested=lambda: stop.signal is not None))
+            if traced:  # slower by the profiler's work (every rank waits for rank 0's): out of the steady figures
+                record["traced"] = True
+                meter.restart_clock()
             stopping = record.pop("stop")
             if step == first_step:  # after the first batch was read: bad data is one line alone, never after it
                 display.print_knobs(console, plan)
@@ -187,7 +193,8 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
 @contextlib.contextmanager
 def _profiled(trace: Path | None, device: torch.device):
     """Runs the body under torch's profiler and writes what it saw to `trace` (Chrome's trace format); nothing where
-    `trace` is None. The step it traces is slower by the profiler's own work, and is logged as it ran."""
+    `trace` is None. The step it traces is slower by the profiler's own work, and is logged as it ran, marked
+    "traced"."""
     if trace is None:
         yield
         return

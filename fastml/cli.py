@@ -404,8 +404,8 @@ def _add_run_command(sub) -> None:
                                        "`fastml calibrate` reads (default: runs/TIME)")
     run.add_argument("--trace-step", type=int, metavar="N",
                      help="trace optimizer step N with torch's profiler into the run directory's trace.json, which "
-                          "`fastml explain RUN_DIR --trace` sets beside the simulated step (a step after the first: "
-                          "the first compiles)")
+                          "`fastml explain RUN_DIR --trace` sets beside the simulated step (take one after the "
+                          "first, which compiles; the traced step is left out of the steady-state figures)")
     run.set_defaults(func=cmd_run)
 
 

@@ -21,6 +21,16 @@ REPEATS = 5
 P2P_BYTES = 2**28
 
 
+def peer_access(gpus: int) -> bool:
+    """Whether every pair of the first `gpus` GPUs can copy peer to peer, as NCCL would: CUDA says so, and
+    NCCL_P2P_DISABLE does not forbid it (how a box of consumer GPUs behaves)."""
+    import torch
+
+    if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0"):
+        return False
+    return all(torch.cuda.can_device_access_peer(a, b) for a in range(gpus) for b in range(gpus) if a != b)
+
+
 def time_collectives(device_type: str, ranks: int, sizes=SIZES, repeats: int = REPEATS) -> dict:
     """Seconds of each collective by transport ("torch": NCCL between GPUs, gloo between CPU processes; "memcpy"),
     kind and size in bytes: the fastest of `repeats` after a warm-up, timed by rank 0 among `ranks` workers."""

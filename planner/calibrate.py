@@ -157,8 +157,11 @@ def _fit_time(records: dict[str, RunRecord], predicted: dict[str, _Prediction],
         rows.append(np.array([forward, other_work, cpu_step, waits, p.passes, 1.0]) / measured)
         target.append(1.0 - rest / measured)
     bounds = np.array(list(TIME_BOUNDS.values())).T
-    solution = lsq_linear(np.array(rows), np.array(target), bounds=(bounds[0], bounds[1])).x
-    return dict(zip(TIME_BOUNDS, map(float, solution)))
+    matrix = np.array(rows)
+    solution = lsq_linear(matrix, np.array(target), bounds=(bounds[0], bounds[1])).x
+    # A term no record tells (no CPU optimizer step, no exposed copy among them) keeps the value it had.
+    return {name: float(value) if matrix[:, i].any() else terms[name]
+            for i, (name, value) in enumerate(zip(TIME_BOUNDS, solution))}
 
 
 def _fit_memory(records: dict[str, RunRecord], before: dict[str, _Prediction]) -> dict[str, float]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +10,7 @@ import torch
 from fastml import hwprofiles
 from fastml.config import UserError, check_range, fail, from_dict
 from fastml.plan import KNOBS, ZERO_STAGES, Hardware, Knobs, Plan, Predicted, Training, parse_assignment, with_overrides
+from fastml.planner.between_gpus import peer_access
 from fastml.planner.explain import limit
 from fastml.planner.hardware import Machine, check_cpu_options, load_machine, parse_bytes
 from fastml.planner.memory import Memory, memory
@@ -184,7 +184,7 @@ def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
     gpus = r.gpus or present
     _check_gpu_count(gpus, present, profile or "PROFILE")
     machine = load_machine(measured or profile, gpus, None, r.gpu_mem, r.host_mem or hwprofiles.host_memory_bytes())
-    p2p = machine.gpu.p2p and _peer_access(gpus)
+    p2p = machine.gpu.p2p and peer_access(gpus)
     return dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, p2p=p2p))
 
 
@@ -202,14 +202,6 @@ def _check_gpu_count(gpus: int, present: int, profile: str) -> None:
     check_range("--gpus", gpus, 1)
     if gpus > present:
         fail("--gpus", f"{gpus}: this machine has {present} GPU(s); plan for more with --hw {profile} --gpus {gpus}")
-
-
-def _peer_access(gpus: int) -> bool:
-    """Whether every pair of the first `gpus` GPUs can copy peer to peer, as NCCL would: CUDA says so, and
-    NCCL_P2P_DISABLE does not forbid it (how a box of consumer GPUs behaves)."""
-    if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0"):
-        return False
-    return all(torch.cuda.can_device_access_peer(a, b) for a in range(gpus) for b in range(gpus) if a != b)
 
 
 def _named_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:

@@ -168,7 +168,7 @@ def profile_json(topology: dict, measured: dict | None = None) -> dict:
     data["source"] = (
         f"detected by `fastml profile` on {topology['date']}: {', '.join(fields)}; the raw NVML topology is under "
         f"`detected`{mixed}.{measured_here} Taken from shipped profile {base!r} ({match}): every other figure "
-        f"(the dense peaks, NVLink, the collectives, price and power). Source of {base!r}: {data['source']}")
+        f"(the dense peaks, price and power, and NVLink and the collectives where not measured). Source of {base!r}: {data['source']}")
     data["detected"] = {**topology, "base_profile": base, "base_match": match}
     if measured:
         data["measured"] = measured
@@ -313,6 +313,9 @@ def _measure(topology: dict, quick: bool, console: Console) -> dict:
         measured = measure_gpus(peak, quick, lambda what: progress.update(task, description=f"measuring {what}"),
                                 nvlink=all(g["num_nvlinks"] for g in topology["gpus"]))
     console.print(f"measured in {time.perf_counter() - start:.0f} s", highlight=False)
+    if "between_gpus_error" in measured:
+        console.print(f"[yellow]warning:[/] the measurements between GPUs failed ({measured['between_gpus_error']}); "
+                      f"the profile keeps {base}'s figures for peer copies and collectives")
     return {**measured, "quick": quick, "date": topology["date"]}
 
 

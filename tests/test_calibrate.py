@@ -17,13 +17,14 @@ from fastml.spec import PRESETS
 from fastml.planner.calibrate import _predict, calibrate, with_calibration
 from fastml.planner.hardware import load_machine
 
-TRUE = Calibration(forward=0.8, compute=1.25, transfer=1.6, layer_overhead_s=2e-4, step_overhead_s=0.03,
+TRUE = Calibration(forward=0.8, compute=1.25, cpu_optimizer=1.5, transfer=1.6, layer_overhead_s=2e-4, step_overhead_s=0.03,
                    compiled_activations=0.85, fragmentation=0.05)
 # (model, micro-batch, accumulation, recompute, compile, other knobs): compute- and copy-bound, compiled or not
 CASES = [("tinyllama-1.1b", 8, 2, (), False, {}), ("tinyllama-1.1b", 4, 4, ("block",), True, {}),
          ("qwen2.5-0.5b", 16, 1, (), True, {}), ("qwen2.5-0.5b", 2, 8, ("ffn",), False, dict(offload_residuals=1.0)),
          ("llama-3.2-1b", 4, 4, ("block",), True, dict(offload_gradients=1.0)),
-         ("tinyllama-1.1b", 1, 16, ("attention",), True, dict(offload_weights=0.5))]
+         ("tinyllama-1.1b", 1, 16, ("attention",), True, dict(offload_weights=0.5)),
+         ("qwen2.5-0.5b", 4, 2, (), True, dict(offload_optimizer=1.0, offload_master=1.0))]
 
 
 def synthetic_records(profile: dict, device_name: str = "NVIDIA H200") -> dict[str, RunRecord]:
@@ -48,7 +49,7 @@ def test_calibration_recovers_known_terms_from_synthetic_records():
     profile = hwprofiles.load("h200")
     fitted, fits = calibrate(synthetic_records(profile), profile)
     terms = fitted["calibration"]
-    for name in ("forward", "compute", "layer_overhead_s", "step_overhead_s", "compiled_activations", "fragmentation"):
+    for name in ("forward", "compute", "cpu_optimizer", "layer_overhead_s", "step_overhead_s", "compiled_activations", "fragmentation"):
         assert terms[name] == pytest.approx(getattr(TRUE, name), rel=0.05), name
     assert terms["transfer"] == pytest.approx(TRUE.transfer, rel=0.15)  # seen only where copies are exposed
     assert terms["records"] == len(CASES)
@@ -57,6 +58,14 @@ def test_calibration_recovers_known_terms_from_synthetic_records():
     # The fitted profile is a profile: plans made with it predict what the records measured.
     machine = load_machine(fitted, 1)
     assert machine.calibration == Calibration(**terms)
+
+
+def test_a_term_no_record_tells_keeps_its_value():
+    """Without a record whose optimizer steps on the CPU, nothing tells cpu_optimizer: it stays 1."""
+    profile = hwprofiles.load("h200")
+    records = {name: r for name, r in synthetic_records(profile).items() if not r.plan.knobs.offload_optimizer}
+    fitted, _ = calibrate(records, profile)
+    assert fitted["calibration"]["cpu_optimizer"] == 1.0
 
 
 def test_records_of_another_machine_are_refused():
@@ -102,6 +111,9 @@ def test_a_traced_step_is_set_beside_the_simulated_one(tmp_path):
     ran = fastml("run", "p.json", "--steps", "3", "--no-progress", "--run-dir", "r", "--trace-step", "2",
                  cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
+    log = [json.loads(line) for line in (tmp_path / "r" / "log.jsonl").read_text().splitlines()]
+    assert [r.get("traced", False) for r in log] == [False, True, False]
+    assert load_record(tmp_path / "r" / "record.json").measured.step_time_s == log[2]["step_time_s"]  # not traced
     explained = fastml("explain", "r", "--trace", "both.json", cwd=tmp_path)
     assert explained.returncode == 0, explained.stderr
     assert "the measured step of r/trace.json beside the simulated one" in " ".join(explained.stdout.split())
