@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from record import RESULTS, _commit, gpu_tag, write_result
@@ -44,7 +44,6 @@ class Case:
     gpu_mem: str | None = None
     grid: str | None = None
     """The planner's case this one is a neighbour of (pinned from its knobs with one change)."""
-    extra: dict = field(default_factory=dict)
 
 
 def pin(**knobs) -> dict:
