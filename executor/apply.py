@@ -1,6 +1,6 @@
 """Turns the plan's knobs into changes of the plain model, one function per concern, applied in torchtitan's order:
-module conversions (fp8 linears, in a later version), then recompute, then compile (`apply_plan`); then sharding
-and offload, as the model is materialized (`build_training_model`).
+module conversions (fp8 linears, fp8.py), then recompute, then compile (`apply_plan`); then sharding and offload, as
+the model is materialized (`build_training_model`).
 Each keeps what the ones before it did: recompute wraps the forward of the modules a conversion has put in place,
 and compile traces that wrapped forward. The model is still on the meta device throughout; `build_training_model`
 materializes it last, in the plan's parameter dtype."""
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fastml.config import fail
-from fastml.plan import KNOBS, Knobs, Plan
+from fastml.plan import Knobs, Plan
+from fastml.executor import fp8, native
 from fastml.executor.model import Transformer, build_model, materialize
 from fastml.executor.offload import HostOffload
 from fastml.executor.optim import DTYPES, layer_groups
@@ -22,21 +22,21 @@ from fastml.executor.shard import DataParallel
 from fastml.executor.world import SINGLE, World
 
 
-def check_supported(knobs: Knobs) -> None:
-    for name, info in KNOBS.items():
-        runs = info.executor_runs
-        if runs is not None and getattr(knobs, name) not in runs:
-            fail(f"knobs.{name}", f"{getattr(knobs, name)!r} is not supported by this executor yet "
-                                  f"(only {' or '.join(map(repr, runs))}); plan for this machine (`fastml plan` "
-                                  f"without --hw) or pin --set knobs.{name}={runs[0]!r}")
+def uses_cuda_ops(knobs: Knobs) -> bool:
+    """Whether a GPU run of these knobs calls fastml's CUDA ops: fp8 casts, or the AdamW of bf16 masters or moments."""
+    return knobs.matmul_dtype == "fp8" or "bf16" in (knobs.optimizer_dtype, knobs.master_dtype)
 
 
 def build_training_model(plan: Plan, device: torch.device, world: World = SINGLE, comm=None) -> Transformer:
     """Meta model, plan applied, then materialized on `device` in the plan's parameter dtype (the matmuls compute in
-    that dtype too: fp32 with fp32 parameters, bf16 with bf16; `Knobs` allows no other pairing but fp8, refused),
-    streamed blocks' weights straight into host memory, sharded ones straight into this rank's shard. Its offload
-    engine is `model.offload`, and in a world of several ranks its data-parallel engine `model.offload.parallel`
-    (shard.py, over the collectives `comm`)."""
+    that dtype too, fp32 with fp32 parameters and bf16 with bf16, but the blocks' fp8 linears), streamed blocks'
+    weights straight into host memory, sharded ones straight into this rank's shard. Its offload engine is
+    `model.offload`, and in a world of several ranks its data-parallel engine `model.offload.parallel` (shard.py,
+    over the collectives `comm`)."""
+    if plan.knobs.matmul_dtype == "fp8":
+        fp8.check_fp8(device)
+    if device.type == "cuda" and uses_cuda_ops(plan.knobs):
+        native.load_cuda()  # built now, before training starts (and before compile traces the ops)
     model = apply_plan(build_model(plan.model), plan.knobs)
     dtype = DTYPES[plan.knobs.param_dtype]
     parallel = None
@@ -52,9 +52,10 @@ def build_training_model(plan: Plan, device: torch.device, world: World = SINGLE
 
 
 def apply_plan(model: Transformer, knobs: Knobs) -> Transformer:
-    check_supported(knobs)
-    # Module conversions come first (none yet: fp8 matmuls are refused above), so that recompute wraps the
-    # converted modules and not ones a conversion would then replace.
+    # Module conversions come first, so that recompute wraps the converted forward and not one a conversion would
+    # then replace.
+    if knobs.matmul_dtype == "fp8":
+        fp8.convert_to_fp8(model)
     apply_recompute(model, knobs.recompute)
     if knobs.compile:
         apply_compile(model)

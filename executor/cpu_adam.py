@@ -1,45 +1,89 @@
-"""fastml's C++ CPU AdamW, `torch.ops.fastml.adamw_step_` (csrc/cpu_adam.cpp): one AdamW step over optimizer state
-in host memory, in one pass over memory, for the layers whose optimizer states or master weights are offloaded.
+"""fastml's AdamW op, `torch.ops.fastml.adamw_step_`: one AdamW step over one tensor's optimizer state in one pass over
+memory. On the CPU (csrc/cpu_adam.cpp) it steps the layers whose optimizer states or master weights are offloaded; on
+a GPU (csrc/adamw_cuda.cu) the layers whose masters or moments are bf16. Both share their arithmetic (csrc/adamw_math.h)
+and so give the same bits. bf16 masters and moments are written with stochastic rounding, its random bits a hash of
+`seed` and each element's index (`offset` + i), so that a run resumed from a checkpoint draws what the uninterrupted
+one drew.
 
-The op is compiled on first use with fastml's other C++ ops (native.py); a machine that cannot build it gets one
-`UserError`, never a slower Python step in its place. `adamw_step_reference_` is the same step in plain torch ops:
-the reference the op is tested against.
+The ops are compiled on first use with fastml's other native ops (native.py); a machine that cannot build them gets one
+`UserError`, never a slower Python step in their place. `adamw_step_reference_` is the same step in plain torch ops:
+the reference the ops are tested against.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fastml.executor.native import load
+from fastml.executor.native import load, load_cuda
+
+M32 = 0xFFFFFFFF
+
 
 def adamw_step_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                 weight_out: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
-                weight_decay: float, step: int, grad_scale: float = 1.0) -> None:
-    """One AdamW step in place, by the C++ op (built on first use). master, exp_avg, exp_avg_sq: contiguous fp32 CPU
-    tensors; grad: bf16 or fp32; weight_out (optional, bf16 or fp32) receives the new master weights rounded to
-    nearest even. `step` counts this step (1 on the first). The gradient is multiplied by `grad_scale` first (in
-    bf16 for a bf16 gradient, as clipping it in place would). Arithmetic: `adamw_step_reference_`."""
-    load()
+                weight_decay: float, step: int, grad_scale: float = 1.0, seed: int = 0, offset: int = 0) -> None:
+    """One AdamW step in place, by the op of the tensors' device (built on first use). master: fp32 or bf16;
+    exp_avg, exp_avg_sq: fp32 or bf16 (one dtype); grad: bf16 or fp32; all contiguous, on one device. weight_out
+    (optional, bf16 or fp32, only beside fp32 masters) receives the new master weights rounded to nearest even.
+    `step` counts this step (1 on the first). The gradient is multiplied by `grad_scale` first (in bf16 for a bf16
+    gradient, as clipping it in place would). Arithmetic: `adamw_step_reference_`."""
+    load_cuda() if master.device.type == "cuda" else load()
     torch.ops.fastml.adamw_step_(master, exp_avg, exp_avg_sq, grad, weight_out, lr, beta1, beta2, eps, weight_decay,
-                                 step, grad_scale)
+                                 step, grad_scale, seed, offset)
 
 
 @torch.no_grad()
 def adamw_step_reference_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
                           weight_out: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
-                          weight_decay: float, step: int, grad_scale: float = 1.0) -> None:
+                          weight_decay: float, step: int, grad_scale: float = 1.0, seed: int = 0,
+                          offset: int = 0) -> None:
     """The op's step in plain torch ops, those of torch.optim.AdamW's single-tensor step (torch/optim/adam.py,
-    `_single_tensor_adam` with decoupled weight decay) in the same order."""
-    g = (grad * grad_scale if grad_scale != 1 else grad).to(master.dtype)
-    master.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    `_single_tensor_adam` with decoupled weight decay) in the same order, in the masters' dtype; bf16 tensors are read
+    into float32 and written back with stochastic rounding."""
+    w, m, v = (t.float() if t.dtype == torch.bfloat16 else t for t in (master, exp_avg, exp_avg_sq))
+    g = (grad * grad_scale if grad_scale != 1 else grad).to(w.dtype)
+    w.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
-    denom = (_sqrt(exp_avg_sq) / bias_correction2**0.5).add_(eps)
-    master.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+    denom = (_sqrt(v) / bias_correction2**0.5).add_(eps)
+    w.addcdiv_(m, denom, value=-(lr / bias_correction1))
+    bits = random_bits(rounding_key(seed), offset + torch.arange(master.numel(), device=master.device))
+    for target, value, random16 in ((exp_avg, m, bits >> 16), (exp_avg_sq, v, mix32(bits)), (master, w, bits)):
+        if target.dtype == torch.bfloat16:
+            target.copy_(bf16_stochastic(value, random16).view(target.shape))
     if weight_out is not None:
-        weight_out.copy_(master)
+        weight_out.copy_(w)
+
+
+def mix32(x):
+    """csrc/adamw_math.h's 32-bit hash, of a Python int or an int64 tensor of values below 2**32 (products wrap
+    modulo 2**64, which leaves their low 32 bits exact)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def rounding_key(seed: int) -> int:
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    return mix32((s & M32) ^ mix32(s >> 32))
+
+
+def random_bits(key: int, index: torch.Tensor) -> torch.Tensor:
+    """The 32 random bits of each element `index` (int64) under `key`, as int64."""
+    return mix32((mix32((index & M32) ^ key) + key) & M32)
+
+
+def bf16_stochastic(value: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
+    """float32 `value` rounded to bf16 up or down at random: adds 16 random bits below the kept ones and truncates."""
+    bits = value.contiguous().view(-1).view(torch.int32).to(torch.int64) & M32
+    rounded = (bits + (random16 & 0xFFFF)) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = torch.where(nan, torch.full_like(rounded, 0x7FC0), rounded)
+    return rounded.to(torch.int32).to(torch.int16).view(torch.bfloat16)
 
 
 def _sqrt(x: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,8 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
-from fastml.config import fail
 from fastml.plan import CPU_STEP_CHUNK, STAGING_SLOTS, Knobs, Training, offloaded_groups
-from fastml.executor import cpu_adam
+from fastml.executor import cpu_adam, native
 from fastml.executor.collectives import agree
 from fastml.executor.pinned import pinned_empty
 from fastml.executor.shard import Layout, Piece
@@ -27,8 +26,11 @@ class AdamW(torch.optim.Optimizer):
 
     Parameters that are not in `master_dtype` get master copies in the optimizer state ("master"): the step updates
     them and rounds the result into the parameters, making gradients in the master dtype for one group at a time.
-    Adam's m and v are in `state_dtype`. Matrices decay, norms and biases do not (the group's "decay" flags).
-    `lr` is each group's "lr", set by the training loop (`set_lr`) before each step.
+    Adam's m and v are in `optimizer_dtype`. Where masters (the parameters themselves) or m and v are bf16, the step
+    is fastml's op (cpu_adam.py, on the CPU or the GPU), which writes them with stochastic rounding, its random bits
+    drawn from the run's seed, the parameter, the step and the element (`rounding_seed`): a resumed run rounds as the
+    uninterrupted one. Matrices decay, norms and biases do not (the group's "decay" flags). `lr` is each group's
+    "lr", set by the training loop (`set_lr`) before each step.
 
     Offload: a group in offload_optimizer keeps m and v in host memory and steps on the CPU (the C++ AdamW of
     csrc/, cpu_adam.py), writing its bf16 weights straight into their host copy where the weights are streamed; a
@@ -53,6 +55,8 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(groups, {"lr": training.lr, "betas": (training.beta1, training.beta2), "eps": EPS,
                                   "weight_decay": training.weight_decay})
         self.clip_coef: torch.Tensor | None = None
+        self.seed = training.seed
+        self.index = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
         self.pieces = {p: piece for group in self.param_groups for p, piece in self._pieces(group).items()}
         largest = max((self.pieces[p].end - self.pieces[p].start for g in self.param_groups if g["on_cpu"]
                        for p in g["params"] if p in self.pieces), default=0)
@@ -61,6 +65,11 @@ class AdamW(torch.optim.Optimizer):
             cpu_adam.load()  # built now, before training starts, if this machine has not built it yet
         self.crosses_pcie = bool(cpu_steps or host_masters)
         master_dtype, state_dtype = DTYPES[knobs.master_dtype], DTYPES[knobs.optimizer_dtype]
+        weight_dtype = next(model.parameters()).dtype
+        # The masters are bf16 only where the weights are (fp32 weights are their own fp32 masters).
+        self.stochastic = torch.bfloat16 in (state_dtype, master_dtype if weight_dtype == torch.bfloat16 else None)
+        if self.stochastic and self.device.type == "cuda":
+            native.load_cuda()
         for group in self.param_groups:
             on_cpu = group["on_cpu"]
             states_at = torch.device("cpu") if on_cpu else self.device
@@ -69,7 +78,8 @@ class AdamW(torch.optim.Optimizer):
                 if p in self.pieces:
                     self.state[p] = self._initial_state(self._weight(group, p), master_dtype, state_dtype,
                                                         master_at, states_at,
-                                                        pin=not on_cpu and self.device.type == "cuda")
+                                                        pin=not on_cpu and self.device.type == "cuda",
+                                                        count_on_host=on_cpu or self.stochastic)
 
     def _pieces(self, group: dict) -> dict[nn.Parameter, Piece]:
         """The part of each parameter of `group` this rank steps: all of it, or where its shard cuts it."""
@@ -85,10 +95,7 @@ class AdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _initial_state(weight: torch.Tensor, master_dtype: torch.dtype, state_dtype: torch.dtype,
-                       master_at: torch.device, states_at: torch.device, pin: bool) -> dict:
-        if master_dtype != torch.float32:
-            fail("knobs.master_dtype", "bf16 master weights need stochastic rounding, which this executor does not "
-                                       "do yet; use 'fp32'")
+                       master_at: torch.device, states_at: torch.device, pin: bool, count_on_host: bool) -> dict:
         if weight.dtype == master_dtype:
             master = None
         elif master_at.type == "cpu" and pin:  # host masters a GPU step reads: pinned, for fast asynchronous copies
@@ -96,8 +103,8 @@ class AdamW(torch.optim.Optimizer):
         else:
             master = weight.to(device=master_at, dtype=master_dtype, copy=True)
         like = weight if master is None else master
-        # Fused AdamW reads its step count on the device; foreach AdamW and the C++ one read it on the host.
-        state = {"step": torch.zeros((), dtype=torch.float32, device=states_at),
+        # Fused AdamW reads its step count on the device; foreach AdamW and fastml's op read it on the host.
+        state = {"step": torch.zeros((), dtype=torch.float32, device="cpu" if count_on_host else states_at),
                  "exp_avg": torch.zeros_like(like, dtype=state_dtype, device=states_at),
                  "exp_avg_sq": torch.zeros_like(like, dtype=state_dtype, device=states_at)}
         if master is not None:
@@ -199,13 +206,21 @@ class AdamW(torch.optim.Optimizer):
         states = [self.state[p] for p in params]
         homes = [self._master(group, p) for p in params]
         masters = [m.to(self.device, non_blocking=True) for m in homes]  # the same tensor where it is here
-        grads = [self._device_grad(group, p, m.dtype) for p, m in zip(params, masters)]
-        fused = self.device.type == "cuda"
         beta1, beta2 = group["betas"]
-        adamw(
-            masters, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
-            [s["step"] for s in states], foreach=not fused, fused=fused, amsgrad=False, beta1=beta1, beta2=beta2,
-            lr=group["lr"], weight_decay=weight_decay, eps=group["eps"], maximize=False)
+        if self.stochastic:  # fastml's op, one parameter at a time, reading bf16 gradients as they are
+            for p, master, state in zip(params, masters, states):
+                state["step"] += 1
+                step = int(state["step"])
+                cpu_adam.adamw_step_(master, state["exp_avg"], state["exp_avg_sq"], self._device_grad(group, p),
+                                     None, group["lr"], beta1, beta2, group["eps"], weight_decay, step,
+                                     seed=self.rounding_seed(p, step), offset=self.pieces[p].start)
+        else:
+            grads = [self._device_grad(group, p, m.dtype) for p, m in zip(params, masters)]
+            fused = self.device.type == "cuda"
+            adamw(
+                masters, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+                [s["step"] for s in states], foreach=not fused, fused=fused, amsgrad=False, beta1=beta1,
+                beta2=beta2, lr=group["lr"], weight_decay=weight_decay, eps=group["eps"], maximize=False)
         for home, master in zip(homes, masters):
             if home is not master:
                 home.copy_(master, non_blocking=True)
@@ -217,16 +232,19 @@ class AdamW(torch.optim.Optimizer):
             if w.device != m.device:  # a streamed weight: rounded here, then to its host copy
                 w.copy_(m.to(w.dtype))
 
-    def _device_grad(self, group: dict, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The clipped gradient of `p` on the training device, in `dtype`: one kept in host memory comes over and
-        is clipped here as the GPU's own gradients were."""
+    def _device_grad(self, group: dict, p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The clipped gradient of `p` on the training device, in `dtype` (default: its own): one kept in host
+        memory comes over and is clipped here as the GPU's own gradients were."""
         grad, on_host = self._grad(group, p)
-        if not on_host:
-            return grad.to(dtype)  # a copy only where the dtypes differ
-        grad = grad.to(self.device, non_blocking=True)
-        if self.clip_coef is not None:
-            grad.mul_(self.clip_coef.to(grad.device))
-        return grad.to(dtype)
+        if on_host:
+            grad = grad.to(self.device, non_blocking=True)
+            if self.clip_coef is not None:
+                grad.mul_(self.clip_coef.to(grad.device))
+        return grad if dtype is None else grad.to(dtype)  # a copy only where the dtypes differ
+
+    def rounding_seed(self, p: nn.Parameter, step: int) -> int:
+        """The seed of the stochastic rounding of `p`'s step `step`: one per run seed, parameter and step."""
+        return ((self.seed * 1_000_003 + self.index[p]) * 1_000_000_007 + step) % 2**63
 
     def _cpu_step(self, group: dict, params: list[torch.Tensor], weight_decay: float) -> None:
         """The step in host memory with the C++ AdamW, parameter by parameter. A gradient, master or weight on the
@@ -244,13 +262,16 @@ class AdamW(torch.optim.Optimizer):
             weight = self._weight(group, p) if "master" in state else None
             flat = [t.reshape(-1) if t is not None else None
                     for t in (master, state["exp_avg"], state["exp_avg_sq"], grad, weight)]
+            offset = self.pieces[p].start
             for start in range(0, flat[0].numel(), CPU_STEP_CHUNK):
                 master_s, m_s, v_s, grad_s, weight_s = [t[start:start + CPU_STEP_CHUNK] if t is not None else None
                                                         for t in flat]
                 master_here, grad_here = self.staging.fetch(master_s), self.staging.fetch(grad_s)
                 weight_here = self.staging.slot(weight_s) if weight_s is not None else None
+                step = int(state["step"])
                 cpu_adam.adamw_step_(master_here, m_s, v_s, grad_here, weight_here, group["lr"], beta1, beta2,
-                                     group["eps"], weight_decay, int(state["step"]), grad_scale)
+                                     group["eps"], weight_decay, step, grad_scale, seed=self.rounding_seed(p, step),
+                                     offset=offset + start)
                 self.staging.send(master_here, master_s)
                 if weight_here is not None:
                     self.staging.send(weight_here, weight_s)

@@ -159,8 +159,6 @@ class KnobInfo:
     kind: Literal["batch", "recompute", "speed", "offload", "shard", "precision", "comm"]
     choices: tuple = ()
     """The values the planner searches; () where it derives them from the problem (micro-batch, accumulation)."""
-    executor_runs: tuple | None = None
-    """The values this executor runs; None for every value. Plans for this machine keep to them."""
     lower_precision: bool = False
     """Searched only where lower precision is allowed (--lower-precision, or nothing fits without it)."""
     multi_gpu: bool = False
@@ -183,9 +181,9 @@ KNOBS: dict[str, KnobInfo] = {
         "offload_optimizer", "offload_master", "offload_gradients", "offload_residuals", "offload_weights")},
     **{name: KnobInfo("shard", (False, True), multi_gpu=True) for name in (*ZERO_STAGES, "cache_weights_on_host")},
     "param_dtype": KnobInfo("precision", ("bf16",)),
-    "matmul_dtype": KnobInfo("precision", ("bf16", "fp8"), executor_runs=("fp32", "bf16"), lower_precision=True),
-    "optimizer_dtype": KnobInfo("precision", ("fp32", "bf16"), executor_runs=("fp32",), lower_precision=True),
-    "master_dtype": KnobInfo("precision", ("fp32", "bf16"), executor_runs=("fp32",), lower_precision=True),
+    "matmul_dtype": KnobInfo("precision", ("bf16", "fp8"), lower_precision=True),
+    "optimizer_dtype": KnobInfo("precision", ("fp32", "bf16"), lower_precision=True),
+    "master_dtype": KnobInfo("precision", ("fp32", "bf16"), lower_precision=True),
     "comm": KnobInfo("comm", ("nccl", "memcpy"), multi_gpu=True),
 }
 
@@ -235,6 +233,20 @@ def weights_sharded(knobs: Knobs, group: str) -> bool:
     """Whether ZeRO-3 shards the weights of parameter group `group`: every group's, gathered just before it computes
     (a block one block ahead, the head during the last block, the embedding at the start of each forward pass)."""
     return knobs.shard_weights
+
+
+FP8_GEMM_MULTIPLE = 16
+"""cuBLASLt's fp8 GEMMs need every dimension a multiple of 16, the tokens of a micro-batch too (the weight gradient
+sums over them)."""
+
+
+def fp8_shape_problem(spec: ModelSpec, tokens: int) -> str:
+    """Why fp8 GEMMs cannot take this model's linear layers at `tokens` per micro-batch, or "" where they can."""
+    dims = {f"{name}.{side}": d for name, shape in spec.block_linear_shapes().items()
+            for side, d in zip(("out", "in"), shape)} | {"tokens per micro-batch": tokens}
+    odd = [f"{name} {d}" for name, d in dims.items() if d % FP8_GEMM_MULTIPLE]
+    return (f"'fp8' GEMMs need every matmul dimension a multiple of {FP8_GEMM_MULTIPLE}, and {', '.join(odd)} "
+            f"{'is' if len(odd) == 1 else 'are'} not: use 'bf16'") if odd else ""
 
 
 def knob_names(kind: str) -> tuple[str, ...]:
@@ -301,6 +313,8 @@ class Plan:
             fail("training.global_batch_tokens",
                  f"{t.global_batch_tokens} must equal micro_batch_size {k.micro_batch_size} x grad_accum_steps "
                  f"{k.grad_accum_steps} x seq_len {t.seq_len} x num_gpus {self.hardware.num_gpus} = {tokens}")
+        if k.matmul_dtype == "fp8" and fp8_shape_problem(self.model, k.micro_batch_size * t.seq_len):
+            fail("knobs.matmul_dtype", fp8_shape_problem(self.model, k.micro_batch_size * t.seq_len))
 
     def to_json(self) -> str:
         return json.dumps(to_dict(self), indent=2) + "\n"

@@ -96,6 +96,22 @@ def layer_gemms(spec: ModelSpec, tokens: int) -> dict[str, tuple[int, int, int]]
     return {name: (tokens, n, k) for name, (n, k) in spec.block_linear_shapes().items()}
 
 
+FP8_CAST_BYTES = 2 + 2 + 1
+"""Bytes moved per element by an fp8 cast (executor/fp8.py, csrc/fp8_cuda.cu): the bf16 read for its absolute
+maximum, the bf16 read of the cast, one fp8 byte written (and one more for the transposed copy)."""
+
+
+def fp8_cast_bytes(spec: ModelSpec, tokens: int) -> tuple[float, float]:
+    """Bytes one block's fp8 casts move over `tokens` tokens, forward and backward: forward each linear's input
+    (row-major and transposed) and its weight; backward each output gradient (both) and each weight again
+    (transposed)."""
+    shapes = spec.block_linear_shapes().values()
+    weights = spec.layer_matmul_params() * FP8_CAST_BYTES
+    inputs = tokens * sum(k for _, k in shapes) * (FP8_CAST_BYTES + 1)
+    output_grads = tokens * sum(n for n, _ in shapes) * (FP8_CAST_BYTES + 1)
+    return inputs + weights, output_grads + weights
+
+
 def gemm_flops(m: int, n: int, k: int) -> float:
     return 2.0 * m * n * k
 
@@ -168,8 +184,9 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
     attention = _attention_s(flops["forward.attention"], spec, knobs.micro_batch_size, seq_len, machine, dtype)
     elementwise = hbm(_elementwise_elements(spec, knobs.compile) * t * activation_bytes(knobs))
     block = gemms("qkv", "out", "gate_up", "down")
-    forward = block + attention + elementwise
-    backward = 2 * block + ATTENTION_BACKWARD_FACTOR * attention + 2 * elementwise
+    quantize_forward, quantize_backward = (hbm(b) for b in fp8_cast_bytes(spec, t)) if dtype == "fp8" else (0, 0)
+    forward = block + attention + elementwise + quantize_forward
+    backward = 2 * block + ATTENTION_BACKWARD_FACTOR * attention + 2 * elementwise + quantize_backward
     recompute = _recompute_s(knobs.recompute, forward, gemms("gate_up", "down"), gemms("qkv"), attention,
                              elementwise)
     head = head_gemm_passes(knobs.lm_head_chunks) * gpu.gemm_seconds(t, *spec.lm_head_shape(), dtype)

@@ -77,11 +77,23 @@ def saved_bytes_per_token(spec: ModelSpec, knobs: Knobs, device: str) -> dict[st
         saved["sdpa.lse"] = spec.num_heads * FP32_BYTES  # the log-sum-exp of each head's softmax
     if "norm" not in knobs.recompute:  # a recomputed norm keeps its input only
         saved |= _norm_statistics(spec, device)
-    if knobs.matmul_dtype == "fp8":  # not run yet: matmul inputs kept in fp8 for the backward pass
-        for name in ("qkv.input", "gate_up.input", "down.input"):
-            if name in saved:
-                saved[name] *= DTYPE_BYTES["fp8"] / activation_bytes(knobs)
+    if knobs.matmul_dtype == "fp8":
+        saved |= _fp8_saved(spec, knobs, saved)
     return saved
+
+
+def _fp8_saved(spec: ModelSpec, knobs: Knobs, saved: dict[str, float]) -> dict[str, float]:
+    """What fp8 linears change (executor/fp8.py): each keeps the fp8 transpose of its input (1 byte an element) for
+    its weight gradient instead of the bf16 input; a checkpointed linear's input the checkpoint keeps, in bf16. The out
+    projection's input is SDPA's output, which SDPA keeps too unless attention is recomputed."""
+    fp8, checkpointed = DTYPE_BYTES["fp8"] / activation_bytes(knobs), {"qkv": "qkv", "gate_up": "ffn"}
+    changed = {name: saved[name] * fp8 for name in ("qkv.input", "gate_up.input", "down.input")
+               if name in saved and checkpointed.get(name.split(".")[0]) not in knobs.recompute}
+    if "attention" in knobs.recompute:
+        changed["attention.output"] = saved["attention.output"] * fp8
+    else:
+        changed["out.input"] = spec.q_size * DTYPE_BYTES["fp8"]
+    return changed
 
 
 def _saved_activations(spec: ModelSpec, recompute: tuple[str, ...]) -> dict[str, int]:

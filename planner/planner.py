@@ -56,7 +56,7 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
         knob_pins = {**CPU_KNOBS, **knob_pins}
     attempts = [False] if cpu else [False, True] if r.lower_precision is None else [r.lower_precision]
     for lower in attempts:
-        space = pin(knob_space(problem, runnable_only=here or cpu, lower_precision=lower), knob_pins)
+        space = pin(knob_space(problem, lower_precision=lower), knob_pins)
         ranked = search(problem, space, r.trials, storage=_storage(r.study), on_trial=on_trial,
                         study_name=_study_name(problem, here, lower))
         feasible = [c for c in ranked if c.feasible]

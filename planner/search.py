@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastml.config import fail
-from fastml.plan import KNOBS, ZERO_STAGES, Knobs, knob_names
+from fastml.plan import KNOBS, ZERO_STAGES, Knobs, fp8_shape_problem, knob_names
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import Memory, has_fp32_masters, memory
 from fastml.planner.simulate import Simulation, simulate
@@ -60,16 +60,14 @@ class Problem:
         return int(self.machine.node.host_memory_bytes * HOST_USABLE_FRACTION)
 
 
-def knob_space(problem: Problem, runnable_only: bool, lower_precision: bool) -> dict[str, tuple]:
-    """The choices of each knob (fastml.plan.KNOBS); a knob with one choice is fixed. `runnable_only` keeps to the
-    values this executor runs."""
+def knob_space(problem: Problem, lower_precision: bool) -> dict[str, tuple]:
+    """The choices of each knob (fastml.plan.KNOBS); a knob with one choice is fixed."""
     space = {"micro_batch_size": micro_batch_choices(problem)}
     for name, info in KNOBS.items():
         choices = info.choices
-        if runnable_only and info.executor_runs is not None:
-            choices = tuple(c for c in choices if c in info.executor_runs)
-        if name == "matmul_dtype":
-            choices = tuple(c for c in choices if c in problem.machine.gpu.peak_flops)
+        if name == "matmul_dtype":  # fp8 where the GPU has fp8 tensor cores and the matmuls' shapes suit them
+            choices = tuple(c for c in choices if c in problem.machine.gpu.peak_flops and not (
+                c == "fp8" and fp8_shape_problem(problem.spec, problem.seq_len)))
         if name == "comm" and problem.machine.num_nodes > 1:  # host-routed copies stay within a node
             choices = ("nccl",)
         # On a CPU the "device" memory is the host's: offload would move tensors within one pool.

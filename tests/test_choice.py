@@ -92,7 +92,7 @@ def test_runners_up_are_distinct_plans_without_no_op_knobs(kwargs):
 def test_search_reports_each_trial_with_the_best_so_far():
     p = problem()
     reports = []
-    ranked = search(p, knob_space(p, runnable_only=False, lower_precision=False), num_trials=30,
+    ranked = search(p, knob_space(p, lower_precision=False), num_trials=30,
                     on_trial=lambda done, best: reports.append((done, best)))
     assert [done for done, _ in reports] == list(range(1, 31))
     bests = [best for _, best in reports]

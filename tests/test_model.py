@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fastml.plan import Knobs
+from fastml.plan import Knobs, Plan, Training
 from fastml.spec import PRESETS
-from fastml.executor.apply import apply_recompute, check_supported
+from fastml.executor.apply import apply_recompute, build_training_model
 from fastml.executor.model import build_model, materialize
 from fastml.config import UserError
 
@@ -61,11 +61,20 @@ def test_causal_outputs_do_not_see_the_future():
     assert not torch.allclose(a[0, 20:], b[0, 20:])
 
 
-def test_unimplemented_knobs_are_refused():
-    with pytest.raises(UserError, match="knobs.optimizer_dtype: 'bf16' is not supported by this executor yet"):
-        check_supported(Knobs(optimizer_dtype="bf16"))
-    with pytest.raises(UserError, match="knobs.matmul_dtype: 'fp8' is not supported by this executor yet"):
-        check_supported(Knobs(matmul_dtype="fp8"))
+def test_fp8_matmuls_on_a_cpu_are_refused_with_the_reason():
+    plan = Plan(model=PRESETS["tiny"], training=Training(seq_len=32, global_batch_tokens=64),
+                knobs=Knobs(micro_batch_size=2, matmul_dtype="fp8"))
+    with pytest.raises(UserError, match="knobs.matmul_dtype: 'fp8' matmuls run on a GPU with fp8 tensor cores; "
+                                        "this run is on cpu"):
+        build_training_model(plan, torch.device("cpu"))
+
+
+def test_fp8_matmul_shapes_that_cublas_cannot_take_are_refused_at_load():
+    """The tiny preset's matmuls are multiples of 16; 24 tokens a micro-batch are not."""
+    with pytest.raises(UserError, match="knobs.matmul_dtype: 'fp8' GEMMs need every matmul dimension a multiple of "
+                                        "16, and tokens per micro-batch 24 is not: use 'bf16'"):
+        Plan(model=PRESETS["tiny"], training=Training(seq_len=24, global_batch_tokens=24),
+             knobs=Knobs(matmul_dtype="fp8"))
 
 
 def saved_activation_bytes(model, tokens):

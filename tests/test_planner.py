@@ -99,11 +99,11 @@ def test_search_finds_the_exhaustive_optimum():
     problem = Problem(PRESETS["tinyllama-1.1b"], 2048, 2048 * 16, load_machine("h200", 1))
     # Offload pinned off: with it the space runs to millions of plans, too many to enumerate.
     no_offload = {name: 0.0 for name in knob_names("offload")}
-    space = pin(knob_space(problem, runnable_only=True, lower_precision=False), {"compile": True, **no_offload})
+    space = pin(knob_space(problem, lower_precision=False), {"compile": True, **no_offload})
     best = exhaustive(problem, space)[0]
     found = search(problem, space, num_trials=500)[0]  # small space: enumerated by the search itself
     assert found.knobs == best.knobs
-    larger = knob_space(problem, runnable_only=False, lower_precision=False)
+    larger = knob_space(problem, lower_precision=False)
     tpe = search(problem, pin(larger, {"compile": True, "lm_head_chunks": 1}), num_trials=150)[0]
     assert tokens_per_s(problem, tpe) >= 0.95 * tokens_per_s(problem, best)
 

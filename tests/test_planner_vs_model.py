@@ -16,7 +16,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from fastml.executor import native
 from fastml.executor.apply import apply_recompute
+from fastml.executor.fp8 import convert_to_fp8
 from fastml.executor.model import Transformer, _lm_loss_sum, build_model, rotary_tables
 from fastml.plan import KNOBS, Knobs
 from fastml.planner.costs import ATTENTION_BACKWARD_FACTOR, head_flops, layer_flops, layer_gemms
@@ -260,10 +262,13 @@ def test_parameter_bytes_follow_the_param_dtype(name, knobs, dtype):
 # ---------------------------------------------------------------------------------------------------- GPU
 
 
-def cuda_block(name: str, parts: tuple[str, ...]):
+def cuda_block(name: str, parts: tuple[str, ...], matmul_dtype: str = "bf16"):
     spec = dataclasses.replace(PRESETS[name], num_layers=1)
     with torch.device("cuda"):
         model = Transformer(spec).to(torch.bfloat16)
+    if matmul_dtype == "fp8":
+        native.load_cuda()
+        convert_to_fp8(model)
     apply_recompute(model, parts)
     return model.blocks[0], block_inputs(spec, "cuda", torch.bfloat16)
 
@@ -272,13 +277,17 @@ def cuda_block(name: str, parts: tuple[str, ...]):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real bf16 kernels)")
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-0.5b", "qwen3-8b", "llama-2-7b"])
 @pytest.mark.parametrize("parts", KNOBS["recompute"].choices, ids=lambda p: "+".join(p) or "none")
-def test_on_cuda_saved_bytes_match_the_planner(name, parts):
+@pytest.mark.parametrize("matmul_dtype", ["bf16", "fp8"])
+def test_on_cuda_saved_bytes_match_the_planner(name, parts, matmul_dtype):
     """bf16 on CUDA, as a GPU run trains: fused rms_norm, fused attention (cuDNN's on an H200 with torch 2.11).
     Measured there on 2026-11-30: equal to the planner's count but for 16 bytes, the attention kernel's random
-    seed and offset (two int64 scalars)."""
-    block, inputs = cuda_block(name, parts)
+    seed and offset (two int64 scalars). fp8 linears add four float32 inverse scales."""
+    if matmul_dtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs fp8 tensor cores (compute capability 8.9 or later)")
+    block, inputs = cuda_block(name, parts, matmul_dtype)
     kept = block_saved_bytes(block, inputs)
-    planned = layer_activation_bytes(PRESETS[name], Knobs(recompute=parts), BATCH * SEQ, "cuda")
+    planned = layer_activation_bytes(PRESETS[name], Knobs(recompute=parts, matmul_dtype=matmul_dtype), BATCH * SEQ,
+                                     "cuda")
     assert sum(n for n, _, _ in kept.values()) == pytest.approx(planned, abs=64), kept
 
 

@@ -1,0 +1,207 @@
+// torch.ops.fastml.quantize_fp8: a bf16 matrix cast to fp8 (e4m3 or e5m2) under a scale taken from its own current
+// absolute maximum, just before the cast: scale = fp8_max / amax, so that the largest element lands on fp8_max and
+// nothing is ever clipped (no scale remembered from earlier steps, which a growing tensor would overflow). It
+// returns the fp8 matrix row-major, its transpose row-major, or both (the fp8 GEMMs of a linear layer's backward pass
+// read the transposes), and the inverse scale that dequantizes them (`_scaled_mm`'s scale_a / scale_b).
+//
+// Two passes over memory, the fewest the data allows: the scale depends on every element, so one pass finds the
+// absolute maximum and a second casts. The second reads each 64 x 64 tile once and writes the row-major cast
+// directly and the transposed one through shared memory, so both outputs cost one read.
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+#include <tuple>
+
+namespace fastml {
+namespace {
+
+int64_t multiprocessors() {
+  int device = 0, count = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+constexpr int kTile = 64;             // a cast block's tile: kTile x kTile elements
+constexpr int kThreads = 256;         // threads of a block, in both kernels
+constexpr int kVector = 8;            // bf16 elements of one 16-byte load
+constexpr int kPad = 4;               // bytes after each tile row in shared memory, to spread the transposed reads
+constexpr int kAmaxBlocksPerSm = 4;
+
+__device__ __forceinline__ uint32_t abs_bits(__nv_bfloat16 x) {
+  // |x| as float32 bits: non-negative floats order as unsigned integers, and a NaN's bits exceed every number's.
+  return (static_cast<uint32_t>(__bfloat16_as_ushort(x)) << 16) & 0x7FFFFFFFu;
+}
+
+// amax_bits (zeroed before) receives max |x| as float32 bits.
+__global__ void amax_kernel(const __nv_bfloat16* __restrict__ x, int64_t numel, bool vectorized,
+                            uint32_t* __restrict__ amax_bits) {
+  uint32_t local = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (vectorized) {  // numel divisible by kVector and x 16-byte aligned
+    const auto* vectors = reinterpret_cast<const uint4*>(x);
+    for (int64_t v = first; v < numel / kVector; v += stride) {
+      const uint4 packed = vectors[v];
+      const auto* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
+#pragma unroll
+      for (int j = 0; j < kVector; ++j) local = max(local, abs_bits(values[j]));
+    }
+  } else {
+    for (int64_t i = first; i < numel; i += stride) local = max(local, abs_bits(x[i]));
+  }
+  for (int shift = 16; shift > 0; shift /= 2) local = max(local, __shfl_xor_sync(0xFFFFFFFFu, local, shift));
+  __shared__ uint32_t warps[kThreads / 32];
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = local;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) local = max(local, warps[w]);
+    atomicMax(amax_bits, local);
+  }
+}
+
+template <typename Fp8>
+__device__ __forceinline__ uint8_t to_fp8(float value);
+template <>
+__device__ __forceinline__ uint8_t to_fp8<__nv_fp8_e4m3>(float value) {
+  return __nv_cvt_float_to_fp8(value, __NV_SATFINITE, __NV_E4M3);
+}
+template <>
+__device__ __forceinline__ uint8_t to_fp8<__nv_fp8_e5m2>(float value) {
+  return __nv_cvt_float_to_fp8(value, __NV_SATFINITE, __NV_E5M2);
+}
+
+// The scale from the absolute maximum: fp8_max / amax, at most FLT_MAX (an amax near float32's smallest would give
+// infinity), or 1 for an all-zero tensor. A NaN or infinite amax gives a NaN or zero scale, so that a non-finite input
+// stays visible downstream (the training step is then skipped).
+__device__ __forceinline__ float scale_of(uint32_t amax_bits, float fp8_max) {
+  const float amax = __uint_as_float(amax_bits);
+  const float scale = __fdiv_rn(fp8_max, amax);
+  return amax == 0.0f ? 1.0f : scale > FLT_MAX ? FLT_MAX : scale;
+}
+
+// One kTile x kTile tile of x (rows x cols, row-major) per block: q[r][c] = fp8(x[r][c] * scale) and
+// q_t[c][r] = the same byte, each written only where requested (non-null).
+template <typename Fp8>
+__global__ void cast_kernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int64_t cols,
+                            const uint32_t* __restrict__ amax_bits, float fp8_max, uint8_t* __restrict__ q,
+                            uint8_t* __restrict__ q_t, float* __restrict__ scale_inv, bool aligned) {
+  __shared__ uint8_t tile[kTile][kTile + kPad];
+  const float scale = scale_of(*amax_bits, fp8_max);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale_inv = __frcp_rn(scale);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const bool full = aligned && row0 + kTile <= rows && col0 + kTile <= cols;
+  constexpr int kSegments = kTile * kTile / kVector;  // 8-element row segments of a tile
+  for (int s = threadIdx.x; s < kSegments; s += kThreads) {
+    const int r = s / (kTile / kVector), c = (s % (kTile / kVector)) * kVector;
+    const int64_t row = row0 + r, col = col0 + c;
+    alignas(8) uint8_t bytes[kVector];
+    if (full) {
+      const uint4 packed = *reinterpret_cast<const uint4*>(x + row * cols + col);
+      const auto* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
+#pragma unroll
+      for (int j = 0; j < kVector; ++j) bytes[j] = to_fp8<Fp8>(__bfloat162float(values[j]) * scale);
+      if (q != nullptr) *reinterpret_cast<uint2*>(q + row * cols + col) = *reinterpret_cast<const uint2*>(bytes);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVector; ++j) {
+        const bool inside = row < rows && col + j < cols;
+        bytes[j] = inside ? to_fp8<Fp8>(__bfloat162float(x[row * cols + col + j]) * scale) : 0;
+        if (inside && q != nullptr) q[row * cols + col + j] = bytes[j];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kVector; ++j) tile[r][c + j] = bytes[j];
+  }
+  if (q_t == nullptr) return;
+  __syncthreads();
+  // q_t is cols x rows: its row (col0 + c) holds the tile's column c, written kVector bytes at a time.
+  for (int s = threadIdx.x; s < kSegments; s += kThreads) {
+    const int c = s / (kTile / kVector), r = (s % (kTile / kVector)) * kVector;
+    const int64_t out_row = col0 + c, out_col = row0 + r;
+    alignas(8) uint8_t bytes[kVector];
+#pragma unroll
+    for (int j = 0; j < kVector; ++j) bytes[j] = tile[r + j][c];
+    if (full) {
+      *reinterpret_cast<uint2*>(q_t + out_row * rows + out_col) = *reinterpret_cast<const uint2*>(bytes);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVector; ++j) {
+        if (out_row < cols && out_col + j < rows) q_t[out_row * rows + out_col + j] = bytes[j];
+      }
+    }
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, at::ScalarType dtype,
+                                                                 bool rowwise, bool transposed) {
+  TORCH_CHECK(x.is_cuda(), "fastml::quantize_fp8: x must be a CUDA tensor, got one on ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "fastml::quantize_fp8: x must be bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2, "fastml::quantize_fp8: x must be a matrix, got ", x.dim(), " dimensions");
+  TORCH_CHECK(x.is_contiguous(), "fastml::quantize_fp8: x must be contiguous");
+  TORCH_CHECK(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2,
+              "fastml::quantize_fp8: dtype must be float8_e4m3fn or float8_e5m2, got ", dtype);
+  TORCH_CHECK(rowwise || transposed, "fastml::quantize_fp8: ask for the row-major cast, the transposed one or both");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const auto options = x.options().dtype(dtype);
+  at::Tensor q = at::empty({rowwise ? rows : 0, rowwise ? cols : 0}, options);
+  at::Tensor q_t = at::empty({transposed ? cols : 0, transposed ? rows : 0}, options);
+  at::Tensor scale_inv = at::empty({}, x.options().dtype(at::kFloat));
+  at::Tensor amax_bits = at::zeros({}, x.options().dtype(at::kInt));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t numel = x.numel();
+  if (numel == 0) {
+    scale_inv.fill_(1.0);
+    return {q, q_t, scale_inv};
+  }
+  const auto* input = reinterpret_cast<const __nv_bfloat16*>(x.const_data_ptr());
+  auto* amax = reinterpret_cast<uint32_t*>(amax_bits.mutable_data_ptr());
+  const bool vectorized = numel % kVector == 0 && aligned16(input);
+  const int64_t work = vectorized ? numel / kVector : numel;
+  const int64_t most = multiprocessors() *
+                       kAmaxBlocksPerSm;
+  const int amax_blocks = static_cast<int>(std::max<int64_t>(1, std::min((work + kThreads - 1) / kThreads, most)));
+  amax_kernel<<<amax_blocks, kThreads, 0, stream>>>(input, numel, vectorized, amax);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile), static_cast<unsigned>((rows + kTile - 1) / kTile));
+  TORCH_CHECK(grid.y <= 65535, "fastml::quantize_fp8: ", rows, " rows are more than the kernel's grid covers");
+  // Full tiles use 16-byte loads and 8-byte stores: rows (and, transposed, columns) must keep them aligned.
+  const bool aligned = aligned16(input) && cols % kVector == 0 && rows % kVector == 0;
+  auto* out = rowwise ? reinterpret_cast<uint8_t*>(q.mutable_data_ptr()) : nullptr;
+  auto* out_t = transposed ? reinterpret_cast<uint8_t*>(q_t.mutable_data_ptr()) : nullptr;
+  auto* inverse = scale_inv.mutable_data_ptr<float>();
+  if (dtype == at::kFloat8_e4m3fn) {
+    cast_kernel<__nv_fp8_e4m3><<<grid, kThreads, 0, stream>>>(input, rows, cols, amax, 448.0f, out, out_t, inverse,
+                                                             aligned);
+  } else {
+    cast_kernel<__nv_fp8_e5m2><<<grid, kThreads, 0, stream>>>(input, rows, cols, amax, 57344.0f, out, out_t,
+                                                             inverse, aligned);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {q, q_t, scale_inv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastml, m) {
+  m.def("quantize_fp8(Tensor x, ScalarType dtype, bool rowwise, bool transposed) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fastml, CUDA, m) { m.impl("quantize_fp8", &quantize_fp8_cuda); }
+
+}  // namespace fastml

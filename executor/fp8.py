@@ -1,0 +1,115 @@
+"""fp8 matmuls for the blocks' linear layers (knobs.matmul_dtype = "fp8"): the forward pass multiplies e4m3 inputs
+by e4m3 weights, the backward pass e5m2 gradients (more range, less precision) by e4m3 weights and inputs, each
+tensor cast with a scale from its own current absolute maximum just before the cast (csrc/fp8_cuda.cu,
+`torch.ops.fastml.quantize_fp8`), so nothing is ever clipped. The GEMMs are torch._scaled_mm's (cuBLASLt), with bf16
+outputs. Embeddings, the LM head, norms and attention stay bf16.
+
+A converted linear keeps its parameter (so checkpoints, sharding and offload see the same model) and saves for its
+backward pass the fp8 transpose of its input (1 byte an element, not bf16's 2) and the weight itself, which it casts
+again there: a streamed weight is then fetched for backward as any other (offload.py), never kept in fp8 on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from fastml.config import fail
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+MIN_CAPABILITY = (8, 9)
+"""fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) or later."""
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool = True, transposed: bool = False):
+    """(fp8 x or an empty tensor, fp8 x.T contiguous or an empty tensor, the inverse scale) of a bf16 matrix."""
+    return torch.ops.fastml.quantize_fp8(x, dtype, rowwise, transposed)
+
+
+def quantize_reference(x: torch.Tensor, dtype: torch.dtype, rowwise: bool = True, transposed: bool = False):
+    """The op's result in plain torch ops: scale = fp8_max / amax in float32 (1 for an all-zero x, at most float32's
+    largest), x * scale rounded to the nearest fp8, and the inverse 1 / scale."""
+    amax = x.abs().max().float()
+    scale = torch.where(amax == 0, 1.0, torch.tensor(FP8_MAX[dtype], device=x.device) / amax)
+    scale = torch.clamp(scale, max=torch.finfo(torch.float32).max)
+    q = (x.float() * scale).to(dtype)
+    empty = x.new_empty((0, 0), dtype=dtype)
+    return q if rowwise else empty, q.t().contiguous() if transposed else empty, 1 / scale
+
+
+def _quantize_fake(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, transposed: bool):
+    rows, cols = x.shape
+    return (x.new_empty((rows, cols) if rowwise else (0, 0), dtype=dtype),
+            x.new_empty((cols, rows) if transposed else (0, 0), dtype=dtype), x.new_empty((), dtype=torch.float32))
+
+
+@functools.cache
+def register_fakes() -> None:
+    """What the op returns, in shapes and dtypes: torch.compile traces it with this. Once per process, after the
+    op is loaded (native.load_cuda)."""
+    torch.library.register_fake("fastml::quantize_fp8")(_quantize_fake)
+
+
+class FP8Matmul(torch.autograd.Function):
+    """x @ weight.T in fp8, x (..., in) and weight (out, in) bf16; the result bf16."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        xq, xq_t, x_inv = quantize(flat, E4M3, rowwise=True, transposed=weight.requires_grad)
+        wq, _, w_inv = quantize(weight, E4M3)
+        # Fast accumulation only forward, as Transformer Engine: the gradients keep full-precision sums.
+        y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype, use_fast_accum=True)
+        ctx.save_for_backward(xq_t, x_inv, weight)
+        ctx.x_shape = x.shape
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        xq_t, x_inv, weight = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1]).contiguous()
+        gq, gq_t, g_inv = quantize(flat, E5M2, rowwise=True, transposed=True)
+        _, wq_t, w_inv = quantize(weight, E4M3, rowwise=False, transposed=True)
+        # _scaled_mm wants its first operand row-major and its second column-major: the transposes' .t() are.
+        grad_x = torch._scaled_mm(gq, wq_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
+        grad_weight = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=grad.dtype)
+        return grad_x.view(ctx.x_shape), grad_weight
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = FP8Matmul.apply(x, weight)
+    return y if bias is None else y + bias
+
+
+class FP8Linear(nn.Linear):
+    """An nn.Linear that multiplies in fp8. A linear becomes one by a change of class (`convert_to_fp8`), not by a new
+    module: it keeps its parameters and their names, and recompute and compile (apply.py) wrap it as any module."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias)
+
+
+def block_linears(block: nn.Module) -> list[nn.Linear]:
+    return [block.attn.qkv, block.attn.out, block.ffn.gate_up, block.ffn.down]
+
+
+def convert_to_fp8(model: nn.Module) -> None:
+    """Makes every block's linear layers multiply in fp8. One class for all of them, not a forward per module: the
+    compiled blocks (apply.py) then share one graph instead of recompiling for each block's own function."""
+    for block in model.blocks:
+        for linear in block_linears(block):
+            linear.__class__ = FP8Linear
+
+
+def check_fp8(device: torch.device) -> None:
+    """Refuses, with the reason, an fp8 plan on a device without fp8 tensor cores (the plan itself checked that the
+    matmuls' shapes suit them, fastml.plan.fp8_shape_problem)."""
+    if device.type != "cuda":
+        fail("knobs.matmul_dtype", f"'fp8' matmuls run on a GPU with fp8 tensor cores; this run is on {device.type}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        fail("knobs.matmul_dtype", f"'fp8' needs fp8 tensor cores (compute capability 8.9 or later); "
+                                   f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")

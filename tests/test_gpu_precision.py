@@ -1,0 +1,229 @@
+"""On a CUDA GPU: fastml's CUDA ops (csrc/*.cu) against their references, and training with fp8 matmuls and bf16
+optimizer state, alone and composed with recompute, compile and offload."""
+
+import json
+
+import pytest
+import torch
+
+from fastml.executor import cpu_adam, fp8, native
+from fastml.executor.apply import build_training_model
+from fastml.executor.optim import EPS, AdamW
+from fastml.executor.train import train
+from fastml.plan import pinned
+from fastml.planner.planner import make_plan
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_ops():
+    native.load_cuda()
+
+
+def needs_fp8_tensor_cores():
+    if torch.cuda.get_device_capability() < fp8.MIN_CAPABILITY:
+        pytest.skip("needs fp8 tensor cores (compute capability 8.9 or later)")
+
+
+# ---------------------------------------------------------------------------------------------------- quantize
+
+SHAPES = [(256, 512), (2048, 4096), (100, 72), (37, 13), (1, 1), (64, 8)]
+"""Whole 64 x 64 tiles, large ones, partial tiles with aligned rows, rows of odd length, one element, one column of
+tiles."""
+FP8 = [fp8.E4M3, fp8.E5M2]
+RELATIVE = {fp8.E4M3: 2.0**-4, fp8.E5M2: 2.0**-3}
+"""Half an fp8 step relative to the value: e4m3 keeps 3 mantissa bits, e5m2 2."""
+SMALLEST = {fp8.E4M3: 2.0**-9, fp8.E5M2: 2.0**-16}
+"""The smallest subnormal: below it the error is absolute, at most half of it."""
+
+
+def matrix(shape, seed=0, scale=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    # magnitudes over ten decades, so that some elements land among the subnormals
+    x = torch.randn(shape, device="cuda", generator=gen) * 10 ** (torch.rand(shape, device="cuda", generator=gen) * 10 - 8)
+    return (x * scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rowwise, transposed", [(True, False), (False, True), (True, True)])
+def test_quantize_is_its_reference_bit_for_bit(dtype, shape, rowwise, transposed):
+    x = matrix(shape)
+    q, q_t, scale_inv = fp8.quantize(x, dtype, rowwise, transposed)
+    ref_q, ref_q_t, ref_scale_inv = fp8.quantize_reference(x, dtype, rowwise, transposed)
+    assert scale_inv.item() == ref_scale_inv.item()
+    for got, want in ((q, ref_q), (q_t, ref_q_t)):
+        assert got.shape == want.shape and got.dtype == dtype
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+def test_quantize_scale_is_exact_and_nothing_is_clipped(dtype):
+    """The scale is fp8_max / amax of this very tensor: the largest element lands on fp8_max, none beyond it; and the
+    round trip is within half an fp8 step (relative; absolute among the subnormals)."""
+    x = matrix((512, 1024), seed=1, scale=1e3)
+    amax = x.abs().max().float()
+    q, _, scale_inv = fp8.quantize(x, dtype)
+    assert scale_inv.item() == (1 / (fp8.FP8_MAX[dtype] / amax)).item()
+    values = q.float()
+    assert values.abs().max().item() == fp8.FP8_MAX[dtype]
+    assert values.isfinite().all()
+    back = values * scale_inv
+    bound = torch.maximum(RELATIVE[dtype] * x.float().abs(), SMALLEST[dtype] / 2 * scale_inv)
+    assert bool(((back - x.float()).abs() <= bound * (1 + 2**-20)).all())
+
+
+def test_quantize_of_zeros_and_of_a_nan():
+    zeros = torch.zeros(64, 64, device="cuda", dtype=torch.bfloat16)
+    q, _, scale_inv = fp8.quantize(zeros, fp8.E4M3)
+    assert scale_inv.item() == 1.0 and not q.float().any()
+    x = matrix((64, 64))
+    x[3, 5] = float("nan")
+    _, _, scale_inv = fp8.quantize(x, fp8.E4M3)
+    assert scale_inv.isnan().item()  # visible downstream: the step's loss is NaN and the step is skipped
+
+
+def test_quantize_refuses_what_it_cannot_take():
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        fp8.quantize(torch.zeros(8, 8, device="cuda"), fp8.E4M3)
+    with pytest.raises(RuntimeError, match="x must be contiguous"):
+        fp8.quantize(torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16).t(), fp8.E4M3)
+    with pytest.raises(RuntimeError, match="dtype must be float8_e4m3fn or float8_e5m2"):
+        fp8.quantize(torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16), torch.bfloat16)
+
+
+def test_quantize_traces_under_compile():
+    x = matrix((128, 256))
+    compiled = torch.compile(lambda t: fp8.quantize(t, fp8.E4M3, True, True), fullgraph=True)
+    q, q_t, scale_inv = compiled(x)
+    want_q, want_q_t, want_scale_inv = fp8.quantize(x, fp8.E4M3, True, True)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(q_t.view(torch.uint8), want_q_t.view(torch.uint8))
+    assert torch.equal(scale_inv, want_scale_inv)
+
+
+# ---------------------------------------------------------------------------------------------------- fp8 linear
+
+FORWARD_TOLERANCE, BACKWARD_TOLERANCE = 0.08, 0.12
+"""Relative (Frobenius) error of the fp8 matmul against bf16 inputs multiplied in float32. Each operand carries up to
+half an fp8 step of relative error, about a third of it on average (2**-4 / sqrt(3) = 3.6% for e4m3, 7.2% for
+e5m2); the errors of the products are independent, so the result's relative error is about the operands' combined:
+5% forward (e4m3 x e4m3), 8% for the gradients (e5m2 x e4m3)."""
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def test_fp8_linear_matches_bf16_forward_and_backward():
+    needs_fp8_tensor_cores()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4, 256, 1024, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(768, 1024, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(4, 256, 768, device="cuda", generator=gen).to(torch.bfloat16)
+    y = fp8.fp8_linear(x, weight)
+    y.backward(grad)
+    fp8_grads = x.grad, weight.grad
+    x32, w32 = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    y32 = x32 @ w32.t()
+    y32.backward(grad.float())
+    assert y.dtype == torch.bfloat16 and y.shape == y32.shape
+    assert relative_error(y, y32) < FORWARD_TOLERANCE
+    assert relative_error(fp8_grads[0], x32.grad) < BACKWARD_TOLERANCE
+    assert relative_error(fp8_grads[1], w32.grad) < BACKWARD_TOLERANCE
+    # and against the same casts emulated in float32 (quantize_reference): only the GEMMs' summation order differs
+    xq, _, x_inv = fp8.quantize_reference(x.detach().flatten(0, 1), fp8.E4M3)
+    wq, _, w_inv = fp8.quantize_reference(weight.detach(), fp8.E4M3)
+    emulated = (xq.float() * x_inv) @ (wq.float() * w_inv).t()
+    assert relative_error(y.flatten(0, 1), emulated) < 0.01
+
+
+@pytest.mark.parametrize("parts", [(), ("ffn", "attention"), ("block",)])
+def test_compiled_fp8_blocks_share_one_graph(parts):
+    """Every converted block compiles to the same graph: torch.compile guards on the forward it calls, and a forward
+    of each module's own would compile again for every block, to its recompile limit, then run the rest uncompiled."""
+    needs_fp8_tensor_cores()
+    from fastml.executor.apply import apply_plan
+    from fastml.executor.model import build_model, materialize
+    from fastml.plan import Knobs
+    from fastml.spec import PRESETS
+
+    torch._dynamo.reset()
+    model = apply_plan(build_model(PRESETS["tiny"]), Knobs(matmul_dtype="fp8", recompute=parts, compile=True))
+    model = materialize(model, "cuda", torch.bfloat16)
+    tokens = torch.randint(0, 512, (2, 65), device="cuda")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+
+
+# ---------------------------------------------------------------------------------------------------- AdamW op
+
+
+@pytest.mark.parametrize("master_dtype, state_dtype", [(torch.float32, torch.bfloat16),
+                                                       (torch.bfloat16, torch.bfloat16),
+                                                       (torch.bfloat16, torch.float32),
+                                                       (torch.float32, torch.float32)])
+def test_cuda_adamw_is_the_cpu_reference_bit_for_bit(master_dtype, state_dtype):
+    """The same arithmetic (csrc/adamw_math.h), the same random bits: the GPU's step is the CPU reference's."""
+    n = 3 * 65536 + 5
+    gen = torch.Generator().manual_seed(0)
+    master = torch.randn(n, generator=gen).to(master_dtype)
+    m = (torch.randn(n, generator=gen) * 1e-3).to(state_dtype)
+    v = (torch.rand(n, generator=gen) * 1e-5).to(state_dtype)
+    grads = [(torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16) for _ in range(5)]
+    gpu = [t.cuda() for t in (master, m, v)]
+    cpu = [t.clone() for t in (master, m, v)]
+    for step, g in enumerate(grads, start=1):
+        args = (1e-3, 0.9, 0.95, EPS, 0.1, step, 0.5 if step % 2 else 1.0, 40 + step, 11)
+        cpu_adam.adamw_step_(*gpu, g.cuda(), None, *args)
+        cpu_adam.adamw_step_reference_(*cpu, g, None, *args)
+    for name, got, want in zip(["master", "exp_avg", "exp_avg_sq"], gpu, cpu):
+        assert torch.equal(got.cpu(), want), f"{name}: {int((got.cpu() != want).sum())} of {n} differ"
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+
+def gpu_plan(steps, sequences=16, **knobs):
+    plan = make_plan(seq_len=256, global_batch_tokens=256 * sequences, steps=steps, gpus=1,
+                     overrides=pinned(**knobs)).plan
+    assert plan.hardware.device == "cuda"
+    return plan
+
+
+def losses(tmp_path, name, steps=30, **knobs):
+    train(gpu_plan(steps, **knobs), log_json=tmp_path / name, show_progress=False)
+    return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def bf16_losses(tmp_path_factory):
+    return losses(tmp_path_factory.mktemp("bf16"), "log.jsonl", micro_batch_size=4)
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(matmul_dtype="fp8"),
+    dict(optimizer_dtype="bf16", master_dtype="bf16"),
+    dict(matmul_dtype="fp8", optimizer_dtype="bf16", master_dtype="bf16", recompute=("ffn", "attention"),
+         compile=True),
+    dict(matmul_dtype="fp8", recompute=("block",), offload_weights=1.0, offload_gradients=1.0,
+         offload_optimizer=0.5, optimizer_dtype="bf16"),
+], ids=["fp8", "bf16-state", "fp8+bf16-state+recompute+compile", "fp8+offload+bf16-state"])
+def test_lower_precision_trains_like_bf16(tmp_path, bf16_losses, knobs):
+    got = losses(tmp_path, "log.jsonl", micro_batch_size=4, **knobs)
+    assert got[0] == pytest.approx(bf16_losses[0], rel=0.01)
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    assert mean(got[-5:]) <= 0.9 * mean(got[:5])
+    assert mean(got[-5:]) == pytest.approx(mean(bf16_losses[-5:]), rel=0.03)
+
+
+def test_bf16_state_lives_in_bf16_on_the_gpu():
+    plan = gpu_plan(1, micro_batch_size=4, optimizer_dtype="bf16", master_dtype="bf16")
+    model = build_training_model(plan, torch.device("cuda"))
+    optimizer = AdamW(model, plan.training, plan.knobs, model.offload)
+    for p in model.parameters():
+        state = optimizer.state[p]
+        assert "master" not in state  # the bf16 weights are the masters
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16 and state["exp_avg"].is_cuda
