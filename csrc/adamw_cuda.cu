@@ -13,16 +13,10 @@
 #include <optional>
 
 #include "adamw_op.h"
+#include "cuda_util.h"
 
 namespace fastml {
 namespace {
-
-int64_t multiprocessors() {
-  int device = 0, count = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
-}
 
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
@@ -46,10 +40,6 @@ void adamw_step_cuda(const at::Tensor& master, const at::Tensor& exp_avg, const 
                    grad_scale, seed, offset, c10::DeviceType::CUDA, "a CUDA tensor");
   const StepConstants constants = checked.first;  // named: a lambda cannot capture structured bindings in C++17
   const StepBuffers buffers = checked.second;
-  for (const auto& [t, name] : named_tensors(master, exp_avg, exp_avg_sq, grad, weight_out)) {
-    TORCH_CHECK(t.device() == master.device(), "fastml::adamw_step_: ", name, " is on ", t.device(),
-                ", master on ", master.device());
-  }
   const int64_t numel = master.numel();
   if (numel == 0) return;
   const c10::cuda::CUDAGuard guard(master.device());

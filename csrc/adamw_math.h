@@ -1,9 +1,9 @@
 // One AdamW step of one element, shared by the CPU op (cpu_adam.cpp) and the GPU one (adamw_cuda.cu), so that both
 // compute the same bits: torch.optim.AdamW's single-tensor step, op for op and rounding for rounding as torch's
 // vectorised CPU kernels round (adamw_step_reference_ in executor/cpu_adam.py is the reference beside them). Each
-// operation is rounded on its own (the CPU build has -ffp-contract=off, the GPU one --fmad=false) but for the two
-// fused multiply-adds written here, those of torch's vectorised lerp and addcmul. The square root and the division
-// are the correctly rounded ones on both.
+// operation is rounded on its own (both builds have -ffp-contract=off for host code, the GPU's --fmad=false for device
+// code) but for the two fused multiply-adds written here, those of torch's vectorised lerp and addcmul. The square
+// root and the division are the correctly rounded ones on both. (A NaN's payload may differ; a bf16 NaN is 0x7FC0.)
 //
 // Each of master, exp_avg and exp_avg_sq is float32 or bfloat16. A bfloat16 one is written with stochastic
 // rounding: the float32 result rounds up with probability equal to how far it lies towards the next bfloat16, so that
@@ -38,7 +38,7 @@ struct StepConstants {
   float eps;
   float neg_step_size;  // master.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
   float grad_scale;
-  uint32_t key;  // the stochastic rounding's seed, mixed (`rounding_key`)
+  uint32_t key_low, key_high;  // the stochastic rounding's 64-bit seed, mixed (`rounding_keys`)
   uint64_t offset;  // index of the first element in the whole parameter: a slice draws what the whole would
 };
 
@@ -58,14 +58,17 @@ FASTML_HD uint32_t mix32(uint32_t x) {
   return x;
 }
 
-inline uint32_t rounding_key(int64_t seed) {
+// Two 32-bit keys from the 64-bit seed, each depending on all of it: two seeds draw alike only if both keys match.
+inline void rounding_keys(int64_t seed, uint32_t* low, uint32_t* high) {
   const uint64_t s = static_cast<uint64_t>(seed);
-  return mix32(static_cast<uint32_t>(s) ^ mix32(static_cast<uint32_t>(s >> 32)));
+  const uint32_t a = static_cast<uint32_t>(s), b = static_cast<uint32_t>(s >> 32);
+  *low = mix32(a ^ mix32(b));
+  *high = mix32(b ^ mix32(a + UINT32_C(0x9E3779B9)));
 }
 
-// 32 random bits for element `index` under `key`; a second word, for the third tensor, is mix32 of the first.
-FASTML_HD uint32_t random_bits(uint32_t key, uint64_t index) {
-  return mix32(mix32(static_cast<uint32_t>(index) ^ key) + key);
+// 32 random bits for element `index` under the keys; a second word, for the third tensor, is mix32 of the first.
+FASTML_HD uint32_t random_bits(uint32_t key_low, uint32_t key_high, uint64_t index) {
+  return mix32(mix32(static_cast<uint32_t>(index) ^ key_low) + key_high);
 }
 
 // --- bfloat16, as its bits ------------------------------------------------------------------------------------------
@@ -151,7 +154,7 @@ FASTML_HD void step_element(const StepConstants c, Master* __restrict__ master, 
   const float denom = square_root(v) / c.bias_correction2_sqrt + c.eps;
   const float updated = decayed + c.neg_step_size * m / denom;
   // Unused (and so not computed) where all three are float32.
-  const uint32_t bits = random_bits(c.key, c.offset + static_cast<uint64_t>(i));
+  const uint32_t bits = random_bits(c.key_low, c.key_high, c.offset + static_cast<uint64_t>(i));
   store_rounded(exp_avg, i, m, bits >> 16);
   store_rounded(exp_avg_sq, i, v, mix32(bits));
   store_rounded(master, i, updated, bits);
@@ -173,7 +176,7 @@ inline StepConstants step_constants(double lr, double beta1, double beta2, doubl
   c.eps = static_cast<float>(eps);
   c.neg_step_size = static_cast<float>(-(lr / (1.0 - std::pow(beta1, steps))));
   c.grad_scale = static_cast<float>(grad_scale);
-  c.key = rounding_key(seed);
+  rounding_keys(seed, &c.key_low, &c.key_high);
   c.offset = static_cast<uint64_t>(offset);
   return c;
 }

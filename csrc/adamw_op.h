@@ -43,6 +43,8 @@ inline void check_tensors(const std::vector<NamedTensor>& tensors, c10::DeviceTy
     TORCH_CHECK(t.is_contiguous(), "fastml::adamw_step_: ", name, " must be contiguous");
     TORCH_CHECK(t.numel() == numel, "fastml::adamw_step_: ", name, " has ", t.numel(), " elements, master has ",
                 numel);
+    TORCH_CHECK(t.device() == tensors.front().tensor.device(), "fastml::adamw_step_: ", name, " is on ", t.device(),
+                ", master on ", tensors.front().tensor.device());
   }
   TORCH_CHECK(tensors[1].tensor.scalar_type() == tensors[2].tensor.scalar_type(),
               "fastml::adamw_step_: exp_avg and exp_avg_sq must have one dtype, got ", tensors[1].tensor.scalar_type(),

@@ -22,15 +22,10 @@
 #include <cstdint>
 #include <tuple>
 
+#include "cuda_util.h"
+
 namespace fastml {
 namespace {
-
-int64_t multiprocessors() {
-  int device = 0, count = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
-}
 
 constexpr int kTile = 64;             // a cast block's tile: kTile x kTile elements
 constexpr int kThreads = 256;         // threads of a block, in both kernels

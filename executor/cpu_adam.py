@@ -49,7 +49,7 @@ def adamw_step_reference_(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_s
     bias_correction2 = 1 - beta2**step
     denom = (_sqrt(v) / bias_correction2**0.5).add_(eps)
     w.addcdiv_(m, denom, value=-(lr / bias_correction1))
-    bits = random_bits(rounding_key(seed), offset + torch.arange(master.numel(), device=master.device))
+    bits = random_bits(*rounding_keys(seed), offset + torch.arange(master.numel(), device=master.device))
     for target, value, random16 in ((exp_avg, m, bits >> 16), (exp_avg_sq, v, mix32(bits)), (master, w, bits)):
         if target.dtype == torch.bfloat16:
             target.copy_(bf16_stochastic(value, random16).view(target.shape))
@@ -67,14 +67,16 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def rounding_key(seed: int) -> int:
+def rounding_keys(seed: int) -> tuple[int, int]:
+    """The two 32-bit keys of a 64-bit seed, each depending on all of it."""
     s = seed & 0xFFFFFFFFFFFFFFFF
-    return mix32((s & M32) ^ mix32(s >> 32))
+    a, b = s & M32, s >> 32
+    return mix32(a ^ mix32(b)), mix32(b ^ mix32((a + 0x9E3779B9) & M32))
 
 
-def random_bits(key: int, index: torch.Tensor) -> torch.Tensor:
-    """The 32 random bits of each element `index` (int64) under `key`, as int64."""
-    return mix32((mix32((index & M32) ^ key) + key) & M32)
+def random_bits(key_low: int, key_high: int, index: torch.Tensor) -> torch.Tensor:
+    """The 32 random bits of each element `index` (int64) under the keys, as int64."""
+    return mix32((mix32((index & M32) ^ key_low) + key_high) & M32)
 
 
 def bf16_stochastic(value: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,7 @@ class FP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        flat = x.reshape(-1, x.shape[-1]).contiguous()  # a copy only where x is a strided view
         xq, xq_t, x_inv = quantize(flat, E4M3, rowwise=True, transposed=weight.requires_grad)
         wq, _, w_inv = quantize(weight, E4M3)
         # Fast accumulation only forward, as Transformer Engine: the gradients keep full-precision sums.
@@ -70,13 +70,18 @@ class FP8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         xq_t, x_inv, weight = ctx.saved_tensors
+        needs_x, needs_weight = ctx.needs_input_grad
         flat = grad.reshape(-1, grad.shape[-1]).contiguous()
-        gq, gq_t, g_inv = quantize(flat, E5M2, rowwise=True, transposed=True)
-        _, wq_t, w_inv = quantize(weight, E4M3, rowwise=False, transposed=True)
+        gq, gq_t, g_inv = quantize(flat, E5M2, rowwise=needs_x, transposed=needs_weight)
         # _scaled_mm wants its first operand row-major and its second column-major: the transposes' .t() are.
-        grad_x = torch._scaled_mm(gq, wq_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
-        grad_weight = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=grad.dtype)
-        return grad_x.view(ctx.x_shape), grad_weight
+        grad_x = grad_weight = None
+        if needs_x:
+            _, wq_t, w_inv = quantize(weight, E4M3, rowwise=False, transposed=True)
+            grad_x = torch._scaled_mm(gq, wq_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
+            grad_x = grad_x.view(ctx.x_shape)
+        if needs_weight:
+            grad_weight = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=grad.dtype)
+        return grad_x, grad_weight
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

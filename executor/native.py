@@ -102,10 +102,12 @@ def sources(library: Library = CPU_OPS) -> list[Path]:
 
 def _cflags(library: Library = CPU_OPS) -> list[str]:
     if library is CUDA_OPS:
-        # Built for this GPU's architecture only: fp8 conversions need sm_89 or later to be native. --fmad=false as
-        # -ffp-contract=off below: the AdamW step's bits are the CPU op's.
+        # Built for this GPU's architecture only: fp8 conversions need sm_89 or later to be native. --fmad=false for
+        # the device code and -ffp-contract=off for the host code (the step's constants), as the C++ ops are built:
+        # the AdamW step's bits are the CPU op's.
         major, minor = torch.cuda.get_device_capability()
-        return ["-O3", "--fmad=false", f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+        return ["-O3", "--fmad=false", "-Xcompiler", "-ffp-contract=off",
+                f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
     # No -march=native: a cached build would crash with an illegal instruction on an older CPU sharing the cache (a
     # home directory on NFS); the source picks the ISA at load time instead (target_clones). -ffp-contract=off keeps
     # each operation rounded on its own, but for the fused multiply-adds the source asks for (those of torch's
@@ -136,8 +138,10 @@ def _build(library: Library, build_dir: Path, verbose: bool) -> None:
     from torch.utils import cpp_extension  # imported here: it takes a while and a cached load does not need it
 
     flags = _cflags(library)
-    compiler_flags = dict(extra_cuda_cflags=flags, extra_cflags=["-O3"]) if library is CUDA_OPS else \
-        dict(extra_cflags=flags, extra_ldflags=[f for f in flags if "openmp" in f])
+    if library is CUDA_OPS:
+        compiler_flags = dict(extra_cuda_cflags=flags, extra_cflags=["-O3", "-ffp-contract=off"])
+    else:
+        compiler_flags = dict(extra_cflags=flags, extra_ldflags=[f for f in flags if "openmp" in f])
     try:
         cpp_extension.load(library.name, [str(p) for p in sources(library)], build_directory=str(build_dir),
                            extra_include_paths=[str(CSRC)], is_python_module=False, verbose=verbose,

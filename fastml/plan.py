@@ -313,8 +313,9 @@ class Plan:
             fail("training.global_batch_tokens",
                  f"{t.global_batch_tokens} must equal micro_batch_size {k.micro_batch_size} x grad_accum_steps "
                  f"{k.grad_accum_steps} x seq_len {t.seq_len} x num_gpus {self.hardware.num_gpus} = {tokens}")
-        if k.matmul_dtype == "fp8" and fp8_shape_problem(self.model, k.micro_batch_size * t.seq_len):
-            fail("knobs.matmul_dtype", fp8_shape_problem(self.model, k.micro_batch_size * t.seq_len))
+        problem = fp8_shape_problem(self.model, k.micro_batch_size * t.seq_len) if k.matmul_dtype == "fp8" else ""
+        if problem:
+            fail("knobs.matmul_dtype", problem)
 
     def to_json(self) -> str:
         return json.dumps(to_dict(self), indent=2) + "\n"

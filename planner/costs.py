@@ -172,6 +172,8 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
     gpu = machine.gpu
     t = knobs.micro_batch_size * seq_len
     dtype = knobs.matmul_dtype
+    # fp8 is the blocks' linear layers' alone: attention and the LM head stay bf16 (executor/fp8.py)
+    other_dtype = "bf16" if dtype == "fp8" else dtype
 
     def gemms(*names: str) -> float:
         shapes = layer_gemms(spec, t)
@@ -181,7 +183,8 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
         return num_bytes / gpu.hbm_bytes_per_s
 
     flops = layer_flops(spec, knobs.micro_batch_size, seq_len)
-    attention = _attention_s(flops["forward.attention"], spec, knobs.micro_batch_size, seq_len, machine, dtype)
+    attention = _attention_s(flops["forward.attention"], spec, knobs.micro_batch_size, seq_len, machine,
+                             other_dtype)
     elementwise = hbm(_elementwise_elements(spec, knobs.compile) * t * activation_bytes(knobs))
     block = gemms("qkv", "out", "gate_up", "down")
     quantize_forward, quantize_backward = (hbm(b) for b in fp8_cast_bytes(spec, t)) if dtype == "fp8" else (0, 0)
@@ -189,7 +192,7 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
     backward = 2 * block + ATTENTION_BACKWARD_FACTOR * attention + 2 * elementwise + quantize_backward
     recompute = _recompute_s(knobs.recompute, forward, gemms("gate_up", "down"), gemms("qkv"), attention,
                              elementwise)
-    head = head_gemm_passes(knobs.lm_head_chunks) * gpu.gemm_seconds(t, *spec.lm_head_shape(), dtype)
+    head = head_gemm_passes(knobs.lm_head_chunks) * gpu.gemm_seconds(t, *spec.lm_head_shape(), other_dtype)
     # Every (tokens x vocab) tensor of the loss is written once and read once (memory.loss_tensor_bytes).
     head += hbm(2 * sum(loss_tensor_bytes(knobs).values()) * t * spec.vocab_size)
 

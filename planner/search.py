@@ -65,7 +65,9 @@ def knob_space(problem: Problem, lower_precision: bool) -> dict[str, tuple]:
     space = {"micro_batch_size": micro_batch_choices(problem)}
     for name, info in KNOBS.items():
         choices = info.choices
-        if name == "matmul_dtype":  # fp8 where the GPU has fp8 tensor cores and the matmuls' shapes suit them
+        # fp8 where the GPU has fp8 tensor cores and the matmuls' shapes suit them at every micro-batch (a sequence
+        # length that is a multiple of 16 makes every micro-batch's tokens one)
+        if name == "matmul_dtype":
             choices = tuple(c for c in choices if c in problem.machine.gpu.peak_flops and not (
                 c == "fp8" and fp8_shape_problem(problem.spec, problem.seq_len)))
         if name == "comm" and problem.machine.num_nodes > 1:  # host-routed copies stay within a node

@@ -29,9 +29,9 @@ def needs_fp8_tensor_cores():
 
 # ---------------------------------------------------------------------------------------------------- quantize
 
-SHAPES = [(256, 512), (2048, 4096), (100, 72), (37, 13), (1, 1), (64, 8)]
-"""Whole 64 x 64 tiles, large ones, partial tiles with aligned rows, rows of odd length, one element, one column of
-tiles."""
+SHAPES = [(256, 512), (2048, 4096), (136, 200), (100, 72), (37, 13), (1, 1), (64, 8)]
+"""Whole 64 x 64 tiles, large ones, whole tiles beside partial ones, partial tiles only, rows of odd length, one
+element, one column of tiles."""
 FP8 = [fp8.E4M3, fp8.E5M2]
 RELATIVE = {fp8.E4M3: 2.0**-4, fp8.E5M2: 2.0**-3}
 """Half an fp8 step relative to the value: e4m3 keeps 3 mantissa bits, e5m2 2."""
@@ -56,6 +56,16 @@ def test_quantize_is_its_reference_bit_for_bit(dtype, shape, rowwise, transposed
     assert scale_inv.item() == ref_scale_inv.item()
     for got, want in ((q, ref_q), (q_t, ref_q_t)):
         assert got.shape == want.shape and got.dtype == dtype
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+def test_quantize_of_a_matrix_that_starts_off_alignment():
+    """A matrix whose storage starts 2 bytes past a 16-byte boundary takes the kernels' element-wise paths."""
+    storage = torch.empty(128 * 128 + 1, device="cuda", dtype=torch.bfloat16)
+    x = storage[1:].view(128, 128).copy_(matrix((128, 128)))
+    assert x.is_contiguous() and x.data_ptr() % 16 == 2
+    for got, want in zip(fp8.quantize(x, fp8.E4M3, True, True), fp8.quantize_reference(x, fp8.E4M3, True, True)):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
@@ -140,6 +150,14 @@ def test_fp8_linear_matches_bf16_forward_and_backward():
     assert relative_error(y.flatten(0, 1), emulated) < 0.01
 
 
+def test_fp8_linear_with_a_frozen_weight_makes_only_the_input_gradient():
+    needs_fp8_tensor_cores()
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16) * 0.02
+    fp8.fp8_linear(x, weight).sum().backward()
+    assert relative_error(x.grad, weight.float().sum(0).expand(256, -1)) < BACKWARD_TOLERANCE
+
+
 @pytest.mark.parametrize("parts", [(), ("ffn", "attention"), ("block",)])
 def test_compiled_fp8_blocks_share_one_graph(parts):
     """Every converted block compiles to the same graph: torch.compile guards on the forward it calls, and a forward
@@ -161,26 +179,30 @@ def test_compiled_fp8_blocks_share_one_graph(parts):
 # ---------------------------------------------------------------------------------------------------- AdamW op
 
 
-@pytest.mark.parametrize("master_dtype, state_dtype", [(torch.float32, torch.bfloat16),
-                                                       (torch.bfloat16, torch.bfloat16),
-                                                       (torch.bfloat16, torch.float32),
-                                                       (torch.float32, torch.float32)])
-def test_cuda_adamw_is_the_cpu_reference_bit_for_bit(master_dtype, state_dtype):
-    """The same arithmetic (csrc/adamw_math.h), the same random bits: the GPU's step is the CPU reference's."""
+@pytest.mark.parametrize("master_dtype, state_dtype, out_dtype", [
+    (torch.float32, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.bfloat16, None),
+    (torch.bfloat16, torch.float32, None), (torch.float32, torch.float32, torch.bfloat16),
+    (torch.float32, torch.float32, None)])
+@pytest.mark.parametrize("beta1", [0.9, 0.3])  # the two formulas of torch's lerp
+def test_cuda_adamw_is_the_cpu_op_bit_for_bit(master_dtype, state_dtype, out_dtype, beta1):
+    """The same arithmetic (csrc/adamw_math.h), the same random bits: the GPU's step is the C++ CPU op's, bit for
+    bit, the weight it writes beside fp32 masters too."""
     n = 3 * 65536 + 5
     gen = torch.Generator().manual_seed(0)
     master = torch.randn(n, generator=gen).to(master_dtype)
     m = (torch.randn(n, generator=gen) * 1e-3).to(state_dtype)
     v = (torch.rand(n, generator=gen) * 1e-5).to(state_dtype)
+    out = torch.zeros(n, dtype=out_dtype) if out_dtype else None
     grads = [(torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16) for _ in range(5)]
-    gpu = [t.cuda() for t in (master, m, v)]
-    cpu = [t.clone() for t in (master, m, v)]
+    gpu = [t.cuda() if t is not None else None for t in (master, m, v, out)]
+    cpu = [t.clone() if t is not None else None for t in (master, m, v, out)]
     for step, g in enumerate(grads, start=1):
-        args = (1e-3, 0.9, 0.95, EPS, 0.1, step, 0.5 if step % 2 else 1.0, 40 + step, 11)
-        cpu_adam.adamw_step_(*gpu, g.cuda(), None, *args)
-        cpu_adam.adamw_step_reference_(*cpu, g, None, *args)
-    for name, got, want in zip(["master", "exp_avg", "exp_avg_sq"], gpu, cpu):
-        assert torch.equal(got.cpu(), want), f"{name}: {int((got.cpu() != want).sum())} of {n} differ"
+        args = (1e-3, beta1, 0.95, EPS, 0.1, step, 0.5 if step % 2 else 1.0, 40 + step, 11)
+        cpu_adam.adamw_step_(*gpu[:3], g.cuda(), gpu[3], *args)
+        cpu_adam.adamw_step_(*cpu[:3], g, cpu[3], *args)
+    for name, got, want in zip(["master", "exp_avg", "exp_avg_sq", "weight_out"], gpu, cpu):
+        if want is not None:
+            assert torch.equal(got.cpu(), want), f"{name}: {int((got.cpu() != want).sum())} of {n} differ"
 
 
 # ---------------------------------------------------------------------------------------------------- training

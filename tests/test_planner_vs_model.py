@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from fastml.executor import native
 from fastml.executor.apply import apply_recompute
-from fastml.executor.fp8 import convert_to_fp8
+from fastml.executor.fp8 import MIN_CAPABILITY, convert_to_fp8
 from fastml.executor.model import Transformer, _lm_loss_sum, build_model, rotary_tables
 from fastml.plan import KNOBS, Knobs
 from fastml.planner.costs import ATTENTION_BACKWARD_FACTOR, head_flops, layer_flops, layer_gemms
@@ -282,7 +282,7 @@ def test_on_cuda_saved_bytes_match_the_planner(name, parts, matmul_dtype):
     """bf16 on CUDA, as a GPU run trains: fused rms_norm, fused attention (cuDNN's on an H200 with torch 2.11).
     Measured there on 2026-11-30: equal to the planner's count but for 16 bytes, the attention kernel's random
     seed and offset (two int64 scalars). fp8 linears add four float32 inverse scales."""
-    if matmul_dtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+    if matmul_dtype == "fp8" and torch.cuda.get_device_capability() < MIN_CAPABILITY:
         pytest.skip("needs fp8 tensor cores (compute capability 8.9 or later)")
     block, inputs = cuda_block(name, parts, matmul_dtype)
     kept = block_saved_bytes(block, inputs)

@@ -1,7 +1,7 @@
 """Lower-precision optimizer state on a CPU: bf16 Adam moments and bf16 master weights (knobs.optimizer_dtype,
-knobs.master_dtype), stepped by fastml's op with stochastic rounding. They train close to fp32 state, halve the
-optimizer's memory, and resume bit for bit (the rounding's random bits come from the seed, not a generator's state).
-tests/test_gpu.py runs the same on a GPU, and fp8 matmuls, which need one."""
+knobs.master_dtype), stepped by fastml's op with stochastic rounding. They train close to fp32 state, keep a third
+of the optimizer's memory, and resume bit for bit (the rounding's random bits come from the seed, not a generator's
+state). tests/test_gpu_precision.py trains with them on a GPU, and with fp8 matmuls, which need one."""
 
 import json
 
@@ -44,7 +44,7 @@ def test_bf16_optimizer_state_trains_like_fp32_state(tmp_path, fp32_losses, knob
     assert losses != fp32_losses  # and it is another arithmetic
 
 
-def test_bf16_state_halves_the_optimizer_memory():
+def test_bf16_state_keeps_a_third_of_the_optimizer_memory():
     sizes = {}
     for name, knobs in (("fp32", {}), ("bf16", LOWER)):
         plan = cpu_plan(**knobs)
