@@ -18,10 +18,18 @@
 #include <cstring>
 #include <type_traits>
 
+// Everything here is inlined into its caller: the CPU op's loop must be compiled inside the function GCC clones for
+// each ISA level (cpu_adam.cpp, target_clones). A call out of it, to an element's step that GCC chose not to inline,
+// compiled that step for the baseline ISA, one element per call and fma from libm: ten times slower.
 #if defined(__CUDACC__)
 #define FASTML_HD __host__ __device__ __forceinline__
+#define FASTML_DISPATCH inline
+#elif defined(__GNUC__)
+#define FASTML_HD inline __attribute__((always_inline))
+#define FASTML_DISPATCH inline __attribute__((always_inline))
 #else
 #define FASTML_HD inline
+#define FASTML_DISPATCH inline
 #endif
 
 namespace fastml {
@@ -191,7 +199,7 @@ struct StepKinds {
 };
 
 template <bool kLerpFromEnd, typename Master, typename State, typename Grad, typename Run>
-void with_out(Kind out, Run&& run) {
+FASTML_DISPATCH void with_out(Kind out, Run&& run) {
   const std::integral_constant<bool, kLerpFromEnd> lerp;
   if constexpr (std::is_same_v<Master, float>) {  // bf16 masters are the weights themselves: no output
     if (out == Kind::kFloat) return run(lerp, (Master*)nullptr, (State*)nullptr, (const Grad*)nullptr, (float*)nullptr);
@@ -203,13 +211,13 @@ void with_out(Kind out, Run&& run) {
 }
 
 template <bool kLerpFromEnd, typename Master, typename State, typename Run>
-void with_grad(const StepKinds& k, Run&& run) {
+FASTML_DISPATCH void with_grad(const StepKinds& k, Run&& run) {
   if (k.grad == Kind::kBFloat16) with_out<kLerpFromEnd, Master, State, uint16_t>(k.out, run);
   else with_out<kLerpFromEnd, Master, State, float>(k.out, run);
 }
 
 template <bool kLerpFromEnd, typename Run>
-void with_master(const StepKinds& k, Run&& run) {
+FASTML_DISPATCH void with_master(const StepKinds& k, Run&& run) {
   const bool bf16_state = k.state == Kind::kBFloat16;
   if (k.master == Kind::kBFloat16) {
     if (bf16_state) with_grad<kLerpFromEnd, uint16_t, uint16_t>(k, run);
@@ -222,7 +230,7 @@ void with_master(const StepKinds& k, Run&& run) {
 }
 
 template <typename Run>
-void dispatch_step(const StepConstants& c, const StepKinds& k, Run&& run) {
+FASTML_DISPATCH void dispatch_step(const StepConstants& c, const StepKinds& k, Run&& run) {
   if (c.lerp_from_end) with_master<true>(k, run);
   else with_master<false>(k, run);
 }

@@ -44,7 +44,8 @@ C10_ALWAYS_INLINE void step_range(const StepConstants c, Master* __restrict__ ma
 
 // One clone per ISA level; each instantiation's loop is vectorised on its own.
 FASTML_ISA_CLONES void step_chunk(const StepConstants& c, const StepBuffers& b, int64_t begin, int64_t end) {
-  dispatch_step(c, b.kinds, [&](auto lerp_from_end, auto* master, auto* state, auto* grad, auto* out) {
+  dispatch_step(c, b.kinds, [&](auto lerp_from_end, auto* master, auto* state, auto* grad, auto* out)
+                                C10_ALWAYS_INLINE_ATTRIBUTE {
     step_range<decltype(lerp_from_end)::value>(
         c, static_cast<decltype(master)>(b.master), static_cast<decltype(state)>(b.exp_avg),
         static_cast<decltype(state)>(b.exp_avg_sq), static_cast<decltype(grad)>(b.grad),
