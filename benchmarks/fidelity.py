@@ -2,7 +2,7 @@
 of runs fitted by `fastml calibrate`, then a different set scored: predicted against measured step time and peak GPU
 memory, plans pinned and plans the planner chose itself, and a grid of neighbours around one of its choices.
 
-    python benchmarks/fidelity.py run [--parts calibrate,planner,pinned,grid] [--out DIR] [--deadline S]  # the GPU
+    python benchmarks/fidelity.py run [--parts calibrate,planner,pinned,grid,lower] [--out DIR] [--deadline S]  # GPU
     python benchmarks/fidelity.py score [--gemm-shapes-from PROFILE]   # anywhere: the table, its errors, the plot
 
 `run` writes into DIR (default benchmarks/results) `fidelity-runs-<gpu>.jsonl`, one line per run as it ends, and
@@ -10,7 +10,8 @@ memory, plans pinned and plans the planner chose itself, and a grid of neighbour
 which the planner's and the pinned runs are planned with). Runs already in DIR's file are not run again, so that
 the benchmark can be spread over several calls of a limited length (`--deadline`). Each run is its own `fastml run`
 process, so that its cap, pinned memory and peak are its own. `score` re-predicts every run with this code and the
-calibration fitted to the calibration set alone, and writes `fidelity.json` and `fidelity.png`.
+calibration fitted to the calibration set alone, and writes `fidelity.json` and `fidelity.png`. The `lower` part
+holds pinned plans with fp8 matmuls and bf16 optimizer state (scored with the pinned ones).
 """
 
 from __future__ import annotations
@@ -101,8 +102,23 @@ PINNED = [
     Case("s-7b-s1024-mb4-block", "llama-2-7b", 1024, 16, pin(micro_batch_size=4, recompute=["block"], compile=True)),
 ]
 
+LOWER_PRECISION = [  # fp8 matmuls and bf16 optimizer state (stochastic rounding), pinned
+    Case("l-8b-s2048-mb4-fp8-bf16state", "llama-3.1-8b", 2048, 16,
+         pin(micro_batch_size=4, lm_head_chunks=4, compile=True, matmul_dtype="fp8", optimizer_dtype="bf16",
+             master_dtype="bf16")),
+    Case("l-8b-s2048-mb4-bf16state", "llama-3.1-8b", 2048, 16,
+         pin(micro_batch_size=4, lm_head_chunks=4, compile=True, optimizer_dtype="bf16", master_dtype="bf16")),
+    Case("l-1.1b-s2048-mb16-fp8", "tinyllama-1.1b", 2048, 32, pin(micro_batch_size=16, compile=True,
+                                                                  matmul_dtype="fp8")),
+    Case("l-3b-s2048-mb4-fp8-block", "llama-3.2-3b", 2048, 16,
+         pin(micro_batch_size=4, recompute=["block"], compile=True, matmul_dtype="fp8")),
+    Case("l-0.5b-s2048-mb8-fp8", "qwen2.5-0.5b", 2048, 32, pin(micro_batch_size=8, compile=True, matmul_dtype="fp8")),
+    Case("l-1b-s2048-mb8-bf16state-cpu-adam", "llama-3.2-1b", 2048, 16,
+         pin(micro_batch_size=8, offload_optimizer=0.5, optimizer_dtype="bf16")),
+]
+
 GRID_CENTRES = ("p-1.1b-s2048",)
-SETS = {"calibrate": CALIBRATION, "planner": PLANNER, "pinned": PINNED}
+SETS = {"calibrate": CALIBRATION, "planner": PLANNER, "pinned": PINNED, "lower": LOWER_PRECISION}
 PARTS = (*SETS, "grid")
 RUN_TIMEOUT_S = 240
 """One run's limit: a hung run is a finding, and the benchmark goes on."""

@@ -24,7 +24,7 @@ from fastml.executor.world import SINGLE, World
 
 def uses_cuda_ops(knobs: Knobs) -> bool:
     """Whether a GPU run of these knobs calls fastml's CUDA ops: fp8 casts, or the AdamW of bf16 masters or moments."""
-    return knobs.matmul_dtype == "fp8" or "bf16" in (knobs.optimizer_dtype, knobs.master_dtype)
+    return knobs.matmul_dtype == "fp8" or knobs.stochastic_rounding
 
 
 def build_training_model(plan: Plan, device: torch.device, world: World = SINGLE, comm=None) -> Transformer:

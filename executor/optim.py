@@ -65,9 +65,7 @@ class AdamW(torch.optim.Optimizer):
             cpu_adam.load()  # built now, before training starts, if this machine has not built it yet
         self.crosses_pcie = bool(cpu_steps or host_masters)
         master_dtype, state_dtype = DTYPES[knobs.master_dtype], DTYPES[knobs.optimizer_dtype]
-        weight_dtype = next(model.parameters()).dtype
-        # The masters are bf16 only where the weights are (fp32 weights are their own fp32 masters).
-        self.stochastic = torch.bfloat16 in (state_dtype, master_dtype if weight_dtype == torch.bfloat16 else None)
+        self.stochastic = knobs.stochastic_rounding
         if self.stochastic and self.device.type == "cuda":
             native.load_cuda()
         for group in self.param_groups:

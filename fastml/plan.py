@@ -127,6 +127,12 @@ class Knobs:
     """The LM head and loss run over this many slices of the tokens, so the full logits never exist at once."""
     compile: bool = False
 
+    @property
+    def stochastic_rounding(self) -> bool:
+        """Whether the optimizer keeps bf16 masters or moments, which fastml's AdamW op writes with stochastic
+        rounding (bf16 masters go with bf16 parameters only: see below)."""
+        return "bf16" in (self.optimizer_dtype, self.master_dtype)
+
     def __post_init__(self) -> None:
         check_range("knobs.micro_batch_size", self.micro_batch_size, 1, MAX_MICRO_BATCH_SIZE)
         check_range("knobs.grad_accum_steps", self.grad_accum_steps, 1, MAX_GLOBAL_BATCH_TOKENS)

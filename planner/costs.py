@@ -135,12 +135,14 @@ def head_flops(spec: ModelSpec, tokens: int, num_chunks: int) -> float:
 
 
 def optimizer_step_bytes(knobs: Knobs) -> int:
-    """Bytes AdamW reads and writes per parameter (executor/optim.py). With fp32 masters: read the gradient, write
-    and read its fp32 copy, read and write the master, write the rounded weight; else the parameter is its own
-    master: read the gradient, read and write the weight. Then read and write m and v."""
+    """Bytes AdamW reads and writes per parameter (executor/optim.py). With fp32 masters: read the gradient (torch's
+    fused AdamW: write and read its fp32 copy first; fastml's op, stepping bf16 moments, reads it as it is), read and
+    write the master, write the rounded weight; else the parameter is its own master: read the gradient, read and
+    write the weight. Then read and write m and v."""
     weight = param_bytes(knobs)
     if has_fp32_masters(knobs):
-        moved = weight + 2 * FP32_BYTES + 2 * FP32_BYTES + weight
+        grad_copy = 0 if knobs.stochastic_rounding else 2 * FP32_BYTES
+        moved = weight + grad_copy + 2 * FP32_BYTES + weight
     else:
         moved = weight + 2 * weight
     return moved + 2 * 2 * DTYPE_BYTES[knobs.optimizer_dtype]
