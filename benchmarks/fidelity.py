@@ -115,6 +115,11 @@ LOWER_PRECISION = [  # fp8 matmuls and bf16 optimizer state (stochastic rounding
     Case("l-0.5b-s2048-mb8-fp8", "qwen2.5-0.5b", 2048, 32, pin(micro_batch_size=8, compile=True, matmul_dtype="fp8")),
     Case("l-1b-s2048-mb8-bf16state-cpu-adam", "llama-3.2-1b", 2048, 16,
          pin(micro_batch_size=8, offload_optimizer=0.5, optimizer_dtype="bf16")),
+    Case("l-8b-s2048-mb4-fp8-cached-bf16state", "llama-3.1-8b", 2048, 16,
+         pin(micro_batch_size=4, lm_head_chunks=4, compile=True, matmul_dtype="fp8", cache_fp8_weights=True,
+             optimizer_dtype="bf16", master_dtype="bf16")),
+    Case("l-1.1b-s2048-mb8-fp8-cached", "tinyllama-1.1b", 2048, 32, pin(micro_batch_size=8, compile=True,
+                                                                        matmul_dtype="fp8", cache_fp8_weights=True)),
 ]
 
 GRID_CENTRES = ("p-1.1b-s2048",)
@@ -275,14 +280,18 @@ def _records(rows: list[dict]) -> dict:
 def score(runs: Path, profile_path: Path, shapes_from: Path | None = None) -> None:
     """Calibrates the measured profile on the calibration set, predicts every other run with it, and writes the
     table, its errors and the plot. `shapes_from`: a profile of the same machine measured later, whose GEMM rates at
-    the linear layers' shapes replace the runs' profile's (every other rate stays as measured beside the runs)."""
+    the linear layers' shapes (bf16 and fp8) and fp8 cast rate replace the runs' profile's (every other rate stays as
+    measured beside the runs)."""
     from fastml.hwprofiles.schema import Calibration
     from fastml.planner.calibrate import _predict, calibrate, with_calibration
 
     rows = _latest(_rows(runs))
     measured_profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
     if shapes_from:
-        measured_profile["gpu"]["gemm_shapes"] = json.loads(shapes_from.read_text())["gpu"]["gemm_shapes"]
+        later = json.loads(shapes_from.read_text())["gpu"]
+        for rate in ("gemm_shapes", "fp8_gemm_shapes", "fp8_cast_bytes_per_s"):
+            if rate in later:
+                measured_profile["gpu"][rate] = later[rate]
     calibration_names = {c.name for c in CALIBRATION}
     fitted, _ = calibrate(_records([r for r in rows if r["name"] in calibration_names and "record" in r]),
                           measured_profile)

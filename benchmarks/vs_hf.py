@@ -55,10 +55,13 @@ SHAPES = {
 # shape -> fastml's fp8 plans (--fp8); the bf16 plans above are what they are compared with
 FP8_KNOBS = {
     "tinyllama-1.1b": [dict(micro_batch_size=8, compile=True, matmul_dtype="fp8"),
-                       dict(micro_batch_size=16, compile=True, matmul_dtype="fp8")],
-    "llama-3.1-8b": [dict(micro_batch_size=1, lm_head_chunks=4, compile=True, matmul_dtype="fp8"),
+                       dict(micro_batch_size=16, compile=True, matmul_dtype="fp8"),
+                       dict(micro_batch_size=16, compile=True, matmul_dtype="fp8", cache_fp8_weights=True)],
+    # the weights cast to fp8 once a step, or again in every micro-batch: side by side
+    "llama-3.1-8b": [dict(micro_batch_size=4, lm_head_chunks=4, compile=True, matmul_dtype="fp8",
+                          optimizer_dtype="bf16", master_dtype="bf16"),
                      dict(micro_batch_size=4, lm_head_chunks=4, compile=True, matmul_dtype="fp8",
-                          optimizer_dtype="bf16", master_dtype="bf16")],
+                          optimizer_dtype="bf16", master_dtype="bf16", cache_fp8_weights=True)],
 }
 LOSS_SHAPE, LOSS_SEQ_LEN, LOSS_SEQUENCES = "tinyllama-1.1b", 512, 8
 """The loss runs: 4,096 tokens a step, so that hundreds of steps take a minute."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fastml.plan import Knobs, Plan
+from fastml.plan import Knobs, Plan, fp8_cached_blocks
 from fastml.executor import fp8, native
 from fastml.executor.model import Transformer, build_model, materialize
 from fastml.executor.offload import HostOffload
@@ -48,6 +48,7 @@ def build_training_model(plan: Plan, device: torch.device, world: World = SINGLE
                 keep=offload.keep if offload.places_parameters else None)
     offload.install(model, dtype)
     model.offload = offload
+    fp8.cache_weights(model, fp8_cached_blocks(plan.knobs, plan.model.num_layers, world.size))
     return model
 
 

@@ -7,6 +7,8 @@ outputs. Embeddings, the LM head, norms and attention stay bf16.
 A converted linear keeps its parameter (so checkpoints, sharding and offload see the same model) and saves for its
 backward pass the fp8 transpose of its input (1 byte an element, not bf16's 2) and the weight itself, which it casts
 again there: a streamed weight is then fetched for backward as any other (offload.py), never kept in fp8 on the GPU.
+With knobs.cache_fp8_weights the blocks whose weights stay on the GPU keep them in fp8 instead, cast once per
+optimizer step (`CachedFP8Linear`): the weights' casts then cost a step what they cost each micro-batch's passes.
 """
 
 from __future__ import annotations
@@ -54,38 +56,43 @@ def register_fakes() -> None:
 
 
 class FP8Matmul(torch.autograd.Function):
-    """x @ weight.T in fp8, x (..., in) and weight (out, in) bf16; the result bf16."""
+    """x @ weight.T in fp8, x (..., in) and weight (out, in) bf16; the result bf16. Given the weight's fp8 copies
+    (`CachedFP8Linear`: `wq` row-major, `wq_t` transposed, `w_inv` their inverse scale), it uses them instead of
+    casting the weight."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, wq: torch.Tensor | None = None,
+                wq_t: torch.Tensor | None = None, w_inv: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous()  # a copy only where x is a strided view
         xq, xq_t, x_inv = quantize(flat, E4M3, rowwise=True, transposed=weight.requires_grad)
-        wq, _, w_inv = quantize(weight, E4M3)
+        if wq is None:
+            wq, _, w_inv = quantize(weight, E4M3)
         # Fast accumulation only forward, as Transformer Engine: the gradients keep full-precision sums.
         y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype, use_fast_accum=True)
-        ctx.save_for_backward(xq_t, x_inv, weight)
+        ctx.cached = wq_t is not None
+        ctx.save_for_backward(xq_t, x_inv, weight, *((wq_t, w_inv) if ctx.cached else ()))
         ctx.x_shape = x.shape
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        xq_t, x_inv, weight = ctx.saved_tensors
-        needs_x, needs_weight = ctx.needs_input_grad
+        xq_t, x_inv, weight, *cache = ctx.saved_tensors
+        needs_x, needs_weight = ctx.needs_input_grad[:2]
         flat = grad.reshape(-1, grad.shape[-1]).contiguous()
         gq, gq_t, g_inv = quantize(flat, E5M2, rowwise=needs_x, transposed=needs_weight)
         # _scaled_mm wants its first operand row-major and its second column-major: the transposes' .t() are.
         grad_x = grad_weight = None
         if needs_x:
-            _, wq_t, w_inv = quantize(weight, E4M3, rowwise=False, transposed=True)
+            wq_t, w_inv = cache if ctx.cached else quantize(weight, E4M3, rowwise=False, transposed=True)[1:]
             grad_x = torch._scaled_mm(gq, wq_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
             grad_x = grad_x.view(ctx.x_shape)
         if needs_weight:
             grad_weight = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=grad.dtype)
-        return grad_x, grad_weight
+        return grad_x, grad_weight, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = FP8Matmul.apply(x, weight)
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cache=()) -> torch.Tensor:
+    y = FP8Matmul.apply(x, weight, *cache)
     return y if bias is None else y + bias
 
 
@@ -95,6 +102,14 @@ class FP8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.bias)
+
+
+class CachedFP8Linear(FP8Linear):
+    """An fp8 linear that keeps its weight cast to fp8, row-major and transposed, in buffers (`cache_weights`) that
+    `refresh_weight_caches` casts anew once per optimizer step: every micro-batch's passes use them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, (self.weight_fp8, self.weight_fp8_t, self.weight_fp8_inv))
 
 
 def block_linears(block: nn.Module) -> list[nn.Linear]:
@@ -107,6 +122,38 @@ def convert_to_fp8(model: nn.Module) -> None:
     for block in model.blocks:
         for linear in block_linears(block):
             linear.__class__ = FP8Linear
+
+
+def cache_weights(model: nn.Module, blocks: frozenset[str]) -> None:
+    """Gives the fp8 linears of `blocks` ("blocks.N", fastml.plan.fp8_cached_blocks) buffers holding their weights
+    cast to fp8, on the weights' device, and makes them use them. Non-persistent: checkpoints hold the weights alone."""
+    for i, block in enumerate(model.blocks):
+        if f"blocks.{i}" in blocks:
+            for linear in block_linears(block):
+                for name, tensor in zip(CACHE_BUFFERS, _cast_both(linear.weight)):
+                    linear.register_buffer(name, tensor, persistent=False)
+                linear.__class__ = CachedFP8Linear
+
+
+CACHE_BUFFERS = ("weight_fp8", "weight_fp8_t", "weight_fp8_inv")
+
+
+def _cast_both(weight: torch.Tensor):
+    with torch.no_grad():
+        return quantize(weight, E4M3, rowwise=True, transposed=True)
+
+
+def cached_linears(model: nn.Module) -> list[CachedFP8Linear]:
+    return [m for m in model.modules() if isinstance(m, CachedFP8Linear)]
+
+
+def refresh_weight_caches(model: nn.Module) -> None:
+    """Casts every cached fp8 weight anew from the weight as it is now, both layouts in one pass. Called at the start
+    of each optimizer step (executor/step.py): the weights change only between steps. The buffers are replaced, not
+    written into: a compiled block takes them as inputs, without recompiling."""
+    for linear in cached_linears(model):
+        for name, tensor in zip(CACHE_BUFFERS, _cast_both(linear.weight)):
+            setattr(linear, name, tensor)
 
 
 def check_fp8(device: torch.device) -> None:

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from fastml.plan import Plan
+from fastml.executor import fp8
 from fastml.executor.collectives import agree
 from fastml.executor.model import Transformer
 from fastml.executor.optim import AdamW, lr_at
@@ -41,6 +42,7 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
     knobs = plan.knobs
     offload = optimizer.offload
     micro_batches = knobs.grad_accum_steps * world.size
+    fp8.refresh_weight_caches(model)  # the weights as the last step left them, cast to fp8 once for this one
     loss_sum = torch.zeros((), device=device)
     for micro in range(knobs.grad_accum_steps):
         if offload is not None:

@@ -21,7 +21,7 @@ from fastml import hwprofiles
 from fastml.config import check_range, fail
 from fastml.plan import Plan, save_plan
 from fastml.record import TRACE_FILE, Measured, RunMachine, RunRecord, save_record
-from fastml.executor import display, faults, snapshot
+from fastml.executor import display, faults, fp8, snapshot
 from fastml.executor.apply import build_training_model
 from fastml.executor.collectives import make_collectives
 from fastml.executor.data import TokenData
@@ -222,7 +222,8 @@ def memory_tensors(model: torch.nn.Module, optimizer: AdamW) -> dict[str, list[t
     """The tensors of each memory category, wherever they are (the meter tells GPU from host by their storage)."""
     params = list(model.parameters())
     states = [optimizer.state[p] for p in params if p in optimizer.state]
-    tensors = {"weights": params, "master_weights": [s.get("master") for s in states],
+    tensors = {"weights": params + [b for m in fp8.cached_linears(model) for b in m.buffers()],
+               "master_weights": [s.get("master") for s in states],
                "gradients": [p.grad for p in params],
                "optimizer_states": [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]}
     held = model.offload.host_tensors()

@@ -117,6 +117,10 @@ class Knobs:
     """The dtype of the weights in the model (and of their gradients)."""
     matmul_dtype: Literal["fp32", "bf16", "fp8"] = "bf16"
     """The dtype the linear layers compute in: fp32 only with fp32 parameters (CPU training), fp8 with bf16 ones."""
+    cache_fp8_weights: bool = False
+    """fp8 matmuls only: the blocks' weights are cast to fp8 (and transposed) once per optimizer step and kept on the
+    GPU, 2 bytes a weight, instead of cast again in every micro-batch's forward and backward pass. Blocks whose
+    weights are streamed from the host or sharded are cast as they come (`fp8_cached_blocks`)."""
     optimizer_dtype: Literal["fp32", "bf16"] = "fp32"
     """Adam's m and v."""
     master_dtype: Literal["fp32", "bf16"] = "fp32"
@@ -147,6 +151,9 @@ class Knobs:
         if (self.param_dtype == "fp32") != (self.matmul_dtype == "fp32"):
             fail("knobs.matmul_dtype", f"{self.matmul_dtype!r} with param_dtype {self.param_dtype!r}: fp32 matmuls "
                                        "go with fp32 parameters and only with them")
+        if self.cache_fp8_weights and self.matmul_dtype != "fp8":
+            fail("knobs.cache_fp8_weights", f"caches fp8 copies of the weights: it needs knobs.matmul_dtype 'fp8', not "
+                                            f"{self.matmul_dtype!r}")
         if self.param_dtype == "fp32" and self.master_dtype != "fp32":
             fail("knobs.master_dtype", "fp32 parameters are their own fp32 masters; master_dtype must be 'fp32'")
         # ZeRO's stages build on each other (Rajbhandari et al. 2020, section 5): a GPU that keeps only a shard of
@@ -188,6 +195,7 @@ KNOBS: dict[str, KnobInfo] = {
     **{name: KnobInfo("shard", (False, True), multi_gpu=True) for name in (*ZERO_STAGES, "cache_weights_on_host")},
     "param_dtype": KnobInfo("precision", ("bf16",)),
     "matmul_dtype": KnobInfo("precision", ("bf16", "fp8"), lower_precision=True),
+    "cache_fp8_weights": KnobInfo("speed", (False, True), lower_precision=True),
     "optimizer_dtype": KnobInfo("precision", ("fp32", "bf16"), lower_precision=True),
     "master_dtype": KnobInfo("precision", ("fp32", "bf16"), lower_precision=True),
     "comm": KnobInfo("comm", ("nccl", "memcpy"), multi_gpu=True),
@@ -239,6 +247,15 @@ def weights_sharded(knobs: Knobs, group: str) -> bool:
     """Whether ZeRO-3 shards the weights of parameter group `group`: every group's, gathered just before it computes
     (a block one block ahead, the head during the last block, the embedding at the start of each forward pass)."""
     return knobs.shard_weights
+
+
+def fp8_cached_blocks(knobs: Knobs, num_layers: int, num_gpus: int) -> frozenset[str]:
+    """The blocks whose fp8 weights are cast once per step and kept (knobs.cache_fp8_weights): those whose weights
+    stay whole on the GPU, neither streamed from the host nor sharded over several GPUs."""
+    if not knobs.cache_fp8_weights or (knobs.shard_weights and num_gpus > 1):
+        return frozenset()
+    streamed = offloaded_groups(knobs, "offload_weights", num_layers)
+    return frozenset(f"blocks.{i}" for i in range(num_layers)) - streamed
 
 
 FP8_GEMM_MULTIPLE = 16

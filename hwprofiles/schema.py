@@ -30,8 +30,14 @@ class DeviceSection:
     gemm_shapes: tuple[tuple[float, float, float, float], ...] = ()
     """(M, N, K, achieved / peak) of GEMMs measured at exactly these shapes, used before the curve (a CPU profile:
     each linear layer of the models planned, forward and backward, M the tokens of a micro-batch)."""
+    fp8_gemm_shapes: tuple[tuple[float, float, float, float], ...] = ()
+    """(M, N, K, achieved / fp8 peak) of fp8 GEMMs (torch._scaled_mm) at these shapes; where none is measured, fp8
+    GEMMs take the bf16 efficiency at the fp8 peak."""
     hbm_bytes_per_s: float
     """Device memory bandwidth (a CPU profile: a large tensor copy's rate in host memory)."""
+    fp8_cast_bytes_per_s: float | None = None
+    """fastml's fp8 cast (csrc/fp8_cuda.cu), bytes as planner/costs.py counts them (FP8_CAST_BYTES an element, one
+    more for the transposed copy) per second; None: at hbm_bytes_per_s."""
     pcie: Pcie | None = None
     """None where the device is the host (a CPU): nothing crosses a bus."""
     p2p: bool = False

@@ -23,7 +23,7 @@ import numpy as np
 
 from fastml.config import fail, to_dict
 from fastml.hwprofiles.schema import Calibration, parse_profile
-from fastml.plan import Plan
+from fastml.plan import Plan, fp8_cached_blocks
 from fastml.record import RunRecord
 from fastml.planner.costs import costs
 from fastml.planner.hardware import load_machine
@@ -127,7 +127,9 @@ def _predict(plan: Plan, profile: dict) -> _Prediction:
     forward_passes = k.grad_accum_steps * plan.model.num_layers * (1 + bool(k.recompute))
     passes = forward_passes + k.grad_accum_steps * (plan.model.num_layers + 1)
     c = costs(plan.model, t.seq_len, k, machine)
-    forward_s = k.grad_accum_steps * plan.model.num_layers * c.layer_forward + simulation.time_s["recompute"]
+    uncached = plan.model.num_layers - len(fp8_cached_blocks(k, plan.model.num_layers, h.num_gpus))
+    forward_s = k.grad_accum_steps * (plan.model.num_layers * c.layer_forward +
+                                      uncached * c.layer_weight_cast_forward) + simulation.time_s["recompute"]
     groups = group_params(plan.model)
     shard = h.num_gpus if k.shard_optimizer else 1
     cpu_step_s = sum(groups[g] for g in placement(plan.model, k).cpu_steps) / shard * c.cpu_adam_per_param

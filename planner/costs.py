@@ -36,6 +36,13 @@ class Costs:
     layer_forward: float
     layer_backward: float
     layer_recompute: float
+    """A block's passes over one micro-batch, without the casts of its weights to fp8 (below)."""
+    layer_weight_cast_forward: float
+    layer_weight_cast_backward: float
+    """fp8 matmuls: casting a block's weights as its forward pass (and its recompute) and its backward pass use
+    them, where they are not cached; 0 otherwise."""
+    layer_weight_cache: float
+    """fp8 matmuls with knobs.cache_fp8_weights: casting a cached block's weights, once per optimizer step."""
     head_forward_backward: float
     grad_accumulate: float
     """Adding a micro-batch's gradients to the accumulated ones (all micro-batches after the first), on the GPU
@@ -102,14 +109,20 @@ maximum, the bf16 read of the cast, one fp8 byte written (and one more for the t
 
 
 def fp8_cast_bytes(spec: ModelSpec, tokens: int) -> tuple[float, float]:
-    """Bytes one block's fp8 casts move over `tokens` tokens, forward and backward: forward each linear's input
-    (row-major and transposed) and its weight; backward each output gradient (both) and each weight again
-    (transposed)."""
+    """Bytes one block's fp8 casts of activations move over `tokens` tokens, forward and backward: forward each
+    linear's input (row-major and transposed), backward each output gradient (both)."""
     shapes = spec.block_linear_shapes().values()
-    weights = spec.layer_matmul_params() * FP8_CAST_BYTES
     inputs = tokens * sum(k for _, k in shapes) * (FP8_CAST_BYTES + 1)
     output_grads = tokens * sum(n for n, _ in shapes) * (FP8_CAST_BYTES + 1)
-    return inputs + weights, output_grads + weights
+    return inputs, output_grads
+
+
+def fp8_weight_cast_bytes(spec: ModelSpec) -> tuple[float, float, float]:
+    """Bytes one block's fp8 casts of its weights move: in a forward pass (row-major) and a backward pass
+    (transposed) where they are cast as they are used, or once a step, both layouts at once, where they are cached
+    (knobs.cache_fp8_weights)."""
+    params = spec.layer_matmul_params()
+    return params * FP8_CAST_BYTES, params * FP8_CAST_BYTES, params * (FP8_CAST_BYTES + 1)
 
 
 def gemm_flops(m: int, n: int, k: int) -> float:
@@ -156,12 +169,14 @@ def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Cost
     cal = machine.calibration
     if cal == Calibration():
         return modelled
-    compute = ("grad_accumulate", "grad_clip", "gpu_adam_per_param")
+    compute = ("grad_accumulate", "grad_clip", "gpu_adam_per_param", "layer_weight_cast_backward",
+               "layer_weight_cache")
     per_pass = ("layer_backward", "head_forward_backward")
     transfers = ("h2d_per_byte", "d2h_per_byte", "layer_weights_h2d", "layer_grads_h2d", "layer_grads_d2h",
                  "layer_input_d2h", "layer_input_h2d", "shard_h2d")
     changed = {name: getattr(modelled, name) * cal.compute + cal.layer_overhead_s for name in per_pass}
     changed["layer_forward"] = modelled.layer_forward * cal.forward + cal.layer_overhead_s
+    changed["layer_weight_cast_forward"] = modelled.layer_weight_cast_forward * cal.forward
     changed |= {name: getattr(modelled, name) * cal.compute for name in compute}
     changed["cpu_adam_per_param"] = modelled.cpu_adam_per_param * cal.cpu_optimizer
     changed |= {name: getattr(modelled, name) * cal.transfer for name in transfers}
@@ -184,12 +199,16 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
     def hbm(num_bytes: float) -> float:
         return num_bytes / gpu.hbm_bytes_per_s
 
+    def cast(num_bytes: float) -> float:  # fastml's fp8 casts, at their own measured rate
+        return num_bytes / gpu.fp8_cast_bytes_per_s if dtype == "fp8" else 0.0
+
     flops = layer_flops(spec, knobs.micro_batch_size, seq_len)
     attention = _attention_s(flops["forward.attention"], spec, knobs.micro_batch_size, seq_len, machine,
                              other_dtype)
     elementwise = hbm(_elementwise_elements(spec, knobs.compile) * t * activation_bytes(knobs))
     block = gemms("qkv", "out", "gate_up", "down")
-    quantize_forward, quantize_backward = (hbm(b) for b in fp8_cast_bytes(spec, t)) if dtype == "fp8" else (0, 0)
+    quantize_forward, quantize_backward = (cast(b) for b in fp8_cast_bytes(spec, t))
+    weight_casts = [cast(b) for b in fp8_weight_cast_bytes(spec)]
     forward = block + attention + elementwise + quantize_forward
     backward = 2 * block + ATTENTION_BACKWARD_FACTOR * attention + 2 * elementwise + quantize_backward
     recompute = _recompute_s(knobs.recompute, forward, gemms("gate_up", "down"), gemms("qkv"), attention,
@@ -212,6 +231,8 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
                           machine, knobs.comm)
     return Costs(
         layer_forward=forward, layer_backward=backward, layer_recompute=recompute, head_forward_backward=head,
+        layer_weight_cast_forward=weight_casts[0], layer_weight_cast_backward=weight_casts[1],
+        layer_weight_cache=weight_casts[2],
         grad_accumulate=hbm(2 * p * param_bytes(knobs) / (machine.num_gpus if knobs.shard_gradients else 1)),
         grad_clip=hbm(p * param_bytes(knobs)),
         gpu_adam_per_param=hbm(optimizer_step_bytes(knobs)), cpu_adam_per_param=1 / machine.node.cpu_adam_params_per_s,

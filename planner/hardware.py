@@ -35,18 +35,19 @@ class Gpu:
     nvlink_bytes_per_s: float
     gemm_shapes: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
     """Efficiency measured at exactly these (M, N, K): on a CPU it depends on the shape more than on g."""
+    fp8_gemm_shapes: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
+    """fp8 GEMMs' efficiency against the fp8 peak, measured at these (M, N, K)."""
+    fp8_cast_bytes_per_s: float
+    """fastml's fp8 casts, bytes as planner/costs.py counts them; the HBM rate where the profile has none."""
 
     def gemm_seconds(self, m: int, n: int, k: int, dtype: str) -> float:
-        """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this shape, else at this
-        size (interpolated in log g; the curve is measured in bf16 and applied to fp8 too)."""
-        efficiency = self._shape_efficiency(m, n, k) or self.gemm_efficiency_at((m * n * k) ** (1 / 3))
+        """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this shape (in fp8, the
+        fp8 GEMMs' where measured), else at this size (interpolated in log g; the curve is measured in bf16 and
+        applied to fp8 too)."""
+        measured = (_shape_efficiency(self.fp8_gemm_shapes, m, n, k) if dtype == "fp8" else None) or \
+            _shape_efficiency(self.gemm_shapes, m, n, k)
+        efficiency = measured or self.gemm_efficiency_at((m * n * k) ** (1 / 3))
         return 2.0 * m * n * k / (self.peak_flops_for(dtype) * efficiency)
-
-    def _shape_efficiency(self, m: int, n: int, k: int) -> float | None:
-        """The efficiency measured at (m, n, k), or at the largest M measured below m with the same N and K (large
-        GEMMs are measured with fewer rows, the rate having reached its plateau)."""
-        below = [(mm, e) for (mm, nn, kk), e in self.gemm_shapes.items() if (nn, kk) == (n, k) and mm <= m]
-        return max(below)[1] if below else None
 
     def peak_flops_for(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -63,6 +64,13 @@ class Gpu:
             return self.gemm_efficiency[-1][1]
         (g0, e0), (g1, e1) = self.gemm_efficiency[i - 1], self.gemm_efficiency[i]
         return e0 + (e1 - e0) * math.log(g / g0) / math.log(g1 / g0)
+
+
+def _shape_efficiency(shapes: dict[tuple[int, int, int], float], m: int, n: int, k: int) -> float | None:
+    """The efficiency measured at (m, n, k), or at the largest M measured below m with the same N and K (large
+    GEMMs are measured with fewer rows, the rate having reached its plateau)."""
+    below = [(mm, e) for (mm, nn, kk), e in shapes.items() if (nn, kk) == (n, k) and mm <= m]
+    return max(below)[1] if below else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,6 +203,8 @@ def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
         gpu=Gpu(memory_bytes=gpu.memory_bytes, peak_flops=dict(gpu.peak_flops),
                 gemm_efficiency=tuple(sorted(gpu.gemm_efficiency)), hbm_bytes_per_s=gpu.hbm_bytes_per_s,
                 gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.gemm_shapes},
+                fp8_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.fp8_gemm_shapes},
+                fp8_cast_bytes_per_s=gpu.fp8_cast_bytes_per_s or gpu.hbm_bytes_per_s,
                 h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, p2p=gpu.p2p, nvlink_bytes_per_s=gpu.nvlink_bytes_per_s),
         node=node, num_gpus=node.gpus_per_node,
         collective_latency_s=p.collectives.latency_s, bus_bytes_per_s=dict(p.collectives.bus_bytes_per_s),

@@ -5,8 +5,11 @@ PCIe root), the cost of a kernel launch, the host's memory bandwidth and the C++
 cores. GPU work is timed with CUDA events, the median of several runs after warm-ups; `quick` takes fewer sizes
 and smaller copies (under 20 s on one H200; several GPUs add the start of their workers).
 
-With several GPUs, also peer-to-peer copies and the collectives between them (planner/between_gpus.py). Not
-measured here yet: fp8 GEMMs; a profile keeps its base profile's figures for them and says so.
+On a GPU with fp8 tensor cores (and nvcc to build fastml's CUDA ops), also fp8 GEMMs (torch._scaled_mm) at the
+presets' linear-layer shapes and the rate of fastml's fp8 cast (csrc/fp8_cuda.cu); where they cannot run, the
+profile keeps its base profile's fp8 figures (`fp8_error` says why).
+
+With several GPUs, also peer-to-peer copies and the collectives between them (planner/between_gpus.py).
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ COPY_BYTES, QUICK_COPY_BYTES = 2**30, 2**28
 ADAM_PARAMS = 2**24
 
 
-def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None, nvlink: bool = False) -> dict:
+def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None, nvlink: bool = False,
+                 peak_fp8_flops: float | None = None) -> dict:
     """Every rate, by the profile field it is written to (`profile.profile_json`); `on_step(what)` before each.
     With several GPUs also those between them (planner/between_gpus.py); `nvlink`: their peer copies go over
-    NVLink, whose rate the profile then takes from the copy."""
+    NVLink, whose rate the profile then takes from the copy. fp8 where the profile has an fp8 peak
+    (`peak_fp8_flops`)."""
     import torch
 
     copy_bytes = QUICK_COPY_BYTES if quick else COPY_BYTES
@@ -43,6 +48,9 @@ def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None,
         rates = {shape: _gemm_flops_if_it_fits(*shape) for shape in _model_shapes()}
         measured["gpu.gemm_shapes"] = [[m, n, k, round(flops / peak_bf16_flops, 4)]
                                        for (m, n, k), flops in rates.items() if flops]
+    if peak_fp8_flops:
+        on_step("fp8 GEMMs and casts")
+        measured |= _fp8(peak_fp8_flops, quick)
     on_step("HBM")
     measured["gpu.hbm_bytes_per_s"] = _hbm_bytes_per_s(copy_bytes)
     on_step("pinned host copies")
@@ -86,6 +94,59 @@ def _between_gpus(quick: bool, on_step, nvlink: bool) -> dict:
     return measured | fields
 
 
+def _fp8(peak_fp8_flops: float, quick: bool) -> dict:
+    """fp8 GEMMs at the presets' linear-layer shapes (not in `quick`, which measures their cast alone) against the
+    fp8 peak, and fastml's cast; or, where they cannot run here, why (`fp8_error`)."""
+    import torch
+
+    from fastml.config import UserError
+    from fastml.executor import fp8, native
+
+    if torch.cuda.get_device_capability() < fp8.MIN_CAPABILITY:
+        return {"fp8_error": "no fp8 tensor cores (compute capability below 8.9)"}
+    try:
+        native.load_cuda()
+    except UserError as e:
+        return {"fp8_error": str(e).splitlines()[0]}
+    measured = {"gpu.fp8_cast_bytes_per_s": _fp8_cast_bytes_per_s()}
+    if not quick:
+        rates = {shape: _fp8_gemm_flops_if_it_fits(*shape) for shape in _model_shapes(lm_head=False)}
+        measured["gpu.fp8_gemm_shapes"] = [[m, n, k, round(flops / peak_fp8_flops, 4)]
+                                           for (m, n, k), flops in rates.items() if flops]
+    return measured
+
+
+CAST_ROWS = 8192
+
+
+def _fp8_cast_bytes_per_s() -> float:
+    """A bf16 matrix of the size of a large micro-batch's activations cast to e4m3, row-major and transposed at
+    once (as most casts of a step are), its bytes counted as planner/costs.py counts them."""
+    import torch
+
+    from fastml.executor import fp8
+    from fastml.planner.costs import FP8_CAST_BYTES
+
+    x = torch.randn(CAST_ROWS, 4096, device="cuda", dtype=torch.bfloat16)
+    return x.numel() * (FP8_CAST_BYTES + 1) / _cuda_seconds(lambda: fp8.quantize(x, fp8.E4M3, True, True))
+
+
+def _fp8_gemm_flops_if_it_fits(m: int, n: int, k: int) -> float | None:
+    """x @ w.T in e4m3 with bf16 out, as the fp8 linears' forward pass multiplies (executor/fp8.py)."""
+    import torch
+
+    try:
+        a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        seconds = _cuda_seconds(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                                         out_dtype=torch.bfloat16, use_fast_accum=True))
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+    return 2 * m * n * k / seconds
+
+
 def _cuda_seconds(run, repeats: int = 10, warmups: int = 2) -> float:
     import torch
 
@@ -122,8 +183,9 @@ def _gemm_flops_if_it_fits(m: int, n: int, k: int) -> float | None:
         return None
 
 
-def _model_shapes() -> list[tuple[int, int, int]]:
-    """(tokens, out, in) of each linear layer of SHAPE_MODELS, forward: the GEMMs costs.py times."""
+def _model_shapes(lm_head: bool = True) -> list[tuple[int, int, int]]:
+    """(tokens, out, in) of each linear layer of SHAPE_MODELS, forward: the GEMMs costs.py times (the blocks' alone
+    without `lm_head`: fp8 GEMMs are theirs)."""
     from fastml.spec import PRESETS
 
     shapes = set()
@@ -132,7 +194,8 @@ def _model_shapes() -> list[tuple[int, int, int]]:
         for tokens in SHAPE_TOKENS:
             shapes |= {(tokens, n, k) for n, k in spec.block_linear_shapes().values()}
         # The LM head's N (the vocabulary) is large: its rate has reached its plateau at the fewer rows.
-        shapes |= {(tokens, *spec.lm_head_shape()) for tokens in SHAPE_TOKENS[:2]}
+        if lm_head:
+            shapes |= {(tokens, *spec.lm_head_shape()) for tokens in SHAPE_TOKENS[:2]}
     return sorted(shapes)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fastml.plan import (CPU_STEP_CHUNK, MEMCPY_ROW_BYTES, MEMCPY_SLOTS, MEMORY_CATEGORIES, STAGING_SLOTS, Knobs,
-                         offloaded_groups, weights_sharded)
+                         fp8_cached_blocks, offloaded_groups, weights_sharded)
 from fastml.hwprofiles.schema import Calibration
 from fastml.spec import ModelSpec
 
@@ -315,7 +315,12 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     gradients = layer_activation_bytes(spec, replace(knobs, recompute=()), tokens, device)
     backward_workspace = max(loss_workspace_bytes(spec, knobs, tokens) - rebuilt, gradients)
     if knobs.matmul_dtype == "fp8":
-        backward_workspace += spec.layer_matmul_params() * DTYPE_BYTES["fp8"]  # one layer's weights cast to fp8
+        cached = len(fp8_cached_blocks(knobs, spec.num_layers, num_gpus))
+        # Cached blocks keep their weights in fp8 and transposed (executor/fp8.py); the others cast one layer's as
+        # they compute.
+        gpu["weights"] += cached * spec.layer_matmul_params() * 2 * DTYPE_BYTES["fp8"]
+        if cached < spec.num_layers:
+            backward_workspace += spec.layer_matmul_params() * DTYPE_BYTES["fp8"]
     optimizer_workspace = _gpu_optimizer_workspace(spec, place)
     # The optimizer runs after the backward pass has freed the activations: the larger phase sets the peak.
     if optimizer_workspace > gpu["activations"] + backward_workspace:

@@ -306,13 +306,17 @@ def _measure(topology: dict, quick: bool, console: Console) -> dict:
     from fastml.planner.measure import measure_gpus
 
     base, _ = _base_profile(topology["gpus"][0]["name"], topology["gpus"][0]["memory_bytes"])
-    peak = hwprofiles.load(base)["gpu"]["peak_flops"]["bf16"]
+    peaks = hwprofiles.load(base)["gpu"]["peak_flops"]
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("measuring", total=None)
         start = time.perf_counter()
-        measured = measure_gpus(peak, quick, lambda what: progress.update(task, description=f"measuring {what}"),
-                                nvlink=all(g["num_nvlinks"] for g in topology["gpus"]))
+        measured = measure_gpus(peaks["bf16"], quick,
+                                lambda what: progress.update(task, description=f"measuring {what}"),
+                                nvlink=all(g["num_nvlinks"] for g in topology["gpus"]), peak_fp8_flops=peaks.get("fp8"))
     console.print(f"measured in {time.perf_counter() - start:.0f} s", highlight=False)
+    if "fp8_error" in measured:
+        console.print(f"[yellow]note:[/] fp8 not measured ({measured['fp8_error']}): the profile keeps {base}'s fp8 "
+                      f"figures, or where it has none the planner prices fp8 GEMMs at the bf16 efficiencies")
     if "between_gpus_error" in measured:
         console.print(f"[yellow]warning:[/] the measurements between GPUs failed ({measured['between_gpus_error']}); "
                       f"the profile keeps {base}'s figures for peer copies and collectives")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastml.config import fail
-from fastml.plan import KNOBS, ZERO_STAGES, Knobs, fp8_shape_problem, knob_names
+from fastml.plan import KNOBS, ZERO_STAGES, Knobs, fp8_cached_blocks, fp8_shape_problem, knob_names
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import Memory, has_fp32_masters, memory
 from fastml.planner.simulate import Simulation, simulate
@@ -107,7 +107,7 @@ def make_knobs(problem: Problem, choice: dict) -> Knobs:
     defaults = {f.name: f.default for f in dataclasses.fields(Knobs)}
     values = with_zero_stages({**defaults, **choice})
     values["grad_accum_steps"] = problem.sequences_per_gpu // values["micro_batch_size"]
-    return Knobs(**without_no_ops(problem.spec, values))
+    return Knobs(**without_no_ops(problem.spec, values, problem.machine.num_gpus))
 
 
 def with_zero_stages(values: dict) -> dict:
@@ -119,20 +119,26 @@ def with_zero_stages(values: dict) -> dict:
     return fixed
 
 
-def without_no_ops(spec: ModelSpec, values: dict) -> dict:
+def without_no_ops(spec: ModelSpec, values: dict, num_gpus: int) -> dict:
     """`values` with the knobs that change nothing (in planner/memory.py and planner/simulate.py) at their
     defaults, so that plans differing only in them are one plan: an offload fraction that moves no whole layer,
-    offloaded bf16 master weights (there are none: the weights are the masters), and a host cache of gathered
-    weights when the weights are not sharded or every layer is streamed from the host anyway."""
+    offloaded bf16 master weights (there are none: the weights are the masters), a host cache of gathered
+    weights when the weights are not sharded or every layer is streamed from the host anyway, and cached fp8 weights
+    without fp8 matmuls or without a block whose weights stay on the GPU."""
     fixed = dict(values)
     for name in knob_names("offload"):
         if round(fixed[name] * spec.num_layers) == 0:
             fixed[name] = 0.0
-    if not has_fp32_masters(Knobs(**{**{f.name: f.default for f in dataclasses.fields(Knobs)}, **fixed})):
+    if fixed["matmul_dtype"] != "fp8":
+        fixed["cache_fp8_weights"] = False
+    defaults = {f.name: f.default for f in dataclasses.fields(Knobs)}
+    if not has_fp32_masters(Knobs(**{**defaults, **fixed})):
         fixed["offload_master"] = 0.0
     all_streamed = round(fixed["offload_weights"] * spec.num_layers) == spec.num_layers
     if not fixed["shard_weights"] or all_streamed:
         fixed["cache_weights_on_host"] = False
+    if not fp8_cached_blocks(Knobs(**{**defaults, **fixed}), spec.num_layers, num_gpus):
+        fixed["cache_fp8_weights"] = False
     return fixed
 
 
@@ -268,7 +274,7 @@ def smallest_choice(space: dict[str, tuple]) -> dict:
             return ("block",) if ("block",) in choices else choices[0]
         if name == "micro_batch_size":
             return min(choices)
-        if name == "cache_weights_on_host":
+        if name in ("cache_weights_on_host", "cache_fp8_weights"):  # caches: more memory, not less
             return False if False in choices else choices[0]
         if isinstance(choices[0], (bool, int, float)):
             return max(choices)

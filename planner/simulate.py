@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from fastml.plan import TIME_COMPONENTS, Knobs
+from fastml.plan import TIME_COMPONENTS, Knobs, fp8_cached_blocks
 from fastml.planner.costs import Collective, costs
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (STREAM_BUFFER_LAYERS, block_input_bytes, group_params, layer_activation_bytes,
@@ -88,6 +88,7 @@ class _StepGraph:
         self.num_layers = spec.num_layers
         self.multi = machine.num_gpus > 1
         self.place = placement(spec, knobs)
+        self.fp8_cached = fp8_cached_blocks(knobs, spec.num_layers, machine.num_gpus)
         self.group_params = group_params(spec)
         self.optimizer_shard = machine.num_gpus if knobs.shard_optimizer else 1
         tokens = knobs.micro_batch_size * seq_len
@@ -160,6 +161,12 @@ class _StepGraph:
             self.add(f"d2h cached weights L{layer} {forward_op.split()[-1]}", "d2h", self.c.layer_weights_h2d,
                      "offload", [forward_op])
 
+    def weight_casts(self, layer: int, phase: str) -> float:
+        """The casts of the block's weights to fp8 in a pass of `phase`, where the block does not cache them."""
+        if _block(layer) in self.fp8_cached:
+            return 0.0
+        return self.c.layer_weight_cast_forward if phase == "forward" else self.c.layer_weight_cast_backward
+
     def release(self, kind: str, layer: int, op: str) -> None:
         """`op` is the last to use the block's GPU buffer of stream `kind`, if it has one: the buffer frees after it."""
         if _block(layer) in self.streamed[kind]:
@@ -167,6 +174,8 @@ class _StepGraph:
 
     def forward(self, m: int) -> None:
         c = self.c
+        if m == 0 and self.fp8_cached:  # the step's one cast of the cached fp8 weights (executor/step.py)
+            self.compute("cache fp8 weights", len(self.fp8_cached) * c.layer_weight_cache, "compute")
         if self.multi and self.knobs.shard_weights:  # gathered at the start of the pass, waited for at once
             self.compute(f"embed mb{m}", 0.0, "compute", [self.collective(f"gather embed mb{m}", c.embed_gather,
                                                                          [self.prefetch_slot()])])
@@ -176,7 +185,8 @@ class _StepGraph:
             kept = [(f"act {m} {layer}", self.act_bytes - offloaded * self.input_bytes)]
             if offloaded:
                 kept.append((f"input {m} {layer}", self.input_bytes))
-            fwd = self.compute(f"fwd L{layer} mb{m}", c.layer_forward, "compute", [ready], alloc=kept)
+            fwd = self.compute(f"fwd L{layer} mb{m}", c.layer_forward + self.weight_casts(layer, "forward"),
+                               "compute", [ready], alloc=kept)
             self.release("weights", layer, fwd)
             self.cache_weights(layer, fwd)
             if offloaded:
@@ -204,10 +214,12 @@ class _StepGraph:
                                      alloc=[(f"input {m} {layer}", self.input_bytes)]))
                 freed.append(f"input {m} {layer}")
             if self.knobs.recompute:
-                self.compute(f"recompute L{layer} mb{m}", c.layer_recompute, "recompute", deps)
+                recast = self.weight_casts(layer, "forward") if "block" in self.knobs.recompute else 0.0
+                self.compute(f"recompute L{layer} mb{m}", c.layer_recompute + recast, "recompute", deps)
                 deps = []
             accumulate = c.grad_accumulate / self.num_layers if m > 0 else 0.0
-            grad = self.compute(f"bwd L{layer} mb{m}", c.layer_backward + accumulate, "compute",
+            grad = self.compute(f"bwd L{layer} mb{m}", c.layer_backward + self.weight_casts(layer, "backward") +
+                                accumulate, "compute",
                                 [*deps, *self.fetch_gradients(layer, m)], free=freed, micro_batch=m)
             self.release("weights", layer, grad)
             self.release("inputs", layer, grad)

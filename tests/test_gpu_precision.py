@@ -161,8 +161,27 @@ def test_fp8_linear_with_a_frozen_weight_makes_only_the_input_gradient():
     assert relative_error(x.grad, weight.float().sum(0).expand(256, -1)) < BACKWARD_TOLERANCE
 
 
+def test_cached_fp8_weights_give_the_uncached_results_bit_for_bit():
+    """The cache holds the casts the uncached linear makes (one pass writes both layouts): the same output and
+    gradients, exactly."""
+    needs_fp8_tensor_cores()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(512, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(384, 256, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    grad = torch.randn(512, 384, device="cuda", generator=gen).to(torch.bfloat16)
+    results = []
+    for cache in ((), fp8.quantize(weight, fp8.E4M3, rowwise=True, transposed=True)):
+        xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        y = fp8.fp8_linear(xi, wi, cache=cache)
+        y.backward(grad)
+        results.append((y, xi.grad, wi.grad))
+    for name, uncached, cached in zip(("output", "input gradient", "weight gradient"), *results):
+        assert torch.equal(uncached, cached), name
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["cast", "cached"])
 @pytest.mark.parametrize("parts", [(), ("ffn", "attention"), ("block",)])
-def test_compiled_fp8_blocks_share_one_graph(parts):
+def test_compiled_fp8_blocks_share_one_graph(parts, cached):
     """Every converted block compiles to the same graph: torch.compile guards on the forward it calls, and a forward
     of each module's own would compile again for every block, to its recompile limit, then run the rest uncompiled."""
     needs_fp8_tensor_cores()
@@ -174,9 +193,13 @@ def test_compiled_fp8_blocks_share_one_graph(parts):
     torch._dynamo.reset()
     model = apply_plan(build_model(PRESETS["tiny"]), Knobs(matmul_dtype="fp8", recompute=parts, compile=True))
     model = materialize(model, "cuda", torch.bfloat16)
+    if cached:
+        fp8.cache_weights(model, frozenset(f"blocks.{i}" for i in range(len(model.blocks))))
     tokens = torch.randint(0, 512, (2, 65), device="cuda")
     with torch._dynamo.config.patch(error_on_recompile=True):
-        model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        for _ in range(2):  # a second step's casts are new tensors, taken without recompiling
+            fp8.refresh_weight_caches(model)
+            model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
 
 
 # ---------------------------------------------------------------------------------------------------- AdamW op
@@ -242,6 +265,43 @@ def test_lower_precision_trains_like_bf16(tmp_path, bf16_losses, knobs):
     mean = lambda values: sum(values) / len(values)  # noqa: E731
     assert mean(got[-5:]) <= 0.9 * mean(got[:5])
     assert mean(got[-5:]) == pytest.approx(mean(bf16_losses[-5:]), rel=0.03)
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(recompute=("block",), compile=True),
+                                   dict(offload_weights=0.5, recompute=("block",))],
+                         ids=["eager", "compile", "offload"])
+def test_cached_fp8_weights_train_as_the_uncached_bit_for_bit(tmp_path, knobs):
+    """Two micro-batches a step: the cached weights are the step's, cast at its start (a stale cache would give the
+    second step's losses away). With half the blocks streamed, only the others cache."""
+    needs_fp8_tensor_cores()
+    cast = losses(tmp_path, "cast.jsonl", steps=4, micro_batch_size=8, matmul_dtype="fp8", **knobs)
+    cached = losses(tmp_path, "cached.jsonl", steps=4, micro_batch_size=8, matmul_dtype="fp8",
+                    cache_fp8_weights=True, **knobs)
+    assert cached == cast
+
+
+def test_cached_fp8_weights_are_counted_as_the_planner_counts_them():
+    """The cache's bytes (fp8 and transposed, 2 a weight of the cached blocks) are in the "weights" the meter
+    measures, and in the planner's "weights" the same."""
+    needs_fp8_tensor_cores()
+    from fastml.executor.train import memory_tensors
+    from fastml.executor.meter import storage_bytes
+    from fastml.planner.memory import memory
+
+    measured = {}
+    for cache in (False, True):
+        plan = gpu_plan(1, micro_batch_size=8, matmul_dtype="fp8", offload_weights=0.5, cache_fp8_weights=cache)
+        model = build_training_model(plan, torch.device("cuda"))
+        gpu_bytes, _ = storage_bytes(memory_tensors(model, AdamW(model, plan.training, plan.knobs, model.offload)))
+        predicted = memory(plan.model, plan.training.seq_len, plan.knobs, 1, 1, "cuda").gpu["weights"]
+        measured[cache] = gpu_bytes["weights"], predicted
+        del model
+    spec = plan.model
+    cached_blocks = spec.num_layers - round(0.5 * spec.num_layers)
+    cache_bytes = cached_blocks * spec.layer_matmul_params() * 2
+    scales = cached_blocks * 4 * 4  # a float32 inverse scale for each of a block's 4 linears: the planner omits them
+    assert measured[True][0] - measured[False][0] == cache_bytes + scales
+    assert measured[True][1] - measured[False][1] == cache_bytes
 
 
 def test_bf16_state_lives_in_bf16_on_the_gpu():

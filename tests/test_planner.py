@@ -325,3 +325,48 @@ def test_explain_and_trace_a_cpu_plan_with_accumulation(fake_cpu, tmp_path, caps
     events = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e["ph"] == "X"]
     assert max(e["ts"] + e["dur"] for e in events) / 1e6 == pytest.approx(load_plan(tmp_path / "p.json")
                                                                           .predicted.step_time_s)
+
+
+# ------------------------------------------------------------------------------------------- cached fp8 weights
+
+def test_fp8_weights_are_cached_only_for_blocks_whose_weights_stay_whole_on_the_gpu():
+    from fastml.plan import fp8_cached_blocks
+
+    fp8 = dict(matmul_dtype="fp8", cache_fp8_weights=True)
+    assert fp8_cached_blocks(Knobs(**fp8), 4, 1) == {"blocks.0", "blocks.1", "blocks.2", "blocks.3"}
+    assert fp8_cached_blocks(Knobs(**fp8, offload_weights=0.5), 4, 1) == {"blocks.2", "blocks.3"}
+    zero3 = dict(shard_optimizer=True, shard_gradients=True, shard_weights=True)
+    assert fp8_cached_blocks(Knobs(**fp8, **zero3), 4, 2) == frozenset()
+    assert fp8_cached_blocks(Knobs(matmul_dtype="fp8"), 4, 1) == frozenset()
+    with pytest.raises(UserError, match="knobs.cache_fp8_weights: caches fp8 copies of the weights: it needs "
+                                        "knobs.matmul_dtype 'fp8', not 'bf16'"):
+        Knobs(cache_fp8_weights=True)
+
+
+def test_cached_fp8_weights_are_cast_once_a_step_and_cost_two_bytes_a_weight():
+    """Four micro-batches: uncached, every pass of every block casts its weights (forward and backward); cached,
+    one cast of every block at the start of the step, and the cache in the weights' memory."""
+    spec, machine = PRESETS["llama-3.1-8b"], load_machine("h200")
+    base = Knobs(micro_batch_size=4, grad_accum_steps=4, matmul_dtype="fp8", optimizer_dtype="bf16",
+                 master_dtype="bf16", lm_head_chunks=4, compile=True)
+    cached = dataclasses.replace(base, cache_fp8_weights=True)
+    c = costs(spec, 2048, base, machine)
+    cast_s, cache_s = c.layer_weight_cast_forward + c.layer_weight_cast_backward, c.layer_weight_cache
+    assert 0 < cache_s < cast_s
+    saved = simulate(spec, 2048, base, machine).step_time_s - simulate(spec, 2048, cached, machine).step_time_s
+    assert saved == pytest.approx(spec.num_layers * (4 * cast_s - cache_s), rel=1e-6)
+    m_base, m_cached = (memory(spec, 2048, k, 1, 1, "cuda") for k in (base, cached))
+    assert m_cached.gpu["weights"] - m_base.gpu["weights"] == spec.num_layers * spec.layer_matmul_params() * 2
+
+
+def test_the_search_leaves_out_fp8_weight_caches_that_would_cache_nothing():
+    from fastml.planner.search import without_no_ops
+
+    spec = PRESETS["tiny"]
+    values = {f.name: f.default for f in dataclasses.fields(Knobs)} | {"cache_fp8_weights": True}
+    assert not without_no_ops(spec, values, 1)["cache_fp8_weights"]  # bf16 matmuls
+    fp8 = values | {"matmul_dtype": "fp8"}
+    assert without_no_ops(spec, fp8, 1)["cache_fp8_weights"]
+    assert not without_no_ops(spec, fp8 | {"offload_weights": 1.0}, 1)["cache_fp8_weights"]
+    zero3 = {"shard_optimizer": True, "shard_gradients": True, "shard_weights": True}
+    assert not without_no_ops(spec, fp8 | zero3, 2)["cache_fp8_weights"]

@@ -1,7 +1,8 @@
 """Lower-precision optimizer state on a CPU: bf16 Adam moments and bf16 master weights (knobs.optimizer_dtype,
 knobs.master_dtype), stepped by fastml's op with stochastic rounding. They train close to fp32 state, keep a third
 of the optimizer's memory, and resume bit for bit (the rounding's random bits come from the seed, not a generator's
-state). tests/test_gpu_precision.py trains with them on a GPU, and with fp8 matmuls, which need one."""
+state). tests/test_gpu_precision.py trains with them on a GPU, and with fp8 matmuls, which need one; here fp8 runs
+emulated, for what surrounds its casts and GEMMs (the weights' fp8 cache)."""
 
 import json
 
@@ -62,3 +63,39 @@ def test_bf16_state_resumes_bit_for_bit(tmp_path):
     resumed = run_losses(plan, tmp_path / "b.jsonl", resume=True)
     assert first == whole[:3]
     assert resumed == whole
+
+
+# ---------------------------------------------------------------------------------------------------- fp8, emulated
+
+@pytest.fixture
+def emulated_fp8(monkeypatch):
+    """fp8 matmuls on a CPU: the cast by its float32 reference, the scaled GEMM as float32 products of the fp8
+    values. What this checks is the bookkeeping around them (tests/test_gpu_precision.py runs the real ones)."""
+    from fastml.executor import fp8
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
+        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+    monkeypatch.setattr(fp8, "quantize", fp8.quantize_reference)
+    monkeypatch.setattr(fp8, "check_fp8", lambda device: None)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    return fp8
+
+
+def test_cached_fp8_weights_follow_the_weights_from_step_to_step(tmp_path, emulated_fp8, monkeypatch):
+    """Casting the weights once a step (at its start) trains exactly as casting them at every use; a cache left as
+    the first step cast it would not (the test would see it)."""
+    plan = cpu_plan(steps=4, matmul_dtype="fp8")
+    cast = run_losses(plan, tmp_path / "cast.jsonl")
+    cached_plan = cpu_plan(steps=4, matmul_dtype="fp8", cache_fp8_weights=True)
+    assert run_losses(cached_plan, tmp_path / "cached.jsonl") == cast
+    refresh, calls = emulated_fp8.refresh_weight_caches, []
+    monkeypatch.setattr(emulated_fp8, "refresh_weight_caches",
+                        lambda model: calls.append(1) or (refresh(model) if len(calls) == 1 else None))
+    stale = run_losses(cached_plan, tmp_path / "stale.jsonl")
+    assert stale[0] == cast[0] and stale[1:] != cast[1:]
+
+
+def test_cached_fp8_weights_are_not_in_checkpoints(emulated_fp8):
+    model = build_training_model(cpu_plan(matmul_dtype="fp8", cache_fp8_weights=True), torch.device("cpu"))
+    assert len(emulated_fp8.cached_linears(model)) == 4 * PRESETS["tiny"].num_layers
+    assert not any("fp8" in name for name in model.state_dict())
