@@ -116,19 +116,24 @@ def _fp8(peak_fp8_flops: float, quick: bool) -> dict:
     return measured
 
 
-CAST_ROWS = 8192
+CAST_SHAPE = (8192, 14336)
+"""A large micro-batch's widest activation (8B's FFN), beyond the L2 cache."""
+CAST_LAYOUTS = ((True, False), (False, True), (True, True))
+"""Row-major alone (a weight, forward), transposed alone (a weight, backward), both (an input or a gradient)."""
 
 
 def _fp8_cast_bytes_per_s() -> float:
-    """A bf16 matrix of the size of a large micro-batch's activations cast to e4m3, row-major and transposed at
-    once (as most casts of a step are), its bytes counted as planner/costs.py counts them."""
+    """A bf16 matrix cast to e4m3 in each layout a step casts, bytes counted as planner/costs.py counts them."""
     import torch
 
     from fastml.executor import fp8
     from fastml.planner.costs import FP8_CAST_BYTES
 
-    x = torch.randn(CAST_ROWS, 4096, device="cuda", dtype=torch.bfloat16)
-    return x.numel() * (FP8_CAST_BYTES + 1) / _cuda_seconds(lambda: fp8.quantize(x, fp8.E4M3, True, True))
+    x = torch.randn(*CAST_SHAPE, device="cuda", dtype=torch.bfloat16)
+    seconds = sum(_cuda_seconds(lambda rowwise=rowwise, transposed=transposed:
+                                fp8.quantize(x, fp8.E4M3, rowwise, transposed)) for rowwise, transposed in CAST_LAYOUTS)
+    num_bytes = x.numel() * sum(FP8_CAST_BYTES + (rowwise and transposed) for rowwise, transposed in CAST_LAYOUTS)
+    return num_bytes / seconds
 
 
 def _fp8_gemm_flops_if_it_fits(m: int, n: int, k: int) -> float | None:
