@@ -289,7 +289,7 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None) -> No
     measured_profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
     if shapes_from:
         later = json.loads(shapes_from.read_text())["gpu"]
-        for rate in ("gemm_shapes", "fp8_gemm_shapes", "fp8_cast_bytes_per_s"):
+        for rate in ("gemm_shapes", "fp8_gemm_shapes", "fp8_backward_gemm_shapes", "fp8_cast_bytes_per_s"):
             if rate in later:
                 measured_profile["gpu"][rate] = later[rate]
     calibration_names = {c.name for c in CALIBRATION}

@@ -33,6 +33,9 @@ class DeviceSection:
     fp8_gemm_shapes: tuple[tuple[float, float, float, float], ...] = ()
     """(M, N, K, achieved / fp8 peak) of fp8 GEMMs (torch._scaled_mm) at these shapes; where none is measured, fp8
     GEMMs take the bf16 efficiency at the fp8 peak."""
+    fp8_backward_gemm_shapes: tuple[tuple[float, float, float, float], ...] = ()
+    """(M, N, K, achieved / fp8 peak) of the two backward GEMMs of the fp8 linear whose forward GEMM is (M, N, K):
+    e5m2 gradients, without fast accumulation; where none is measured, the forward's."""
     hbm_bytes_per_s: float
     """Device memory bandwidth (a CPU profile: a large tensor copy's rate in host memory)."""
     fp8_cast_bytes_per_s: float | None = None

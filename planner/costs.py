@@ -125,6 +125,17 @@ def fp8_weight_cast_bytes(spec: ModelSpec) -> tuple[float, float, float]:
     return params * FP8_CAST_BYTES, params * FP8_CAST_BYTES, params * (FP8_CAST_BYTES + 1)
 
 
+RECOMPUTED_LINEARS = {"ffn": ("gate_up", "down"), "qkv": ("qkv",)}
+"""The linear layers each recompute part runs again (executor/apply.py `recompute_targets`); "block" runs all."""
+
+
+def recomputed_weight_share(spec: ModelSpec, parts: tuple[str, ...]) -> float:
+    """The share of a block's linear-layer weights that recomputing `parts` multiplies by again."""
+    shapes = spec.block_linear_shapes()
+    again = set(shapes) if "block" in parts else {name for part in parts for name in RECOMPUTED_LINEARS.get(part, ())}
+    return sum(n * k for name, (n, k) in shapes.items() if name in again) / sum(n * k for n, k in shapes.values())
+
+
 def gemm_flops(m: int, n: int, k: int) -> float:
     return 2.0 * m * n * k
 
@@ -192,9 +203,9 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
     # fp8 is the blocks' linear layers' alone: attention and the LM head stay bf16 (executor/fp8.py)
     other_dtype = "bf16" if dtype == "fp8" else dtype
 
-    def gemms(*names: str) -> float:
+    def gemms(*names: str, backward: bool = False) -> float:
         shapes = layer_gemms(spec, t)
-        return sum(gpu.gemm_seconds(*shapes[name], dtype) for name in names)
+        return sum(gpu.gemm_seconds(*shapes[name], dtype, backward) for name in names)
 
     def hbm(num_bytes: float) -> float:
         return num_bytes / gpu.hbm_bytes_per_s
@@ -210,9 +221,12 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
     quantize_forward, quantize_backward = (cast(b) for b in fp8_cast_bytes(spec, t))
     weight_casts = [cast(b) for b in fp8_weight_cast_bytes(spec)]
     forward = block + attention + elementwise + quantize_forward
-    backward = 2 * block + ATTENTION_BACKWARD_FACTOR * attention + 2 * elementwise + quantize_backward
-    recompute = _recompute_s(knobs.recompute, forward, gemms("gate_up", "down"), gemms("qkv"), attention,
-                             elementwise)
+    backward = 2 * gemms("qkv", "out", "gate_up", "down", backward=True) + ATTENTION_BACKWARD_FACTOR * attention + \
+        2 * elementwise + quantize_backward
+    # fp8: recomputed linears cast their inputs again (their weights too, where not cached: simulate.py)
+    input_casts = {name: cast(t * k * (FP8_CAST_BYTES + 1)) for name, (_, k) in spec.block_linear_shapes().items()}
+    recompute = _recompute_s(knobs.recompute, forward, gemms("gate_up", "down") + input_casts["gate_up"] +
+                             input_casts["down"], gemms("qkv") + input_casts["qkv"], attention, elementwise)
     head = head_gemm_passes(knobs.lm_head_chunks) * gpu.gemm_seconds(t, *spec.lm_head_shape(), other_dtype)
     # Every (tokens x vocab) tensor of the loss is written once and read once (memory.loss_tensor_bytes).
     head += hbm(2 * sum(loss_tensor_bytes(knobs).values()) * t * spec.vocab_size)

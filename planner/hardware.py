@@ -37,15 +37,20 @@ class Gpu:
     """Efficiency measured at exactly these (M, N, K): on a CPU it depends on the shape more than on g."""
     fp8_gemm_shapes: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
     """fp8 GEMMs' efficiency against the fp8 peak, measured at these (M, N, K)."""
+    fp8_backward_gemm_shapes: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
+    """The same for the two backward GEMMs of the forward GEMM (M, N, K)."""
     fp8_cast_bytes_per_s: float
     """fastml's fp8 casts, bytes as planner/costs.py counts them; the HBM rate where the profile has none."""
 
-    def gemm_seconds(self, m: int, n: int, k: int, dtype: str) -> float:
+    def gemm_seconds(self, m: int, n: int, k: int, dtype: str, backward: bool = False) -> float:
         """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this shape (in fp8, the
-        fp8 GEMMs' where measured), else at this size (interpolated in log g; the curve is measured in bf16 and
+        fp8 GEMMs' where measured; `backward`: one of the two backward GEMMs of the forward GEMM (m, n, k), which
+        in fp8 run at their own rate), else at this size (interpolated in log g; the curve is measured in bf16 and
         applied to fp8 too)."""
-        measured = (_shape_efficiency(self.fp8_gemm_shapes, m, n, k) if dtype == "fp8" else None) or \
-            _shape_efficiency(self.gemm_shapes, m, n, k)
+        tables = [self.gemm_shapes]
+        if dtype == "fp8":
+            tables = [self.fp8_backward_gemm_shapes] * backward + [self.fp8_gemm_shapes] + tables
+        measured = next((e for table in tables if (e := _shape_efficiency(table, m, n, k))), None)
         efficiency = measured or self.gemm_efficiency_at((m * n * k) ** (1 / 3))
         return 2.0 * m * n * k / (self.peak_flops_for(dtype) * efficiency)
 
@@ -204,6 +209,7 @@ def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
                 gemm_efficiency=tuple(sorted(gpu.gemm_efficiency)), hbm_bytes_per_s=gpu.hbm_bytes_per_s,
                 gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.gemm_shapes},
                 fp8_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.fp8_gemm_shapes},
+                fp8_backward_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.fp8_backward_gemm_shapes},
                 fp8_cast_bytes_per_s=gpu.fp8_cast_bytes_per_s or gpu.hbm_bytes_per_s,
                 h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, p2p=gpu.p2p, nvlink_bytes_per_s=gpu.nvlink_bytes_per_s),
         node=node, num_gpus=node.gpus_per_node,

@@ -3,10 +3,11 @@ curve against the GPU's dense peak (square GEMMs) and at the linear layers' exac
 bytes read and written), pinned host copies up and down (one GPU alone, and every GPU at once through the shared
 PCIe root), the cost of a kernel launch, the host's memory bandwidth and the C++ CPU AdamW's throughput on its
 cores. GPU work is timed with CUDA events, the median of several runs after warm-ups; `quick` takes fewer sizes
-and smaller copies (under 20 s on one H200; several GPUs add the start of their workers).
+and smaller copies (under 20 s on one H200, once fastml's CUDA ops are built; several GPUs add the start of their
+workers).
 
 On a GPU with fp8 tensor cores (and nvcc to build fastml's CUDA ops), also fp8 GEMMs (torch._scaled_mm) at the
-presets' linear-layer shapes and the rate of fastml's fp8 cast (csrc/fp8_cuda.cu); where they cannot run, the
+presets' linear-layer shapes, forward and backward, and the rate of fastml's fp8 cast (csrc/fp8_cuda.cu); where they cannot run, the
 profile keeps its base profile's fp8 figures (`fp8_error` says why).
 
 With several GPUs, also peer-to-peer copies and the collectives between them (planner/between_gpus.py).
@@ -45,11 +46,11 @@ def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None,
     measured["gpu.gemm_efficiency"] = [[g, round(_gemm_flops(g, g, g) / peak_bf16_flops, 4)] for g in sizes]
     if not quick:
         on_step("the presets' linear layers")
-        rates = {shape: _gemm_flops_if_it_fits(*shape) for shape in _model_shapes()}
+        rates = {shape: _if_it_fits(_gemm_flops, *shape) for shape in _model_shapes()}
         measured["gpu.gemm_shapes"] = [[m, n, k, round(flops / peak_bf16_flops, 4)]
                                        for (m, n, k), flops in rates.items() if flops]
     if peak_fp8_flops:
-        on_step("fp8 GEMMs and casts")
+        on_step("the fp8 cast" if quick else "fp8 GEMMs and the fp8 cast")
         measured |= _fp8(peak_fp8_flops, quick)
     on_step("HBM")
     measured["gpu.hbm_bytes_per_s"] = _hbm_bytes_per_s(copy_bytes)
@@ -110,9 +111,11 @@ def _fp8(peak_fp8_flops: float, quick: bool) -> dict:
         return {"fp8_error": str(e).splitlines()[0]}
     measured = {"gpu.fp8_cast_bytes_per_s": _fp8_cast_bytes_per_s()}
     if not quick:
-        rates = {shape: _fp8_gemm_flops_if_it_fits(*shape) for shape in _model_shapes(lm_head=False)}
-        measured["gpu.fp8_gemm_shapes"] = [[m, n, k, round(flops / peak_fp8_flops, 4)]
-                                           for (m, n, k), flops in rates.items() if flops]
+        for field, gemm_flops in (("gpu.fp8_gemm_shapes", _fp8_gemm_flops),
+                                  ("gpu.fp8_backward_gemm_shapes", _fp8_backward_gemm_flops)):
+            rates = {shape: _if_it_fits(gemm_flops, *shape) for shape in _model_shapes(lm_head=False)}
+            measured[field] = [[m, n, k, round(flops / peak_fp8_flops, 4)] for (m, n, k), flops in rates.items()
+                               if flops]
     return measured
 
 
@@ -136,20 +139,33 @@ def _fp8_cast_bytes_per_s() -> float:
     return num_bytes / seconds
 
 
-def _fp8_gemm_flops_if_it_fits(m: int, n: int, k: int) -> float | None:
+def _fp8_gemm_flops(m: int, n: int, k: int) -> float:
     """x @ w.T in e4m3 with bf16 out, as the fp8 linears' forward pass multiplies (executor/fp8.py)."""
     import torch
 
-    try:
-        a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
-        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
-        one = torch.ones((), device="cuda")
-        seconds = _cuda_seconds(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
-                                                         out_dtype=torch.bfloat16, use_fast_accum=True))
-    except torch.cuda.OutOfMemoryError:
-        torch.cuda.empty_cache()
-        return None
-    return 2 * m * n * k / seconds
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    return 2 * m * n * k / _cuda_seconds(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                                                   out_dtype=torch.bfloat16, use_fast_accum=True))
+
+
+def _fp8_backward_gemm_flops(m: int, n: int, k: int) -> float:
+    """The backward GEMMs of the fp8 linear whose forward GEMM is (m, n, k), as executor/fp8.py runs them: the input
+    gradient (e5m2 gradient by the e4m3 weight's transpose) and the weight gradient (the gradient's transpose by the
+    input's), bf16 out, without fast accumulation; their FLOPs over their time together."""
+    import torch
+
+    grad = torch.randn(m, n, device="cuda").to(torch.float8_e5m2)
+    grad_t = torch.randn(n, m, device="cuda").to(torch.float8_e5m2)
+    weight_t = torch.randn(k, n, device="cuda").to(torch.float8_e4m3fn)
+    x_t = torch.randn(k, m, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+
+    def both() -> None:
+        torch._scaled_mm(grad, weight_t.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        torch._scaled_mm(grad_t, x_t.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    return 2 * 2 * m * n * k / _cuda_seconds(both)
 
 
 def _cuda_seconds(run, repeats: int = 10, warmups: int = 2) -> float:
@@ -176,13 +192,13 @@ def _gemm_flops(m: int, n: int, k: int) -> float:
     return 2 * m * n * k / _cuda_seconds(lambda: a @ b)
 
 
-def _gemm_flops_if_it_fits(m: int, n: int, k: int) -> float | None:
-    """The rate, or None where the GPU has no room for the GEMM's tensors (a small GPU, the largest shapes): the
-    planner then takes the rate of the most rows measured."""
+def _if_it_fits(gemm_flops, m: int, n: int, k: int) -> float | None:
+    """The rate `gemm_flops` measures, or None where the GPU has no room for the GEMM's tensors (a small GPU, the
+    largest shapes): the planner then takes the rate of the most rows measured."""
     import torch
 
     try:
-        return _gemm_flops(m, n, k)
+        return gemm_flops(m, n, k)
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return None

@@ -315,8 +315,9 @@ def _measure(topology: dict, quick: bool, console: Console) -> dict:
                                 nvlink=all(g["num_nvlinks"] for g in topology["gpus"]), peak_fp8_flops=peaks.get("fp8"))
     console.print(f"measured in {time.perf_counter() - start:.0f} s", highlight=False)
     if "fp8_error" in measured:
-        console.print(f"[yellow]note:[/] fp8 not measured ({measured['fp8_error']}): the profile keeps {base}'s fp8 "
-                      f"figures, or where it has none the planner prices fp8 GEMMs at the bf16 efficiencies")
+        console.print(f"[yellow]note:[/] fp8 not measured ({measured['fp8_error']}): the profile keeps whatever fp8 "
+                      f"figures {base} has; without them the planner prices fp8 GEMMs at the bf16 efficiencies and "
+                      f"fp8 casts at the HBM rate")
     if "between_gpus_error" in measured:
         console.print(f"[yellow]warning:[/] the measurements between GPUs failed ({measured['between_gpus_error']}); "
                       f"the profile keeps {base}'s figures for peer copies and collectives")

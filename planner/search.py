@@ -129,15 +129,14 @@ def without_no_ops(spec: ModelSpec, values: dict, num_gpus: int) -> dict:
     for name in knob_names("offload"):
         if round(fixed[name] * spec.num_layers) == 0:
             fixed[name] = 0.0
-    if fixed["matmul_dtype"] != "fp8":
-        fixed["cache_fp8_weights"] = False
-    defaults = {f.name: f.default for f in dataclasses.fields(Knobs)}
-    if not has_fp32_masters(Knobs(**{**defaults, **fixed})):
-        fixed["offload_master"] = 0.0
     all_streamed = round(fixed["offload_weights"] * spec.num_layers) == spec.num_layers
     if not fixed["shard_weights"] or all_streamed:
         fixed["cache_weights_on_host"] = False
-    if not fp8_cached_blocks(Knobs(**{**defaults, **fixed}), spec.num_layers, num_gpus):
+    fixed["cache_fp8_weights"] &= fixed["matmul_dtype"] == "fp8"
+    knobs = Knobs(**{**{f.name: f.default for f in dataclasses.fields(Knobs)}, **fixed})
+    if not has_fp32_masters(knobs):
+        fixed["offload_master"] = 0.0
+    if not fp8_cached_blocks(knobs, spec.num_layers, num_gpus):
         fixed["cache_fp8_weights"] = False
     return fixed
 
@@ -259,7 +258,8 @@ def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: 
 def _core_leaders(problem: Problem, space: dict[str, tuple], count: int = 5) -> list[tuple[dict, Candidate]]:
     """The best few plans that offload, shard and lower nothing (every other knob at its first choice), found
     exhaustively: a cheap, strong start for the sampler, which would seldom draw all those knobs at zero."""
-    core = {n: (c if n == "micro_batch_size" or KNOBS[n].kind in ("recompute", "speed") else c[:1])
+    core = {n: (c if n == "micro_batch_size" or (KNOBS[n].kind in ("recompute", "speed") and
+                                                 not KNOBS[n].lower_precision) else c[:1])
             for n, c in space.items()}
     if space_size(core) > 2000:
         return []

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from fastml.plan import TIME_COMPONENTS, Knobs, fp8_cached_blocks
-from fastml.planner.costs import Collective, costs
+from fastml.planner.costs import Collective, costs, recomputed_weight_share
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (STREAM_BUFFER_LAYERS, block_input_bytes, group_params, layer_activation_bytes,
                                    placement)
@@ -89,6 +89,8 @@ class _StepGraph:
         self.multi = machine.num_gpus > 1
         self.place = placement(spec, knobs)
         self.fp8_cached = fp8_cached_blocks(knobs, spec.num_layers, machine.num_gpus)
+        self.recomputed_weights = recomputed_weight_share(spec, knobs.recompute)
+        self.cache_op: str | None = None
         self.group_params = group_params(spec)
         self.optimizer_shard = machine.num_gpus if knobs.shard_optimizer else 1
         tokens = knobs.micro_batch_size * seq_len
@@ -140,9 +142,9 @@ class _StepGraph:
         k, c = self.knobs, self.c
         sharded = k.shard_weights and self.multi
         streamed = _block(layer) in self.place.streamed_weights
-        if streamed and not sharded:
+        if streamed and not sharded:  # the copies wait for the compute queued before them (the fp8 cache's cast)
             return self.add(f"h2d weights L{layer} {tag}", "h2d", c.layer_weights_h2d, "offload",
-                            [self.buffer_free("weights")])
+                            [self.buffer_free("weights"), self.cache_op])
         if not sharded:
             return None
         if backward and k.cache_weights_on_host and not streamed:
@@ -175,7 +177,7 @@ class _StepGraph:
     def forward(self, m: int) -> None:
         c = self.c
         if m == 0 and self.fp8_cached:  # the step's one cast of the cached fp8 weights (executor/step.py)
-            self.compute("cache fp8 weights", len(self.fp8_cached) * c.layer_weight_cache, "compute")
+            self.cache_op = self.compute("cache fp8 weights", len(self.fp8_cached) * c.layer_weight_cache, "compute")
         if self.multi and self.knobs.shard_weights:  # gathered at the start of the pass, waited for at once
             self.compute(f"embed mb{m}", 0.0, "compute", [self.collective(f"gather embed mb{m}", c.embed_gather,
                                                                          [self.prefetch_slot()])])
@@ -214,7 +216,7 @@ class _StepGraph:
                                      alloc=[(f"input {m} {layer}", self.input_bytes)]))
                 freed.append(f"input {m} {layer}")
             if self.knobs.recompute:
-                recast = self.weight_casts(layer, "forward") if "block" in self.knobs.recompute else 0.0
+                recast = self.weight_casts(layer, "forward") * self.recomputed_weights
                 self.compute(f"recompute L{layer} mb{m}", c.layer_recompute + recast, "recompute", deps)
                 deps = []
             accumulate = c.grad_accumulate / self.num_layers if m > 0 else 0.0

@@ -370,3 +370,20 @@ def test_the_search_leaves_out_fp8_weight_caches_that_would_cache_nothing():
     assert not without_no_ops(spec, fp8 | {"offload_weights": 1.0}, 1)["cache_fp8_weights"]
     zero3 = {"shard_optimizer": True, "shard_gradients": True, "shard_weights": True}
     assert not without_no_ops(spec, fp8 | zero3, 2)["cache_fp8_weights"]
+
+
+def test_recomputed_fp8_linears_cast_their_weights_again_unless_cached():
+    """Recomputing the FFN re-runs gate_up and down (executor/apply.py): uncached, their weights are cast again."""
+    from fastml.planner.costs import recomputed_weight_share
+
+    spec, machine = PRESETS["llama-3.1-8b"], load_machine("h200")
+    shapes = spec.block_linear_shapes()
+    ffn = (shapes["gate_up"][0] * shapes["gate_up"][1] + shapes["down"][0] * shapes["down"][1]) / \
+        spec.layer_matmul_params()
+    assert recomputed_weight_share(spec, ("ffn",)) == pytest.approx(ffn)
+    assert recomputed_weight_share(spec, ("block",)) == 1.0 and recomputed_weight_share(spec, ("attention",)) == 0
+    base = Knobs(micro_batch_size=4, grad_accum_steps=4, recompute=("ffn",), matmul_dtype="fp8")
+    cached = dataclasses.replace(base, cache_fp8_weights=True)
+    recast = costs(spec, 2048, base, machine).layer_weight_cast_forward * ffn * spec.num_layers * 4
+    times = [simulate(spec, 2048, k, machine).time_s["recompute"] for k in (base, cached)]
+    assert times[0] - times[1] == pytest.approx(recast, rel=1e-6)

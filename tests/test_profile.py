@@ -194,7 +194,8 @@ MEASURED = {"gpu.gemm_efficiency": [[1024, 0.1], [8192, 0.71]], "gpu.hbm_bytes_p
             "gpu.pcie.h2d_bytes_per_s": 5.0e10, "gpu.pcie.d2h_bytes_per_s": 5.1e10,
             "node.h2d_all_gpus_bytes_per_s": 9.0e10, "node.host_copy_bytes_per_s": 6.0e10,
             "node.cpu_adam_params_per_s": 3.0e9, "launch_s": 3e-6, "quick": True, "date": "2026-12-01",
-            "gpu.fp8_cast_bytes_per_s": 3.0e12, "gpu.fp8_gemm_shapes": [[8192, 4096, 4096, 0.6]]}
+            "gpu.fp8_cast_bytes_per_s": 3.0e12, "gpu.fp8_gemm_shapes": [[8192, 4096, 4096, 0.6]],
+            "gpu.fp8_backward_gemm_shapes": [[8192, 4096, 4096, 0.5]]}
 
 
 def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(monkeypatch, tmp_path):
@@ -209,6 +210,10 @@ def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(mon
     assert machine.gpu.fp8_cast_bytes_per_s == 3.0e12
     fp8_peak, bf16_peak = machine.gpu.peak_flops["fp8"], machine.gpu.peak_flops["bf16"]
     assert machine.gpu.gemm_seconds(8192, 4096, 4096, "fp8") == pytest.approx(2 * 8192 * 4096**2 / (fp8_peak * 0.6))
+    assert machine.gpu.gemm_seconds(8192, 4096, 4096, "fp8", backward=True) == pytest.approx(
+        2 * 8192 * 4096**2 / (fp8_peak * 0.5))
+    assert machine.gpu.gemm_seconds(8192, 4096, 4096, "bf16", backward=True) == \
+        machine.gpu.gemm_seconds(8192, 4096, 4096, "bf16")
     # an fp8 shape not measured takes the bf16 efficiency, at the fp8 peak
     assert machine.gpu.gemm_seconds(1024, 1024, 1024, "fp8") == pytest.approx(
         machine.gpu.gemm_seconds(1024, 1024, 1024, "bf16") * bf16_peak / fp8_peak)
