@@ -3,7 +3,7 @@ of runs fitted by `fastml calibrate`, then a different set scored: predicted aga
 memory, plans pinned and plans the planner chose itself, and a grid of neighbours around one of its choices.
 
     python benchmarks/fidelity.py run [--parts calibrate,planner,pinned,grid,lower] [--out DIR] [--deadline S]  # GPU
-    python benchmarks/fidelity.py score [--gemm-shapes-from PROFILE]   # anywhere: the table, its errors, the plot
+    python benchmarks/fidelity.py score [--gemm-shapes-from PROFILE] [--fp8-from PROFILE]  # anywhere: the table
 
 `run` writes into DIR (default benchmarks/results) `fidelity-runs-<gpu>.jsonl`, one line per run as it ends, and
 `fidelity-profile-<gpu>.json`, the measured profile (with, after the calibration part, its fitted calibration,
@@ -277,21 +277,22 @@ def _records(rows: list[dict]) -> dict:
 # -------------------------------------------------------------------------------------------------------- score
 
 
-def score(runs: Path, profile_path: Path, shapes_from: Path | None = None) -> None:
+FP8_RATES = ("fp8_gemm_shapes", "fp8_backward_gemm_shapes", "fp8_cast_bytes_per_s")
+
+
+def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_from: Path | None = None) -> None:
     """Calibrates the measured profile on the calibration set, predicts every other run with it, and writes the
-    table, its errors and the plot. `shapes_from`: a profile of the same machine measured later, whose GEMM rates at
-    the linear layers' shapes (bf16 and fp8) and fp8 cast rate replace the runs' profile's (every other rate stays as
-    measured beside the runs)."""
+    table, its errors and the plot. `shapes_from`, `fp8_from`: profiles of the same machine measured later, whose
+    bf16 GEMM rates at the linear layers' shapes, and whose fp8 rates (FP8_RATES), replace the runs' profile's
+    (every other rate stays as measured beside the runs)."""
     from fastml.hwprofiles.schema import Calibration
     from fastml.planner.calibrate import _predict, calibrate, with_calibration
 
     rows = _latest(_rows(runs))
     measured_profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
-    if shapes_from:
-        later = json.loads(shapes_from.read_text())["gpu"]
-        for rate in ("gemm_shapes", "fp8_gemm_shapes", "fp8_backward_gemm_shapes", "fp8_cast_bytes_per_s"):
-            if rate in later:
-                measured_profile["gpu"][rate] = later[rate]
+    for later, rates in ((shapes_from, ("gemm_shapes",)), (fp8_from, FP8_RATES)):
+        if later:
+            measured_profile["gpu"] |= {rate: json.loads(later.read_text())["gpu"][rate] for rate in rates}
     calibration_names = {c.name for c in CALIBRATION}
     fitted, _ = calibrate(_records([r for r in rows if r["name"] in calibration_names and "record" in r]),
                           measured_profile)
@@ -324,6 +325,7 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None) -> No
         "grids": _grids(scored),
         "profile_command_s": measured_profile.get("measured", {}).get("profile_command_s"),
         "gemm_shapes_from": str(shapes_from) if shapes_from else None,
+        "fp8_rates_from": str(fp8_from) if fp8_from else None,
     }
     path = write_result("fidelity.json", figures, machine=plans[0]["machine"] if plans else None)
     _plot(scored, RESULTS / "fidelity.png")
@@ -437,6 +439,8 @@ def main() -> None:
     scoring.add_argument("--profile", type=Path)
     scoring.add_argument("--gemm-shapes-from", type=Path, metavar="PROFILE",
                          help="take the GEMM rates at the linear layers' shapes from this later profile of the machine")
+    scoring.add_argument("--fp8-from", type=Path, metavar="PROFILE",
+                         help="take the fp8 GEMM and cast rates from this later profile of the machine")
     args = parser.parse_args()
     if args.command == "run":
         args.out.mkdir(parents=True, exist_ok=True)
@@ -448,7 +452,7 @@ def main() -> None:
     else:
         tag = "h200"  # the results kept in the repository
         score(args.runs or RESULTS / f"fidelity-runs-{tag}.jsonl",
-              args.profile or RESULTS / f"fidelity-profile-{tag}.json", args.gemm_shapes_from)
+              args.profile or RESULTS / f"fidelity-profile-{tag}.json", args.gemm_shapes_from, args.fp8_from)
 
 
 if __name__ == "__main__":
