@@ -1,9 +1,11 @@
 """Where a training step's GPU time goes: runs pinned plans on this GPU, traces one step with torch's profiler
 (`fastml run --trace-step`, a Perfetto file kept beside the summary) and adds up the step's GPU kernels by kind: the
 matmuls, fp8 casts, attention, the optimizer, copies and the rest, with the largest kernels by name. Writes
-benchmarks/results/profile_step-<gpu>.json; the traces stay in --out.
+benchmarks/results/profile_step-<gpu>.json (the default model's) or profile_step-<gpu>-<model>.json; the traces stay
+in --out.
 
     python benchmarks/profile_step.py --model llama-3.1-8b --case bf16 --case fp8 [--steps 4] [--out DIR]
+    python benchmarks/profile_step.py --model tinyllama-1.1b --case bf16-mb16 --sequences 32
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fastml.planner.planner import make_plan  # noqa: E402
 from record import gpu_tag, write_result  # noqa: E402
 
 SEQ_LEN = 2048
+DEFAULT_MODEL = "llama-3.1-8b"
 CASES = {
     "bf16": dict(micro_batch_size=1, lm_head_chunks=4, compile=True),
     "fp8": dict(micro_batch_size=1, lm_head_chunks=4, compile=True, matmul_dtype="fp8"),
@@ -31,6 +34,8 @@ CASES = {
                            optimizer_dtype="bf16", master_dtype="bf16"),
     "bf16-bf16-state": dict(micro_batch_size=4, lm_head_chunks=4, compile=True, optimizer_dtype="bf16",
                             master_dtype="bf16"),
+    # vs_hf.py's best bf16 plan for tinyllama-1.1b (32 sequences a step)
+    "bf16-mb16": dict(micro_batch_size=16, compile=True),
 }
 KINDS = [  # first match wins: (kind, substrings of the kernel's name)
     ("fp8 cast", ("amax_kernel", "cast_kernel")),
@@ -73,7 +78,7 @@ def profile(model: str, case: str, steps: int, sequences: int, out: Path) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--case", action="append", choices=sorted(CASES), required=True)
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the one before the last is traced")
     parser.add_argument("--sequences", type=int, default=16, help="sequences per optimizer step")
@@ -87,7 +92,8 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001: one case's failure (out of memory) is its result
             results[case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         print(case, json.dumps(results[case], indent=1), flush=True)
-    write_result(f"profile_step-{gpu_tag()}.json", {"model": args.model, "seq_len": SEQ_LEN, "cases": results})
+    name = "" if args.model == DEFAULT_MODEL else f"-{args.model}"
+    write_result(f"profile_step-{gpu_tag()}{name}.json", {"model": args.model, "seq_len": SEQ_LEN, "cases": results})
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fastml.plan import Knobs, Plan, fp8_cached_blocks
 from fastml.executor import fp8, native
@@ -57,7 +57,7 @@ def apply_plan(model: Transformer, knobs: Knobs) -> Transformer:
     # then replace.
     if knobs.matmul_dtype == "fp8":
         fp8.convert_to_fp8(model)
-    apply_recompute(model, knobs.recompute)
+    apply_recompute(model, knobs.recompute, compiled=knobs.compile)
     if knobs.compile:
         apply_compile(model)
     return model
@@ -71,26 +71,36 @@ def recompute_targets(block: nn.Module, part: str) -> list[nn.Module]:
             "attention": [attn.core]}[part]
 
 
-def apply_recompute(model: Transformer, parts: tuple[str, ...]) -> None:
+def apply_recompute(model: Transformer, parts: tuple[str, ...], compiled: bool = False) -> None:
     """Stores only the inputs of the chosen parts; their insides are recomputed when gradients are needed.
-    `block` covers everything else, so with it the finer parts are redundant and skipped."""
+    `block` covers everything else, so with it the finer parts are redundant and skipped. `compiled`: the blocks
+    will be compiled (apply_compile), so the checkpoints are traced into their graphs."""
     parts = ("block",) if "block" in parts else parts
     for block in model.blocks:
         for part in parts:
             for module in recompute_targets(block, part):
-                _checkpoint_forward(module)
+                _checkpoint_forward(module, compiled)
 
 
-def _checkpoint_forward(module: nn.Module) -> None:
+def _checkpoint_forward(module: nn.Module, compiled: bool) -> None:
     # Replacing the bound forward keeps parameter names (and so checkpoints) unchanged, unlike a wrapper module, and
     # survives what wraps the module's call later (compile, hooks of sharding): they all call `module.forward`.
     forward = module.forward
+    # Traced by torch.compile (2.11), a plain checkpoint tags for recompute the ops it sees itself but not those inside
+    # an autograd.Function (fp8.FP8Matmul): the partitioner then saved the fp8 linears' casts and GEMM outputs, 14 GiB
+    # more than the inputs for Llama-3.2-3B (benchmarks/NOTES.md). A policy that recomputes every op tags those too.
+    # Eager checkpoints need none, and skip the dispatch mode's cost per op.
+    context = {"context_fn": _recompute_everything} if compiled else {}
 
     @functools.wraps(forward)
     def recomputed(*args):
-        return checkpoint(forward, *args, use_reentrant=False)
+        return checkpoint(forward, *args, use_reentrant=False, **context)
 
     module.forward = recomputed
+
+
+def _recompute_everything():
+    return create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_RECOMPUTE)
 
 
 def apply_compile(model: Transformer) -> None:

@@ -202,6 +202,16 @@ def test_compiled_fp8_blocks_share_one_graph(parts, cached):
             model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
 
 
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_recomputed_fp8_block_keeps_only_its_inputs(compiled):
+    """The fp8 casts are recomputed with the rest of the block, compiled too (torch 2.11 had saved them)."""
+    needs_fp8_tensor_cores()
+    from test_precision import kept_by_a_recomputed_block
+
+    assert kept_by_a_recomputed_block("cuda", matmul_dtype="fp8", compile=compiled) == []
+
+
 # ---------------------------------------------------------------------------------------------------- AdamW op
 
 
