@@ -3,7 +3,7 @@ plan: an unknown or missing key, or a value of the wrong type, is a one-line `Us
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from fastml.config import from_dict
@@ -54,6 +54,10 @@ class NodeSection:
     h2d_all_gpus_bytes_per_s: float
     """All GPUs of the node copying from host at once: the shared PCIe root complex's limit."""
     cpu_adam_params_per_s: float
+    """fastml's C++ AdamW (csrc/cpu_adam.cpp) over fp32 moments and masters, a bf16 gradient in, bf16 weights out."""
+    cpu_adam_state_params_per_s: dict[str, float] = field(default_factory=dict)
+    """The same op over bf16 state, which it writes with stochastic rounding, by "optimizer_dtype/master_dtype" of the
+    knobs: "bf16/fp32", "fp32/bf16", "bf16/bf16". A state not listed steps at cpu_adam_params_per_s."""
     host_copy_bytes_per_s: float
     nic_bytes_per_s: float
 

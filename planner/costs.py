@@ -97,6 +97,14 @@ class Collective:
         return self.comm_s + (max(self.d2h_s, self.h2d_s) if self.both_ways else self.d2h_s + self.h2d_s)
 
 
+def cpu_adam_rate(machine: Machine, knobs: Knobs) -> float:
+    """Parameters per second the CPU AdamW steps in the knobs' state dtypes (measured by `fastml profile`; the fp32
+    state's rate where the profile has none for them)."""
+    node = machine.node
+    return node.cpu_adam_state_params_per_s.get(f"{knobs.optimizer_dtype}/{knobs.master_dtype}",
+                                                node.cpu_adam_params_per_s)
+
+
 def layer_gemms(spec: ModelSpec, tokens: int) -> dict[str, tuple[int, int, int]]:
     """(m, n, k) of each forward matmul of one block over `tokens` tokens: the block's linear layers of
     `ModelSpec.block_linear_shapes`. The backward pass does two of each size (input and weight gradients)."""
@@ -249,7 +257,7 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
         layer_weight_cache=weight_casts[2],
         grad_accumulate=hbm(2 * p * param_bytes(knobs) / (machine.num_gpus if knobs.shard_gradients else 1)),
         grad_clip=hbm(p * param_bytes(knobs)),
-        gpu_adam_per_param=hbm(optimizer_step_bytes(knobs)), cpu_adam_per_param=1 / machine.node.cpu_adam_params_per_s,
+        gpu_adam_per_param=hbm(optimizer_step_bytes(knobs)), cpu_adam_per_param=1 / cpu_adam_rate(machine, knobs),
         h2d_per_byte=h2d, d2h_per_byte=d2h,
         layer_weights_h2d=layer_bytes * h2d, layer_grads_h2d=layer_bytes * h2d, layer_grads_d2h=layer_bytes * d2h,
         layer_input_d2h=block_input * d2h, layer_input_h2d=block_input * h2d,

@@ -29,6 +29,8 @@ SHAPE_TOKENS = (2048, 8192, 32768)
 """Tokens of a micro-batch: with N and K of 2048, a GEMM's rate still grows from 8192 rows to 32768."""
 COPY_BYTES, QUICK_COPY_BYTES = 2**30, 2**28
 ADAM_PARAMS = 2**24
+BF16_STATES = (("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "bf16"))
+"""(moments, masters) of the bf16 optimizer states the CPU AdamW's rate is measured over, beside fp32 state."""
 
 
 def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None, nvlink: bool = False,
@@ -63,7 +65,9 @@ def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None,
     on_step("host memory")
     measured["node.host_copy_bytes_per_s"] = _host_copy_bytes_per_s(copy_bytes // 2)
     on_step("C++ CPU AdamW")
-    measured["node.cpu_adam_params_per_s"] = _cpu_adam_params_per_s()
+    measured["node.cpu_adam_params_per_s"] = _cpu_adam_params_per_s("fp32", "fp32")
+    measured["node.cpu_adam_state_params_per_s"] = {f"{moments}/{masters}": _cpu_adam_params_per_s(moments, masters)
+                                                    for moments, masters in BF16_STATES}
     if torch.cuda.device_count() > 1:
         measured |= _between_gpus(quick, on_step, nvlink)
     return measured
@@ -289,17 +293,22 @@ def _host_copy_bytes_per_s(num_bytes: int) -> float:
     return 2 * num_bytes / best
 
 
-def _cpu_adam_params_per_s() -> float:
-    """The C++ CPU AdamW with a bf16 gradient and bf16 weights out, as offloaded optimizer states are stepped."""
+def _cpu_adam_params_per_s(moments: str, masters: str) -> float:
+    """The C++ CPU AdamW with a bf16 gradient, as offloaded optimizer states are stepped: moments and masters in
+    these dtypes (knobs.optimizer_dtype, knobs.master_dtype; bf16 ones written with stochastic rounding), bf16
+    weights out beside fp32 masters."""
     import torch
 
     from fastml.executor import cpu_adam
+    from fastml.executor.optim import DTYPES
 
-    master, m, v = torch.randn(ADAM_PARAMS), torch.zeros(ADAM_PARAMS), torch.zeros(ADAM_PARAMS)
-    grad, out = torch.randn(ADAM_PARAMS).to(torch.bfloat16), torch.empty(ADAM_PARAMS, dtype=torch.bfloat16)
+    master = torch.randn(ADAM_PARAMS).to(DTYPES[masters])
+    m, v = (torch.zeros(ADAM_PARAMS, dtype=DTYPES[moments]) for _ in range(2))
+    grad = torch.randn(ADAM_PARAMS).to(torch.bfloat16)
+    out = torch.empty(ADAM_PARAMS, dtype=torch.bfloat16) if masters == "fp32" else None
 
     def step() -> None:
-        cpu_adam.adamw_step_(master, m, v, grad, out, 1e-4, 0.9, 0.95, 1e-8, 0.1, 1)
+        cpu_adam.adamw_step_(master, m, v, grad, out, 1e-4, 0.9, 0.95, 1e-8, 0.1, 1, seed=1)
     step()
     return ADAM_PARAMS / min(_wall_s(step) for _ in range(3))
 

@@ -134,6 +134,19 @@ def simulated(**knobs):
     return simulate(PRESETS["tinyllama-1.1b"], SEQ, k, machine), costs(PRESETS["tinyllama-1.1b"], SEQ, k, machine)
 
 
+
+@pytest.mark.parametrize("state", [dict(optimizer_dtype="bf16"), dict(master_dtype="bf16"),
+                                   dict(optimizer_dtype="bf16", master_dtype="bf16")])
+def test_the_cpu_optimizer_steps_bf16_state_at_its_own_measured_rate(state):
+    """bf16 moments or masters move fewer bytes but cost a rounding's random bits: their CPU rate is measured apart
+    (`fastml profile`), and the CPU step takes the rate of the plan's dtypes."""
+    node = load_machine("h200", 1).node
+    rate = node.cpu_adam_state_params_per_s[f"{state.get('optimizer_dtype', 'fp32')}/{state.get('master_dtype', 'fp32')}"]
+    assert rate != node.cpu_adam_params_per_s
+    _, c = simulated(**ALL_OFFLOADED, **state)
+    assert c.cpu_adam_per_param == pytest.approx(1 / rate)
+
+
 def test_accumulated_gradients_come_back_before_each_later_backward_pass():
     sim, _ = simulated(offload_gradients=0.5)
     graph = sim.graph
