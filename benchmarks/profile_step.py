@@ -36,6 +36,7 @@ CASES = {
                             master_dtype="bf16"),
     # vs_hf.py's best bf16 plan for tinyllama-1.1b (32 sequences a step)
     "bf16-mb16": dict(micro_batch_size=16, compile=True),
+    "bf16-mb32": dict(micro_batch_size=32, compile=True),
 }
 KINDS = [  # first match wins: (kind, substrings of the kernel's name)
     ("fp8 cast", ("amax_kernel", "cast_kernel")),
