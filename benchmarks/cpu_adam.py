@@ -5,8 +5,8 @@ benchmarks/results/cpu_adam-<machine>.json.
 
     python benchmarks/cpu_adam.py [--params 100000000] [--repeats 5] [--threads N]
 
-The op also steps bf16 moments, and bf16 moments with bf16 masters (stochastic rounding), all with a bf16 gradient:
-`op_bf16_moments` and `op_bf16_moments_and_masters`, against `op_bf16_grad`'s fp32 state.
+The op also steps bf16 moments, bf16 masters, and both (stochastic rounding), all with a bf16 gradient:
+`op_bf16_moments`, `op_bf16_masters` and `op_bf16_moments_and_masters`, against `op_bf16_grad`'s fp32 state.
 
 The op reads a bf16 gradient, as it does in training (gradients leave the GPU in bf16); torch's reads an fp32 one,
 which spares it a conversion it would need in training, so `speedup` is a conservative figure. The op with an fp32
@@ -30,7 +30,8 @@ from fastml.hwprofiles import cpu_key
 
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
 BYTES_PER_PARAM = {"op_bf16_grad": 3 * 2 * 4 + 2 + 2, "op_fp32_grad": 3 * 2 * 4 + 4 + 2,
-                   "op_bf16_moments": 2 * 4 + 2 * 2 * 2 + 2 + 2, "op_bf16_moments_and_masters": 3 * 2 * 2 + 2,
+                   "op_bf16_moments": 2 * 4 + 2 * 2 * 2 + 2 + 2, "op_bf16_masters": 2 * 2 + 2 * 2 * 4 + 2,
+                   "op_bf16_moments_and_masters": 3 * 2 * 2 + 2,
                    "torch_fused_plus_copy": 3 * 2 * 4 + 4 + 4 + 2}
 """Read and write master, m and v (fp32, or bf16 moments or all three bf16); read the gradient; write the bf16
 weight beside fp32 masters (torch: read the fp32 master again to copy it)."""
@@ -103,6 +104,7 @@ def main() -> None:
     bf16 = torch.bfloat16
     steps = {"op_bf16_grad": op_step(args.params, bf16), "op_fp32_grad": op_step(args.params, torch.float32),
              "op_bf16_moments": op_step(args.params, bf16, moments=bf16),
+             "op_bf16_masters": op_step(args.params, bf16, masters=bf16),
              "op_bf16_moments_and_masters": op_step(args.params, bf16, moments=bf16, masters=bf16),
              "torch_fused_plus_copy": torch_step(args.params)}
     figures = {}

@@ -120,6 +120,9 @@ LOWER_PRECISION = [  # fp8 matmuls and bf16 optimizer state (stochastic rounding
              optimizer_dtype="bf16", master_dtype="bf16")),
     Case("l-1.1b-s2048-mb8-fp8-cached", "tinyllama-1.1b", 2048, 32, pin(micro_batch_size=8, compile=True,
                                                                         matmul_dtype="fp8", cache_fp8_weights=True)),
+    # the calibration's CPU-optimizer plan with bf16 moments: the CPU AdamW's rate over bf16 state, in training
+    Case("l-3b-s2048-mb4-bf16state-cpu-adam", "llama-3.2-3b", 2048, 8,
+         pin(micro_batch_size=4, compile=True, offload_optimizer=1.0, offload_master=1.0, optimizer_dtype="bf16")),
 ]
 
 GRID_CENTRES = ("p-1.1b-s2048",)
@@ -149,8 +152,10 @@ def grid_around(centre: Case, knobs: dict) -> list[Case]:
 # ---------------------------------------------------------------------------------------------------------- run
 
 
-def run_parts(parts: list[str], out: Path, profile_path: Path, deadline_s: float, again: frozenset = frozenset()) -> None:
-    """Runs `parts` in order into `out`, skipping runs already there but those named in `again`, and starts no run
+def run_parts(parts: list[str], out: Path, profile_path: Path, deadline_s: float,
+              again: frozenset = frozenset()) -> None:
+    """Runs `parts` in order into `out`, skipping runs already there but those named in `again` (run again even
+    where a row of this call exists: a call stopped at its deadline is resumed without --again), and starts no run
     after `deadline_s` seconds (a device call's limit) less the longest run so far."""
     from fastml import hwprofiles
 
@@ -278,21 +283,25 @@ def _records(rows: list[dict]) -> dict:
 
 
 FP8_RATES = ("fp8_gemm_shapes", "fp8_backward_gemm_shapes", "fp8_cast_bytes_per_s")
+CPU_ADAM_RATES = ("cpu_adam_params_per_s", "cpu_adam_state_params_per_s")
 
 
-def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_from: Path | None = None) -> None:
+def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_from: Path | None = None,
+          cpu_adam_from: Path | None = None) -> None:
     """Calibrates the measured profile on the calibration set, predicts every other run with it, and writes the
-    table, its errors and the plot. `shapes_from`, `fp8_from`: profiles of the same machine measured later, whose
-    bf16 GEMM rates at the linear layers' shapes, and whose fp8 rates (FP8_RATES), replace the runs' profile's
-    (every other rate stays as measured beside the runs)."""
+    table, its errors and the plot. `shapes_from`, `fp8_from`, `cpu_adam_from`: profiles of the same machine
+    measured later, whose bf16 GEMM rates at the linear layers' shapes, fp8 rates (FP8_RATES) and CPU AdamW rates
+    over fp32 and bf16 state (CPU_ADAM_RATES) replace the runs' profile's (every other rate stays as measured beside
+    the runs)."""
     from fastml.hwprofiles.schema import Calibration
     from fastml.planner.calibrate import _predict, calibrate, with_calibration
 
     rows = _latest(_rows(runs))
     measured_profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
-    for later, rates in ((shapes_from, ("gemm_shapes",)), (fp8_from, FP8_RATES)):
+    for later, section, rates in ((shapes_from, "gpu", ("gemm_shapes",)), (fp8_from, "gpu", FP8_RATES),
+                                  (cpu_adam_from, "node", CPU_ADAM_RATES)):
         if later:
-            measured_profile["gpu"] |= {rate: json.loads(later.read_text())["gpu"][rate] for rate in rates}
+            measured_profile[section] |= {rate: json.loads(later.read_text())[section][rate] for rate in rates}
     calibration_names = {c.name for c in CALIBRATION}
     fitted, _ = calibrate(_records([r for r in rows if r["name"] in calibration_names and "record" in r]),
                           measured_profile)
@@ -326,6 +335,7 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_f
         "profile_command_s": measured_profile.get("measured", {}).get("profile_command_s"),
         "gemm_shapes_from": str(shapes_from) if shapes_from else None,
         "fp8_rates_from": str(fp8_from) if fp8_from else None,
+        "cpu_adam_rates_from": str(cpu_adam_from) if cpu_adam_from else None,
     }
     path = write_result("fidelity.json", figures, machine=plans[0]["machine"] if plans else None)
     _plot(scored, RESULTS / "fidelity.png")
@@ -443,6 +453,8 @@ def main() -> None:
                          help="take the GEMM rates at the linear layers' shapes from this later profile of the machine")
     scoring.add_argument("--fp8-from", type=Path, metavar="PROFILE",
                          help="take the fp8 GEMM and cast rates from this later profile of the machine")
+    scoring.add_argument("--cpu-adam-from", type=Path, metavar="PROFILE",
+                         help="take the CPU AdamW's rates (fp32 and bf16 state) from this later profile of the machine")
     args = parser.parse_args()
     if args.command == "run":
         args.out.mkdir(parents=True, exist_ok=True)
@@ -450,12 +462,16 @@ def main() -> None:
         unknown = set(parts) - set(PARTS)
         if unknown:
             parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
+        names = {case.name for cases in SETS.values() for case in cases}
+        if set(args.again) - names:
+            parser.error(f"--again: no case named {', '.join(sorted(set(args.again) - names))}")
         run_parts(parts, args.out, args.out / f"fidelity-profile-{gpu_tag()}.json", args.deadline,
                   frozenset(args.again))
     else:
         tag = "h200"  # the results kept in the repository
         score(args.runs or RESULTS / f"fidelity-runs-{tag}.jsonl",
-              args.profile or RESULTS / f"fidelity-profile-{tag}.json", args.gemm_shapes_from, args.fp8_from)
+              args.profile or RESULTS / f"fidelity-profile-{tag}.json", args.gemm_shapes_from, args.fp8_from,
+              args.cpu_adam_from)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ materializes it last, in the plan's parameter dtype."""
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch import nn
@@ -20,6 +21,11 @@ from fastml.executor.offload import HostOffload
 from fastml.executor.optim import DTYPES, layer_groups
 from fastml.executor.shard import DataParallel
 from fastml.executor.world import SINGLE, World
+
+# Said once per process for every compiled checkpoint with a policy (`_recompute_everything`), to ask that it hold no
+# in-place ops: the blocks hold none.
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(lambda record: "context_fn is passed" not in
+                                                             record.getMessage())
 
 
 def uses_cuda_ops(knobs: Knobs) -> bool:
@@ -71,7 +77,7 @@ def recompute_targets(block: nn.Module, part: str) -> list[nn.Module]:
             "attention": [attn.core]}[part]
 
 
-def apply_recompute(model: Transformer, parts: tuple[str, ...], compiled: bool = False) -> None:
+def apply_recompute(model: Transformer, parts: tuple[str, ...], *, compiled: bool) -> None:
     """Stores only the inputs of the chosen parts; their insides are recomputed when gradients are needed.
     `block` covers everything else, so with it the finer parts are redundant and skipped. `compiled`: the blocks
     will be compiled (apply_compile), so the checkpoints are traced into their graphs."""

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from fastml.plan import MEMCPY_ROW_BYTES, Knobs
-from fastml.hwprofiles.schema import Calibration
+from fastml.hwprofiles.schema import Calibration, adam_state
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, group_params,
                                    has_fp32_masters, loss_tensor_bytes, param_bytes)
@@ -98,11 +98,13 @@ class Collective:
 
 
 def cpu_adam_rate(machine: Machine, knobs: Knobs) -> float:
-    """Parameters per second the CPU AdamW steps in the knobs' state dtypes (measured by `fastml profile`; the fp32
-    state's rate where the profile has none for them)."""
+    """Parameters per second one rank's CPU AdamW steps in the knobs' state dtypes: the node's rate (measured by
+    `fastml profile` over all its cores; the fp32 state's where the profile has none for these dtypes) shared by
+    the ranks of the node, which step at once, each on its share of the cores (executor/device.py)."""
     node = machine.node
-    return node.cpu_adam_state_params_per_s.get(f"{knobs.optimizer_dtype}/{knobs.master_dtype}",
+    rate = node.cpu_adam_state_params_per_s.get(adam_state(knobs.optimizer_dtype, knobs.master_dtype),
                                                 node.cpu_adam_params_per_s)
+    return rate / machine.gpus_per_node
 
 
 def layer_gemms(spec: ModelSpec, tokens: int) -> dict[str, tuple[int, int, int]]:

@@ -170,9 +170,7 @@ def _resized_cpu(machine: Machine, num_gpus, num_nodes, gpu_memory, host_memory)
         gpu = dataclasses.replace(gpu, peak_flops={k: v / n for k, v in gpu.peak_flops.items()},
                                   hbm_bytes_per_s=gpu.hbm_bytes_per_s / n, h2d_bytes_per_s=gpu.h2d_bytes_per_s / n,
                                   d2h_bytes_per_s=gpu.d2h_bytes_per_s / n)
-        node = dataclasses.replace(node, gpus_per_node=n, cpu_adam_params_per_s=node.cpu_adam_params_per_s / n,
-                                   cpu_adam_state_params_per_s={k: v / n for k, v in
-                                                                node.cpu_adam_state_params_per_s.items()})
+        node = dataclasses.replace(node, gpus_per_node=n)  # the CPU AdamW's rate is shared in costs.py
     if host_memory is not None:
         pool = parse_bytes(host_memory, "--host-mem")
         gpu, node = dataclasses.replace(gpu, memory_bytes=pool), dataclasses.replace(node, host_memory_bytes=pool)

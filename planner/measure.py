@@ -2,9 +2,9 @@
 curve against the GPU's dense peak (square GEMMs) and at the linear layers' exact shapes, HBM bandwidth (a copy,
 bytes read and written), pinned host copies up and down (one GPU alone, and every GPU at once through the shared
 PCIe root), the cost of a kernel launch, the host's memory bandwidth and the C++ CPU AdamW's throughput on its
-cores. GPU work is timed with CUDA events, the median of several runs after warm-ups; `quick` takes fewer sizes
-and smaller copies (under 20 s on one H200, once fastml's CUDA ops are built; several GPUs add the start of their
-workers).
+cores, over fp32 optimizer state and over bf16 moments, masters or both. GPU work is timed with CUDA events, the
+median of several runs after warm-ups; `quick` takes fewer sizes and smaller copies (under 20 s on one H200, once
+fastml's CUDA ops are built; several GPUs add the start of their workers).
 
 On a GPU with fp8 tensor cores (and nvcc to build fastml's CUDA ops), also fp8 GEMMs (torch._scaled_mm) at the
 presets' linear-layer shapes, forward and backward, and the rate of fastml's fp8 cast (csrc/fp8_cuda.cu); where they cannot run, the
@@ -20,6 +20,8 @@ import statistics
 import threading
 import time
 
+from fastml.hwprofiles.schema import BF16_ADAM_STATES, adam_state
+
 SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 QUICK_SQUARE_SIZES = (1024, 4096, 8192)
 SHAPE_MODELS = ("qwen2.5-0.5b", "llama-3.2-1b", "tinyllama-1.1b", "qwen2.5-1.5b", "llama-3.2-3b", "qwen2.5-3b",
@@ -31,8 +33,6 @@ SHAPE_TOKENS = (2048, 8192, 32768)
 COPY_BYTES, QUICK_COPY_BYTES = 2**30, 2**28
 ADAM_PARAMS = 2**24
 ADAM_ROUNDS = 7
-BF16_STATES = (("bf16", "fp32"), ("fp32", "bf16"), ("bf16", "bf16"))
-"""(moments, masters) of the bf16 optimizer states the CPU AdamW's rate is measured over, beside fp32 state."""
 
 
 def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None, nvlink: bool = False,
@@ -68,7 +68,7 @@ def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None,
     measured["node.host_copy_bytes_per_s"] = _host_copy_bytes_per_s(copy_bytes // 2)
     on_step("C++ CPU AdamW")
     rates = _cpu_adam_rates()
-    measured["node.cpu_adam_params_per_s"] = rates.pop("fp32/fp32")
+    measured["node.cpu_adam_params_per_s"] = rates.pop(adam_state("fp32", "fp32"))
     measured["node.cpu_adam_state_params_per_s"] = rates
     if torch.cuda.device_count() > 1:
         measured |= _between_gpus(quick, on_step, nvlink)
@@ -297,13 +297,14 @@ def _host_copy_bytes_per_s(num_bytes: int) -> float:
 
 def _cpu_adam_rates() -> dict[str, float]:
     """Parameters per second of the C++ CPU AdamW with a bf16 gradient, as offloaded optimizer states are stepped,
-    by "moments/masters" dtypes (knobs.optimizer_dtype, knobs.master_dtype; bf16 ones written with stochastic
-    rounding; bf16 weights out beside fp32 masters). The states take turns, the best of ADAM_ROUNDS each, so that a
-    burst of load on the host falls on all alike."""
-    steps = {f"{moments}/{masters}": _cpu_adam_step(moments, masters)
-             for moments, masters in (("fp32", "fp32"), *BF16_STATES)}
+    by `adam_state` of the moments' and masters' dtypes: fp32 state and BF16_ADAM_STATES (bf16 ones written with
+    stochastic rounding; bf16 weights out beside fp32 masters). The states take turns, the best of ADAM_ROUNDS
+    each after one round that pages the tensors in, so that a burst of load on the host falls on all alike."""
+    steps = {state: _cpu_adam_step(*state.split("/")) for state in (adam_state("fp32", "fp32"), *BF16_ADAM_STATES)}
+    for step in steps.values():
+        step()
     best = dict.fromkeys(steps, math.inf)
-    for _ in range(ADAM_ROUNDS + 1):  # the first round pages the tensors in
+    for _ in range(ADAM_ROUNDS):
         for name, step in steps.items():
             best[name] = min(best[name], _wall_s(step))
     return {name: ADAM_PARAMS / seconds for name, seconds in best.items()}

@@ -202,7 +202,6 @@ def test_compiled_fp8_blocks_share_one_graph(parts, cached):
             model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
 
 
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_recomputed_fp8_block_keeps_only_its_inputs(compiled):
     """The fp8 casts are recomputed with the rest of the block, compiled too (torch 2.11 had saved them)."""

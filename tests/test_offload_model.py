@@ -8,6 +8,7 @@ import pytest
 
 from fastml.executor.model import build_model
 from fastml.executor.optim import layer_groups
+from fastml.hwprofiles.schema import adam_state
 from fastml.plan import STAGING_SLOTS, Knobs
 from fastml.planner.costs import costs
 from fastml.planner.hardware import load_machine
@@ -134,17 +135,26 @@ def simulated(**knobs):
     return simulate(PRESETS["tinyllama-1.1b"], SEQ, k, machine), costs(PRESETS["tinyllama-1.1b"], SEQ, k, machine)
 
 
-
 @pytest.mark.parametrize("state", [dict(optimizer_dtype="bf16"), dict(master_dtype="bf16"),
                                    dict(optimizer_dtype="bf16", master_dtype="bf16")])
 def test_the_cpu_optimizer_steps_bf16_state_at_its_own_measured_rate(state):
     """bf16 moments or masters move fewer bytes but cost a rounding's random bits: their CPU rate is measured apart
     (`fastml profile`), and the CPU step takes the rate of the plan's dtypes."""
     node = load_machine("h200", 1).node
-    rate = node.cpu_adam_state_params_per_s[f"{state.get('optimizer_dtype', 'fp32')}/{state.get('master_dtype', 'fp32')}"]
+    rate = node.cpu_adam_state_params_per_s[adam_state(state.get("optimizer_dtype", "fp32"),
+                                                       state.get("master_dtype", "fp32"))]
     assert rate != node.cpu_adam_params_per_s
     _, c = simulated(**ALL_OFFLOADED, **state)
     assert c.cpu_adam_per_param == pytest.approx(1 / rate)
+
+
+def test_the_ranks_of_a_node_share_its_cpu_adamw():
+    """The profile's rate is the node's, over all its cores; its ranks step their optimizers at once, each with its
+    share of the cores (executor/device.py), so each at a share of the rate."""
+    spec, knobs = PRESETS["tinyllama-1.1b"], Knobs(offload_optimizer=1.0)
+    one, four = (costs(spec, SEQ, knobs, load_machine("rtx4090", gpus)) for gpus in (1, 4))
+    assert four.cpu_adam_per_param == pytest.approx(4 * one.cpu_adam_per_param)
+
 
 
 def test_accumulated_gradients_come_back_before_each_later_backward_pass():

@@ -156,7 +156,7 @@ def fake_block(name: str, parts: tuple[str, ...]):
     spec = dataclasses.replace(PRESETS[name], num_layers=1)
     with torch.device("cpu"):
         model = Transformer(spec)
-    apply_recompute(model, parts)
+    apply_recompute(model, parts, compiled=False)
     return model.blocks[0], block_inputs(spec, "cpu")
 
 
@@ -269,7 +269,7 @@ def cuda_block(name: str, parts: tuple[str, ...], matmul_dtype: str = "bf16"):
     if matmul_dtype == "fp8":
         native.load_cuda()
         convert_to_fp8(model)
-    apply_recompute(model, parts)
+    apply_recompute(model, parts, compiled=False)
     return model.blocks[0], block_inputs(spec, "cuda", torch.bfloat16)
 
 

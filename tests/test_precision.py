@@ -101,7 +101,6 @@ def test_cached_fp8_weights_are_not_in_checkpoints(emulated_fp8):
     assert not any("fp8" in name for name in model.state_dict())
 
 
-
 def kept_by_a_recomputed_block(device: str, **knobs) -> list:
     """The shapes and dtypes of what one block with block recompute saves for its backward pass, beyond its inputs
     and parameters, the random generators' states (uint8) and empty tensors: what it computes and keeps."""

@@ -1,5 +1,6 @@
 """`fastml profile`: topology detection through a fake NVML, the hwprofile it writes, and the real detection."""
 
+import copy
 import io
 import json
 import os
@@ -284,6 +285,18 @@ def test_real_detection_without_a_gpu(tmp_path):
     assert topology["gpus"] == [] and topology["no_gpu_reason"]
     data = profile(str(tmp_path / "hw.json"), Console(file=io.StringIO()))
     assert load_machine(str(tmp_path / "hw.json")).node.host_memory_bytes == data["node"]["host_memory_bytes"]
+
+
+def test_the_cpu_adamw_is_timed_over_each_state_and_a_state_must_be_known(monkeypatch, tmp_path):
+    from fastml.planner import measure
+
+    monkeypatch.setattr(measure, "ADAM_PARAMS", 2**16)
+    rates = measure._cpu_adam_rates()
+    assert sorted(rates) == ["bf16/bf16", "bf16/fp32", "fp32/bf16", "fp32/fp32"] and min(rates.values()) > 0
+    data = copy.deepcopy(hwprofiles.load("h200"))
+    data["node"]["cpu_adam_state_params_per_s"] = {"bf16-fp32": 5e9}
+    with pytest.raises(UserError, match=r"node\.cpu_adam_state_params_per_s: 'bf16-fp32' is not allowed"):
+        write_and_load(tmp_path, data)
 
 
 @pytest.mark.gpu
