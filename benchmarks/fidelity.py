@@ -283,25 +283,21 @@ def _records(rows: list[dict]) -> dict:
 
 
 FP8_RATES = ("fp8_gemm_shapes", "fp8_backward_gemm_shapes", "fp8_cast_bytes_per_s")
-CPU_ADAM_RATES = ("cpu_adam_params_per_s", "cpu_adam_state_params_per_s")
 
 
-def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_from: Path | None = None,
-          cpu_adam_from: Path | None = None) -> None:
+def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_from: Path | None = None) -> None:
     """Calibrates the measured profile on the calibration set, predicts every other run with it, and writes the
-    table, its errors and the plot. `shapes_from`, `fp8_from`, `cpu_adam_from`: profiles of the same machine
-    measured later, whose bf16 GEMM rates at the linear layers' shapes, fp8 rates (FP8_RATES) and CPU AdamW rates
-    over fp32 and bf16 state (CPU_ADAM_RATES) replace the runs' profile's (every other rate stays as measured beside
-    the runs)."""
+    table, its errors and the plot. `shapes_from`, `fp8_from`: profiles of the same machine measured later, whose
+    bf16 GEMM rates at the linear layers' shapes, and whose fp8 rates (FP8_RATES), replace the runs' profile's
+    (every other rate stays as measured beside the runs)."""
     from fastml.hwprofiles.schema import Calibration
     from fastml.planner.calibrate import _predict, calibrate, with_calibration
 
     rows = _latest(_rows(runs))
     measured_profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
-    for later, section, rates in ((shapes_from, "gpu", ("gemm_shapes",)), (fp8_from, "gpu", FP8_RATES),
-                                  (cpu_adam_from, "node", CPU_ADAM_RATES)):
+    for later, rates in ((shapes_from, ("gemm_shapes",)), (fp8_from, FP8_RATES)):
         if later:
-            measured_profile[section] |= {rate: json.loads(later.read_text())[section][rate] for rate in rates}
+            measured_profile["gpu"] |= {rate: json.loads(later.read_text())["gpu"][rate] for rate in rates}
     calibration_names = {c.name for c in CALIBRATION}
     fitted, _ = calibrate(_records([r for r in rows if r["name"] in calibration_names and "record" in r]),
                           measured_profile)
@@ -335,7 +331,6 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_f
         "profile_command_s": measured_profile.get("measured", {}).get("profile_command_s"),
         "gemm_shapes_from": str(shapes_from) if shapes_from else None,
         "fp8_rates_from": str(fp8_from) if fp8_from else None,
-        "cpu_adam_rates_from": str(cpu_adam_from) if cpu_adam_from else None,
     }
     path = write_result("fidelity.json", figures, machine=plans[0]["machine"] if plans else None)
     _plot(scored, RESULTS / "fidelity.png")
@@ -453,8 +448,6 @@ def main() -> None:
                          help="take the GEMM rates at the linear layers' shapes from this later profile of the machine")
     scoring.add_argument("--fp8-from", type=Path, metavar="PROFILE",
                          help="take the fp8 GEMM and cast rates from this later profile of the machine")
-    scoring.add_argument("--cpu-adam-from", type=Path, metavar="PROFILE",
-                         help="take the CPU AdamW's rates (fp32 and bf16 state) from this later profile of the machine")
     args = parser.parse_args()
     if args.command == "run":
         args.out.mkdir(parents=True, exist_ok=True)
@@ -470,8 +463,7 @@ def main() -> None:
     else:
         tag = "h200"  # the results kept in the repository
         score(args.runs or RESULTS / f"fidelity-runs-{tag}.jsonl",
-              args.profile or RESULTS / f"fidelity-profile-{tag}.json", args.gemm_shapes_from, args.fp8_from,
-              args.cpu_adam_from)
+              args.profile or RESULTS / f"fidelity-profile-{tag}.json", args.gemm_shapes_from, args.fp8_from)
 
 
 if __name__ == "__main__":

@@ -149,7 +149,7 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             fail(where, f"expected an object, got {type(value).__name__}")
-        return {_convert(args[0], str(k), where): _convert(args[1], v, join(where, k)) for k, v in value.items()}
+        return {str(k): _convert(args[1], v, join(where, k)) for k, v in value.items()}
     return _scalar(hint, value, where)
 
 

@@ -3,8 +3,8 @@ plan: an unknown or missing key, or a value of the wrong type, is a one-line `Us
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, get_args
+from dataclasses import dataclass
+from typing import Literal
 
 from fastml.config import from_dict
 
@@ -47,16 +47,6 @@ class DeviceSection:
     nvlink_bytes_per_s: float = 0.0
 
 
-BF16AdamState = Literal["bf16/fp32", "fp32/bf16", "bf16/bf16"]
-"""`adam_state` of the optimizer states with bf16 in them."""
-BF16_ADAM_STATES = get_args(BF16AdamState)
-
-
-def adam_state(optimizer_dtype: str, master_dtype: str) -> str:
-    """"moments/masters": the key of an optimizer state's dtypes (knobs.optimizer_dtype, knobs.master_dtype)."""
-    return f"{optimizer_dtype}/{master_dtype}"
-
-
 @dataclass(frozen=True, kw_only=True)
 class NodeSection:
     gpus_per_node: int
@@ -64,10 +54,6 @@ class NodeSection:
     h2d_all_gpus_bytes_per_s: float
     """All GPUs of the node copying from host at once: the shared PCIe root complex's limit."""
     cpu_adam_params_per_s: float
-    """fastml's C++ AdamW (csrc/cpu_adam.cpp) over fp32 moments and masters, a bf16 gradient in, bf16 weights out."""
-    cpu_adam_state_params_per_s: dict[BF16AdamState, float] = field(default_factory=dict)
-    """The same op over bf16 state, which it writes with stochastic rounding, by `adam_state` of the knobs' dtypes.
-    A state not listed steps at cpu_adam_params_per_s."""
     host_copy_bytes_per_s: float
     nic_bytes_per_s: float
 

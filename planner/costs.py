@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from fastml.plan import MEMCPY_ROW_BYTES, Knobs
-from fastml.hwprofiles.schema import Calibration, adam_state
+from fastml.hwprofiles.schema import Calibration
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, group_params,
                                    has_fp32_masters, loss_tensor_bytes, param_bytes)
@@ -97,14 +97,12 @@ class Collective:
         return self.comm_s + (max(self.d2h_s, self.h2d_s) if self.both_ways else self.d2h_s + self.h2d_s)
 
 
-def cpu_adam_rate(machine: Machine, knobs: Knobs) -> float:
-    """Parameters per second one rank's CPU AdamW steps in the knobs' state dtypes: the node's rate (measured by
-    `fastml profile` over all its cores; the fp32 state's where the profile has none for these dtypes) shared by
-    the ranks of the node, which step at once, each on its share of the cores (executor/device.py)."""
-    node = machine.node
-    rate = node.cpu_adam_state_params_per_s.get(adam_state(knobs.optimizer_dtype, knobs.master_dtype),
-                                                node.cpu_adam_params_per_s)
-    return rate / machine.gpus_per_node
+def cpu_adam_rate(machine: Machine) -> float:
+    """Parameters per second one rank's CPU AdamW steps: the node's rate (measured by `fastml profile` over all its
+    cores) shared by the ranks of the node, which step at once, each on its share of the cores (executor/device.py).
+    One rate for every state dtype: bf16 moments stepped alone ran 10-16% faster than fp32 state on the H200 host,
+    but not in training (benchmarks/NOTES.md)."""
+    return machine.node.cpu_adam_params_per_s / machine.gpus_per_node
 
 
 def layer_gemms(spec: ModelSpec, tokens: int) -> dict[str, tuple[int, int, int]]:
@@ -259,7 +257,7 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
         layer_weight_cache=weight_casts[2],
         grad_accumulate=hbm(2 * p * param_bytes(knobs) / (machine.num_gpus if knobs.shard_gradients else 1)),
         grad_clip=hbm(p * param_bytes(knobs)),
-        gpu_adam_per_param=hbm(optimizer_step_bytes(knobs)), cpu_adam_per_param=1 / cpu_adam_rate(machine, knobs),
+        gpu_adam_per_param=hbm(optimizer_step_bytes(knobs)), cpu_adam_per_param=1 / cpu_adam_rate(machine),
         h2d_per_byte=h2d, d2h_per_byte=d2h,
         layer_weights_h2d=layer_bytes * h2d, layer_grads_h2d=layer_bytes * h2d, layer_grads_d2h=layer_bytes * d2h,
         layer_input_d2h=block_input * d2h, layer_input_h2d=block_input * h2d,

@@ -8,7 +8,6 @@ import pytest
 
 from fastml.executor.model import build_model
 from fastml.executor.optim import layer_groups
-from fastml.hwprofiles.schema import adam_state
 from fastml.plan import STAGING_SLOTS, Knobs
 from fastml.planner.costs import costs
 from fastml.planner.hardware import load_machine
@@ -133,19 +132,6 @@ def simulated(**knobs):
     machine = load_machine("h200", 1)
     k = Knobs(micro_batch_size=1, grad_accum_steps=3, recompute=("block",), **knobs)
     return simulate(PRESETS["tinyllama-1.1b"], SEQ, k, machine), costs(PRESETS["tinyllama-1.1b"], SEQ, k, machine)
-
-
-@pytest.mark.parametrize("state", [dict(optimizer_dtype="bf16"), dict(master_dtype="bf16"),
-                                   dict(optimizer_dtype="bf16", master_dtype="bf16")])
-def test_the_cpu_optimizer_steps_bf16_state_at_its_own_measured_rate(state):
-    """bf16 moments or masters move fewer bytes but cost a rounding's random bits: their CPU rate is measured apart
-    (`fastml profile`), and the CPU step takes the rate of the plan's dtypes."""
-    node = load_machine("h200", 1).node
-    rate = node.cpu_adam_state_params_per_s[adam_state(state.get("optimizer_dtype", "fp32"),
-                                                       state.get("master_dtype", "fp32"))]
-    assert rate != node.cpu_adam_params_per_s
-    _, c = simulated(**ALL_OFFLOADED, **state)
-    assert c.cpu_adam_per_param == pytest.approx(1 / rate)
 
 
 def test_the_ranks_of_a_node_share_its_cpu_adamw():
