@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fastml.plan import Knobs, Plan, fp8_cached_blocks
-from fastml.executor import fp8, native
+from fastml.executor import fp8, fused, native
 from fastml.executor.model import Transformer, build_model, materialize
 from fastml.executor.offload import HostOffload
 from fastml.executor.optim import DTYPES, layer_groups
@@ -41,6 +41,7 @@ def build_training_model(plan: Plan, device: torch.device, world: World = SINGLE
     over the collectives `comm`)."""
     if plan.knobs.matmul_dtype == "fp8":
         fp8.check_fp8(device)
+    fused.require_triton(device)
     if device.type == "cuda" and uses_cuda_ops(plan.knobs):
         native.load_cuda()  # built now, before training starts (and before compile traces the ops)
     model = apply_plan(build_model(plan.model), plan.knobs)
@@ -73,7 +74,7 @@ def recompute_targets(block: nn.Module, part: str) -> list[nn.Module]:
     """The submodules of one block whose activations `part` recomputes in the backward pass."""
     attn, ffn = block.attn, block.ffn
     norms = [block.attn_norm, block.ffn_norm] + [n for n in (attn.q_norm, attn.k_norm) if n is not None]
-    return {"block": [block], "norm": norms, "swiglu": [ffn.act], "ffn": [ffn], "qkv": [attn.qkv],
+    return {"block": [block], "norm": norms, "ffn": [ffn], "qkv": [attn.qkv],
             "attention": [attn.core]}[part]
 
 

@@ -18,7 +18,7 @@ from fastml.config import UserError, check_range, fail, from_dict, read_json, sh
 from fastml.spec import MAX_SEQ_LEN, ModelSpec
 
 PLAN_VERSION = 1
-RECOMPUTE_CHOICES = ("norm", "swiglu", "ffn", "qkv", "attention", "block")
+RECOMPUTE_CHOICES = ("norm", "ffn", "qkv", "attention", "block")
 MEMORY_CATEGORIES = ("weights", "master_weights", "gradients", "optimizer_states", "activations", "workspace",
                      "comm_buffers")
 TIME_COMPONENTS = ("compute", "recompute", "exposed_comm", "exposed_offload", "optimizer", "other")
@@ -103,7 +103,8 @@ class Knobs:
     micro_batch_size: int = 1
     grad_accum_steps: int = 1
     recompute: tuple[str, ...] = ()
-    """Parts recomputed in the backward pass instead of stored: any of norm, swiglu, ffn, qkv, attention, block."""
+    """Parts recomputed in the backward pass instead of stored: any of norm, ffn, qkv, attention, block.
+    (SwiGLU keeps only its input, which its matmul keeps anyway: recomputing it alone would free nothing.)"""
     offload_optimizer: float = 0.0
     offload_master: float = 0.0
     offload_gradients: float = 0.0
@@ -186,8 +187,7 @@ ZERO_STAGES = ("shard_optimizer", "shard_gradients", "shard_weights")
 KNOBS: dict[str, KnobInfo] = {
     "micro_batch_size": KnobInfo("batch"),
     "grad_accum_steps": KnobInfo("batch"),
-    "recompute": KnobInfo("recompute", ((), ("swiglu",), ("attention",), ("swiglu", "attention"), ("ffn",),
-                                        ("ffn", "attention"), ("block",))),
+    "recompute": KnobInfo("recompute", ((), ("attention",), ("ffn",), ("ffn", "attention"), ("block",))),
     "lm_head_chunks": KnobInfo("speed", (1, 2, 4, 8, 16)),
     "compile": KnobInfo("speed", (False, True)),
     **{name: KnobInfo("offload", FRACTIONS) for name in (

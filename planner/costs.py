@@ -342,11 +342,11 @@ def _attention_s(flops: float, spec: ModelSpec, micro_batch_size: int, seq_len: 
 def _elementwise_elements(spec: ModelSpec, compiled: bool) -> float:
     """Elements read and written per token by one block's forward pass outside its matmuls and attention:
     norms, rotary embedding, SwiGLU, residual adds and the head-merging copy. Compilation fuses chains of them
-    into single passes."""
+    into single passes; SwiGLU is one fused op either way (executor/fused.py: reads gate and up, writes the product)."""
     h, qk, q, f = spec.hidden_size, spec.q_size + spec.kv_size, spec.q_size, spec.ffn_hidden_size
     if compiled:
         return 4 * h + 2 * qk + 2 * q + 3 * f
-    return 10 * h + 8 * qk + 2 * q + 5 * f
+    return 10 * h + 8 * qk + 2 * q + 3 * f
 
 
 def _recompute_s(parts: tuple[str, ...], forward: float, ffn: float, qkv: float, attention: float,
@@ -356,7 +356,7 @@ def _recompute_s(parts: tuple[str, ...], forward: float, ffn: float, qkv: float,
     share = {"norm": 0.15, "swiglu": 0.3, "attention": 0.3}  # rough shares of the elementwise traffic
     seconds = sum(elementwise * share[p] for p in parts if p in share)
     if "ffn" in parts:
-        seconds += ffn + (0 if "swiglu" in parts else elementwise * share["swiglu"])
+        seconds += ffn + elementwise * share["swiglu"]
     if "attention" in parts:
         seconds += attention
     if "qkv" in parts:

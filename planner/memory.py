@@ -107,18 +107,16 @@ def _saved_activations(spec: ModelSpec, recompute: tuple[str, ...]) -> dict[str,
         # (its transpose, flattened) is the same storage: counted once.
         "attention.output": q,
         "ffn_norm.input": h, "gate_up.input": h,
-        "gate_up.output": 2 * f,  # silu keeps the gate half, the product the up half
-        "silu.output": f, "down.input": f,
+        "gate_up.output": 2 * f,  # the fused SwiGLU keeps its input (executor/fused.py)
+        "down.input": f,
     }
     if "attention" in recompute:  # keeps its inputs (q, k, v) and output, drops the rotated copies
         saved.pop("rope.output")
         if spec.qk_norm:
             saved["qk_norm.output"] = q + kv
-    if "swiglu" in recompute:
-        saved.pop("silu.output")
     if "ffn" in recompute:  # keeps its input only (= gate_up.input)
-        for name in ("gate_up.output", "silu.output", "down.input"):
-            saved.pop(name, None)
+        for name in ("gate_up.output", "down.input"):
+            saved.pop(name)
     # "qkv" keeps the projection's input, which the matmul keeps anyway: it saves nothing in this model.
     return saved
 

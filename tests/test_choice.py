@@ -182,6 +182,6 @@ def test_a_tie_with_the_runner_up_names_the_tie_break():
 
 
 def test_knob_differences_name_only_what_differs():
-    chosen = Knobs(micro_batch_size=8, grad_accum_steps=2, recompute=("swiglu",), compile=True)
+    chosen = Knobs(micro_batch_size=8, grad_accum_steps=2, recompute=("ffn",), compile=True)
     other = Knobs(micro_batch_size=4, grad_accum_steps=4, compile=True, offload_gradients=0.5)
     assert knob_differences(chosen, other) == "mb 4 x 4  recompute=none  offload_gradients=0.5"

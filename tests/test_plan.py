@@ -60,10 +60,10 @@ def test_missing_model_is_an_error():
 def test_loaded_knobs_are_tuples_and_hashable():
     """The search keys candidates by their knobs: knobs read from JSON (where recompute is a list) must be equal,
     and hash equal, to the same knobs built in Python."""
-    plan = cpu_plan(steps=5, overrides=['knobs.recompute=["swiglu","attention"]'])
+    plan = cpu_plan(steps=5, overrides=['knobs.recompute=["ffn","attention"]'])
     loaded = plan_from_dict(json.loads(plan.to_json()))
-    assert loaded.knobs.recompute == ("swiglu", "attention") and isinstance(loaded.knobs.recompute, tuple)
-    assert {loaded.knobs: "found"}[dataclasses.replace(plan.knobs, recompute=("swiglu", "attention"))] == "found"
+    assert loaded.knobs.recompute == ("ffn", "attention") and isinstance(loaded.knobs.recompute, tuple)
+    assert {loaded.knobs: "found"}[dataclasses.replace(plan.knobs, recompute=("ffn", "attention"))] == "found"
 
 
 def test_malformed_and_missing_files(tmp_path):

@@ -45,8 +45,8 @@ def test_model_states_count_our_models_real_parameters():
 def test_recompute_and_offload_move_memory_where_they_should():
     spec = PRESETS["tinyllama-1.1b"]
     act = {parts: layer_activation_bytes(spec, Knobs(recompute=parts), 2048, "cuda") for parts in
-           [(), ("swiglu",), ("attention",), ("ffn",), ("block",)]}
-    assert act[("block",)] < act[("ffn",)] < act[("swiglu",)] < act[()]
+           [(), ("attention",), ("ffn",), ("block",)]}
+    assert act[("block",)] < act[("ffn",)] < act[()]
     assert act[("attention",)] < act[()]
     assert act[("block",)] == 2048 * spec.hidden_size * 2
     base = memory(spec, 2048, Knobs(), 1, 1, "cuda")
@@ -91,7 +91,7 @@ def test_collective_choice_follows_the_links(hw, gpus, expected):
         assert candidate.feasible
         speed[comm] = tokens_per_s(problem, candidate)
     assert max(speed, key=speed.get) == expected
-    planned = make_plan(model="tinyllama-1.1b", hw=hw, gpus=gpus, global_batch_tokens=2048 * 4 * gpus, trials=150)
+    planned = make_plan(model="tinyllama-1.1b", hw=hw, gpus=gpus, global_batch_tokens=2048 * 4 * gpus, trials=250)
     assert planned.plan.knobs.comm == expected
 
 

@@ -1,0 +1,40 @@
+"""On a CUDA GPU: the fused kernels (executor/fused.py) against their references, and in compiled blocks."""
+
+import pytest
+import torch
+
+from fastml.executor import fused
+from test_fused import plain_swiglu
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")]
+
+SHAPES = [(2, 2048, 2 * 5632), (8192, 2 * 14336), (3, 7, 2 * 1100), (1, 2)]
+"""TinyLlama's and Llama-3.1-8B's, rows of a partial block, one element."""
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_the_swiglu_kernels_match_the_references(shape, dtype):
+    tolerance = {} if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(shape, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(*shape[:-1], shape[-1] // 2, device="cuda", dtype=dtype)
+    x = gate_up.clone().requires_grad_()
+    out = fused.swiglu(x)
+    (grad_x,) = torch.autograd.grad(out, x, grad)
+    torch.testing.assert_close(out, fused.swiglu_reference(gate_up), **tolerance)
+    torch.testing.assert_close(grad_x, fused.swiglu_backward_reference(grad, gate_up), **tolerance)
+
+
+def test_a_compiled_swiglu_matches_the_plain_one_in_bf16():
+    """Within bf16's rounding of the plain arithmetic's result, forward and backward, compiled into one graph."""
+    gate_up = torch.randn(4096, 2 * 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(fused.swiglu, fullgraph=True)
+    out = compiled(gate_up)
+    (got,) = torch.autograd.grad(out, gate_up, grad)
+    wide = gate_up.detach().double().requires_grad_()
+    expected = plain_swiglu(wide)
+    (expected_grad,) = torch.autograd.grad(expected, wide, grad.double())
+    torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(got.double(), expected_grad, rtol=2**-8, atol=1e-6)
