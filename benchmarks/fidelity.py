@@ -278,6 +278,21 @@ def _records(rows: list[dict]) -> dict:
     return {row["name"]: from_dict(RunRecord, row["record"], row["name"]) for row in rows}
 
 
+def _readable(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The rows whose record this fastml reads, and the others with the reason: a run of a plan the contract no
+    longer allows (a knob value taken out since) is not scored."""
+    from fastml.config import UserError
+
+    readable, unreadable = [], []
+    for row in rows:
+        try:
+            _records([row] if "record" in row else [])
+            readable.append(row)
+        except UserError as e:
+            unreadable.append({"name": row["name"], "error": f"not read by this fastml: {e}"})
+    return readable, unreadable
+
+
 # -------------------------------------------------------------------------------------------------------- score
 
 
@@ -292,7 +307,7 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_f
     from fastml.hwprofiles.schema import Calibration
     from fastml.planner.calibrate import _predict, calibrate, with_calibration
 
-    rows = _latest(_rows(runs))
+    rows, unreadable = _readable(_latest(_rows(runs)))
     measured_profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
     for later, rates in ((shapes_from, ("gemm_shapes",)), (fp8_from, FP8_RATES)):
         if later:
@@ -316,7 +331,7 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_f
                                    "tokens_per_s": m.tokens_per_s},
                       "step_time_error": p.step_s / m.step_time_s - 1,
                       "peak_memory_error": p.peak_bytes / m.peak_memory_bytes - 1 if m.peak_memory_bytes else None})
-    failed = [{"name": r["name"], "error": r["error"]} for r in rows if "error" in r]
+    failed = [{"name": r["name"], "error": r["error"]} for r in rows if "error" in r] + unreadable
     _cross_validate(plans, _records([r for r in rows if "record" in r]), measured_profile)
     scored = [p for p in plans if p["set"] == "scored"]
     figures = {

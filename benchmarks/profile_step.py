@@ -43,6 +43,7 @@ KINDS = [  # first match wins: (kind, substrings of the kernel's name)
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "splitk")),
     ("copy", ("memcpy", "memset", "copy")),
+    ("fused elementwise", ("swiglu",)),  # executor/fused.py's Triton kernels
     ("compiled elementwise", ("triton",)),
 ]
 

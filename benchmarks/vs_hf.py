@@ -263,6 +263,17 @@ def _mean_abs_diff(a: list[float], b: list[float]) -> float:
     return statistics.fmean(abs(x - y) for x, y in zip(a, b))
 
 
+def _earlier_loss_runs() -> dict:
+    """The loss runs of the results file this call replaces, and what made them: a call without --loss-runs keeps
+    them."""
+    path = RESULTS / f"fp8-{gpu_tag()}.json"
+    earlier = json.loads(path.read_text()) if path.is_file() else {}
+    if "loss_runs" not in earlier:
+        return {}
+    made_by = earlier.get("loss_runs_made_by") or {key: earlier[key] for key in ("command", "git_commit", "date")}
+    return {"loss_runs": earlier["loss_runs"], "loss_runs_made_by": made_by}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), default=[])
@@ -282,6 +293,8 @@ def main() -> None:
         summary = fp8_summary(results)
         if args.loss_runs:
             summary["loss_runs"] = loss_runs(args.loss_runs)
+        else:
+            summary |= _earlier_loss_runs()
         path = write_result(f"fp8-{gpu_tag()}.json", summary)
         print(f"fp8 / bf16 = {summary.get('fp8_vs_bf16')} -> {path}", flush=True)
 
