@@ -173,6 +173,7 @@ def run_parts(parts: list[str], out: Path, profile_path: Path, deadline_s: float
         profile = json.loads(profile_path.read_text())
         if profile.get("device", "cuda") == "cuda":  # a CPU's (a dry run's) is measured where it is planned
             hwprofiles.save_machine_profile(profile)  # what `fastml plan` uses here
+        ran = False
         for case in _cases(part, done):
             if case.name in done:
                 continue
@@ -181,7 +182,9 @@ def run_parts(parts: list[str], out: Path, profile_path: Path, deadline_s: float
                 return
             done[case.name] = run_case(case, runs)
             longest = max(longest, done[case.name].get("wall_s", 0.0))
-        if part == "calibrate" and not calibrated:
+            ran = True
+        # fitted again after a calibration run is run again: the later parts are planned with the fit
+        if part == "calibrate" and (ran or not calibrated):
             calibrate_profile(json.loads(profile_path.read_text()),
                               [done[c.name] for c in CALIBRATION if "record" in done[c.name]], profile_path)
 
