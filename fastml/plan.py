@@ -104,7 +104,8 @@ class Knobs:
     grad_accum_steps: int = 1
     recompute: tuple[str, ...] = ()
     """Parts recomputed in the backward pass instead of stored: any of norm, ffn, qkv, attention, block.
-    (SwiGLU keeps only its input, which its matmul keeps anyway: recomputing it alone would free nothing.)"""
+    SwiGLU is not a part: its fused op keeps only its input, so an eager block frees nothing by recomputing it (a
+    compiled block would free the product the down projection keeps; not offered yet)."""
     offload_optimizer: float = 0.0
     offload_master: float = 0.0
     offload_gradients: float = 0.0
