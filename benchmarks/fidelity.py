@@ -281,19 +281,20 @@ def _records(rows: list[dict]) -> dict:
     return {row["name"]: from_dict(RunRecord, row["record"], row["name"]) for row in rows}
 
 
-def _readable(rows: list[dict]) -> tuple[list[dict], list[dict]]:
-    """The rows whose record this fastml reads, and the others with the reason: a run of a plan the contract no
-    longer allows (a knob value taken out since) is not scored."""
+def _read(rows: list[dict]) -> tuple[dict, list[dict]]:
+    """The records of the rows this fastml reads (by name), and the others with the reason: a run of a plan the
+    contract no longer allows (a knob value taken out since) is not scored."""
     from fastml.config import UserError
 
-    readable, unreadable = [], []
+    records, unreadable = {}, []
     for row in rows:
+        if "record" not in row:
+            continue
         try:
-            _records([row] if "record" in row else [])
-            readable.append(row)
+            records |= _records([row])
         except UserError as e:
             unreadable.append({"name": row["name"], "error": f"not read by this fastml: {e}"})
-    return readable, unreadable
+    return records, unreadable
 
 
 # -------------------------------------------------------------------------------------------------------- score
@@ -310,17 +311,17 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_f
     from fastml.hwprofiles.schema import Calibration
     from fastml.planner.calibrate import _predict, calibrate, with_calibration
 
-    rows, unreadable = _readable(_latest(_rows(runs)))
+    rows = {r["name"]: r for r in _latest(_rows(runs))}
+    records, unreadable = _read(list(rows.values()))
     measured_profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
     for later, rates in ((shapes_from, ("gemm_shapes",)), (fp8_from, FP8_RATES)):
         if later:
             measured_profile["gpu"] |= {rate: json.loads(later.read_text())["gpu"][rate] for rate in rates}
     calibration_names = {c.name for c in CALIBRATION}
-    fitted, _ = calibrate(_records([r for r in rows if r["name"] in calibration_names and "record" in r]),
-                          measured_profile)
-    plans, failed = [], []
-    for name, record in _records([r for r in rows if "record" in r]).items():
-        row = next(r for r in rows if r["name"] == name)
+    fitted, _ = calibrate({n: r for n, r in records.items() if n in calibration_names}, measured_profile)
+    plans = []
+    for name, record in records.items():
+        row = rows[name]
         p = _predict(record.plan, fitted)
         m = record.measured
         plans.append({"name": name, "set": "calibration" if name in calibration_names else "scored",
@@ -334,8 +335,8 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_f
                                    "tokens_per_s": m.tokens_per_s},
                       "step_time_error": p.step_s / m.step_time_s - 1,
                       "peak_memory_error": p.peak_bytes / m.peak_memory_bytes - 1 if m.peak_memory_bytes else None})
-    failed = [{"name": r["name"], "error": r["error"]} for r in rows if "error" in r] + unreadable
-    _cross_validate(plans, _records([r for r in rows if "record" in r]), measured_profile)
+    failed = [{"name": r["name"], "error": r["error"]} for r in rows.values() if "error" in r] + unreadable
+    _cross_validate(plans, records, measured_profile)
     scored = [p for p in plans if p["set"] == "scored"]
     figures = {
         "plans": plans, "failed": failed, "targets": TARGETS,

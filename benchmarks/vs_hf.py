@@ -270,7 +270,7 @@ def _earlier_loss_runs() -> dict:
     earlier = json.loads(path.read_text()) if path.is_file() else {}
     if "loss_runs" not in earlier:
         return {}
-    made_by = earlier.get("loss_runs_made_by") or {key: earlier[key] for key in ("command", "git_commit", "date")}
+    made_by = earlier.get("loss_runs_made_by") or {key: earlier.get(key) for key in ("command", "git_commit", "date")}
     return {"loss_runs": earlier["loss_runs"], "loss_runs_made_by": made_by}
 
 
