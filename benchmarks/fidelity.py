@@ -165,11 +165,12 @@ def run_parts(parts: list[str], out: Path, profile_path: Path, deadline_s: float
     done = {r["name"]: r for r in _rows(runs) if r["name"] not in again}
     longest = 60.0
     for part in parts:
-        calibrated = profile_path.is_file() and json.loads(profile_path.read_text())["calibration"]["records"] > 0
+        calibrated = profile_path.is_file() and _fitted_to_these_models(json.loads(profile_path.read_text()))
         if part == "calibrate" and not profile_path.is_file():
             measure_profile(out, profile_path)
         elif part != "calibrate" and not calibrated:
-            sys.exit(f"{profile_path} is not calibrated: run the calibrate part first")
+            sys.exit(f"{profile_path} is not calibrated, or was calibrated by other models than this fastml's: run "
+                     f"the calibrate part first")
         profile = json.loads(profile_path.read_text())
         if profile.get("device", "cuda") == "cuda":  # a CPU's (a dry run's) is measured where it is planned
             hwprofiles.save_machine_profile(profile)  # what `fastml plan` uses here
@@ -183,10 +184,19 @@ def run_parts(parts: list[str], out: Path, profile_path: Path, deadline_s: float
             done[case.name] = run_case(case, runs)
             longest = max(longest, done[case.name].get("wall_s", 0.0))
             ran = True
-        # fitted again after a calibration run is run again: the later parts are planned with the fit
+        # fitted again after a calibration run is run again, or the models changed: the later parts are planned
+        # with the fit
         if part == "calibrate" and (ran or not calibrated):
             calibrate_profile(json.loads(profile_path.read_text()),
                               [done[c.name] for c in CALIBRATION if "record" in done[c.name]], profile_path)
+
+
+def _fitted_to_these_models(profile: dict) -> bool:
+    from fastml.hwprofiles.schema import Calibration
+    from fastml.planner.calibrate import stale_calibration
+
+    calibration = Calibration(**profile["calibration"])
+    return calibration.records > 0 and stale_calibration(calibration, "") is None
 
 
 def _cases(part: str, done: dict) -> list[Case]:

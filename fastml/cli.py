@@ -56,6 +56,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
         report.print_plan(console, best.plan, best.runners_up, best.limit)
         if len(hardware) > 1:
             report.print_ranking(console, [(h or "here", r and r.plan, note) for h, r, note in results])
+        if best.stale_calibration:
+            console.print(f"[yellow]warning:[/] {best.stale_calibration}")
         if best.lower_precision:
             console.print("[yellow]note:[/] fits only with lower-precision knobs (fp8 matmuls or bf16 optimizer "
                           "states/master weights); pass --full-precision to refuse them")
@@ -71,6 +73,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
     from rich.console import Console
     from fastml.plan import load_plan
     from fastml.planner import report
+    from fastml.planner.calibrate import stale_calibration
     from fastml.planner.explain import limit
     from fastml.planner.planner import predicted, replan
     from fastml.record import TRACE_FILE
@@ -95,6 +98,8 @@ def cmd_explain(args: argparse.Namespace) -> None:
         return
     console = Console()
     report.print_plan(console, plan, limit=limit(problem, candidate))
+    if note := stale_calibration(problem.machine.calibration, problem.machine.profile):
+        console.print(f"[yellow]warning:[/] {note}")
     console.print(f"critical path: {len(candidate.simulation.critical_path)} ops, from "
                   f"{candidate.simulation.critical_path[0]!r} to {candidate.simulation.critical_path[-1]!r}")
     if args.trace:

@@ -106,6 +106,10 @@ class Calibration:
     """The allocator's peak beyond the memory model's, as a fraction of it."""
     records: int = 0
     """How many run records it was fitted to (0: not calibrated)."""
+    model_version: int = 0
+    """The version of the planner's time and memory models that it was fitted to (planner/calibrate.py
+    MODEL_VERSION; 0: fitted before versions were kept). Terms fitted to another version correct errors this one
+    may not make, or miss ones it makes."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,12 @@ TIME_BOUNDS = {"forward": (0.3, 4.0), "compute": (0.5, 4.0), "cpu_optimizer": (0
                "layer_overhead_s": (0.0, 0.05), "step_overhead_s": (0.0, 5.0)}
 MEMORY_BOUNDS = {"compiled_activations": (0.2, 1.5), "fragmentation": (0.0, 0.5)}
 FIT_ROUNDS = 3
+MODEL_VERSION = 1
+"""The version of the time and memory models (costs.py, memory.py, simulate.py) that a calibration is fitted to.
+Bump it with any change that moves predictions (tests/test_calibrate.py pins this version's): a profile
+calibrated before the change is then said to be stale, since its terms correct the old model's errors (issue 11:
+an old fit's compiled_activations of 0.81 discounted FFN tensors the new model no longer counted, and the plan
+made with it ran out of memory)."""
 
 
 @dataclass(frozen=True)
@@ -86,13 +92,23 @@ def calibrate(records: dict[str, RunRecord], profile: dict) -> tuple[dict, list[
         now = with_calibration(profile, Calibration(**time_terms))
         time_terms = _fit_time(records, {name: _predict(r.plan, now) for name, r in records.items()}, time_terms)
     terms = time_terms | _fit_memory(records, before)
-    fitted = with_calibration(profile, Calibration(**terms, records=len(records)))
+    fitted = with_calibration(profile, Calibration(**terms, records=len(records), model_version=MODEL_VERSION))
     fits = []
     for name, record in records.items():
         after = _predict(record.plan, fitted)
         fits.append(Fit(name, record.measured.step_time_s, before[name].step_s, after.step_s,
                         record.measured.peak_memory_bytes, before[name].peak_bytes, after.peak_bytes))
     return fitted, fits
+
+
+def stale_calibration(calibration: Calibration, profile: str) -> str | None:
+    """What to say of a calibration fitted to another version of the models than this fastml's, else None."""
+    if not calibration.records or calibration.model_version == MODEL_VERSION:
+        return None
+    fitted_by = f"version {calibration.model_version}" if calibration.model_version else "an unversioned one"
+    return (f"{profile}'s calibration was fitted to {fitted_by} of the planner's models, this fastml's is version "
+            f"{MODEL_VERSION}: its predictions may be off, and a plan near the memory limit may not fit; run its "
+            f"runs again and `fastml calibrate` them")
 
 
 def with_calibration(profile: dict, calibration: Calibration) -> dict:

@@ -11,6 +11,7 @@ from fastml import hwprofiles
 from fastml.config import UserError, check_range, fail, from_dict
 from fastml.plan import KNOBS, ZERO_STAGES, Hardware, Knobs, Plan, Predicted, Training, parse_assignment, with_overrides
 from fastml.planner.between_gpus import peer_access
+from fastml.planner.calibrate import stale_calibration
 from fastml.planner.explain import limit
 from fastml.planner.hardware import Machine, check_cpu_options, load_machine, parse_bytes
 from fastml.planner.memory import Memory, memory
@@ -33,6 +34,8 @@ class Planned:
     """Whether the plan needed the lower-precision knobs (fp8, bf16 optimizer states or master weights)."""
     limit: str
     """What limits the plan: compute, memory, PCIe or the network (planner/explain.py)."""
+    stale_calibration: str | None = None
+    """What to say where the profile's calibration was fitted to other models than this fastml's."""
 
 
 # A CPU trains as the executor's CPU path does: fp32 parameters and matmuls, eager (pins of the user come first).
@@ -62,7 +65,8 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
         feasible = [c for c in ranked if c.feasible]
         if feasible:
             plans = [_assemble(problem, c, r.steps, r.data) for c in feasible[:4]]
-            return Planned(with_overrides(plans[0], other), plans[1:], lower, limit(problem, feasible[0]))
+            return Planned(with_overrides(plans[0], other), plans[1:], lower, limit(problem, feasible[0]),
+                           stale_calibration(machine.calibration, machine.profile))
     raise NoFeasiblePlan(infeasible_message(problem, space))
 
 

@@ -14,7 +14,8 @@ from fastml.hwprofiles.schema import Calibration
 from fastml.plan import Hardware, Knobs, Plan, Training
 from fastml.record import Measured, RunMachine, RunRecord, load_record
 from fastml.spec import PRESETS
-from fastml.planner.calibrate import _predict, calibrate, with_calibration
+from fastml.planner.calibrate import MODEL_VERSION, _predict, calibrate, stale_calibration, with_calibration
+from fastml.planner.planner import make_plan
 from fastml.planner.hardware import load_machine
 
 TRUE = Calibration(forward=0.8, compute=1.25, cpu_optimizer=1.5, transfer=1.6, layer_overhead_s=2e-4, step_overhead_s=0.03,
@@ -27,15 +28,19 @@ CASES = [("tinyllama-1.1b", 8, 2, (), False, {}), ("tinyllama-1.1b", 4, 4, ("blo
          ("qwen2.5-0.5b", 4, 2, (), True, dict(offload_optimizer=1.0, offload_master=1.0))]
 
 
+def case_plan(model, micro, accum, recompute, compiled, knobs) -> Plan:
+    return Plan(model=PRESETS[model], training=Training(seq_len=2048, global_batch_tokens=2048 * micro * accum),
+                hardware=Hardware(profile="h200", device="cuda"),
+                knobs=Knobs(micro_batch_size=micro, grad_accum_steps=accum, recompute=recompute, compile=compiled,
+                            **knobs))
+
+
 def synthetic_records(profile: dict, device_name: str = "NVIDIA H200") -> dict[str, RunRecord]:
     """What runs of CASES would measure on a machine that behaves as the simulator does with TRUE."""
     truth = with_calibration(profile, TRUE)
     records = {}
-    for i, (model, micro, accum, recompute, compiled, knobs) in enumerate(CASES):
-        plan = Plan(model=PRESETS[model], training=Training(seq_len=2048, global_batch_tokens=2048 * micro * accum),
-                    hardware=Hardware(profile="h200", device="cuda"),
-                    knobs=Knobs(micro_batch_size=micro, grad_accum_steps=accum, recompute=recompute,
-                                compile=compiled, **knobs))
+    for i, case in enumerate(CASES):
+        plan = case_plan(*case)
         p = _predict(plan, truth)
         measured = Measured(step_time_s=p.step_s, tokens_per_s=plan.training.global_batch_tokens / p.step_s, mfu=None,
                             peak_memory_bytes=p.peak_bytes, memory_bytes=None, host_memory_bytes=None)
@@ -77,6 +82,43 @@ def test_records_of_another_machine_are_refused():
                                                               host="h"))
     with pytest.raises(UserError, match="run0: ran on a CPU, but h200 is a CUDA profile"):
         calibrate({"run0": on_a_cpu}, profile)
+
+
+# What the uncalibrated models predict for CASES and an fp8 plan on the h200 profile (step seconds, peak bytes), by
+# MODEL_VERSION: a change that moves them makes every earlier calibration stale.
+FP8_CASE = ("llama-3.1-8b", 2, 4, ("norm",), True,
+            dict(matmul_dtype="fp8", lm_head_chunks=4, optimizer_dtype="bf16", master_dtype="bf16"))
+PREDICTED = {1: [(0.416804, 47144206336), (0.517903, 21551841280), (0.237701, 101236307968),
+                 (0.343369, 16540612608), (0.622868, 31282118656), (0.831577, 20287520768),
+                 (0.250607, 25309076992), (1.05396, 83299975168)]}
+
+
+def test_the_model_version_names_what_the_models_predict():
+    profile = hwprofiles.load("h200")
+    predicted = [_predict(case_plan(*case), profile) for case in [*CASES, FP8_CASE]]
+    moved = "the planner's predictions moved: bump MODEL_VERSION in planner/calibrate.py and pin its predictions here"
+    assert MODEL_VERSION in PREDICTED, moved
+    assert [(float(f"{p.step_s:.6g}"), p.peak_bytes) for p in predicted] == PREDICTED[MODEL_VERSION], moved
+
+
+def test_a_calibration_of_other_models_is_said_to_be_stale(tmp_path):
+    """A profile fitted to another version of the planner's models (or before versions were kept) plans with a
+    warning that says what to do; one fitted by this fastml, or not calibrated, plans without one."""
+    profile = hwprofiles.load("h200")
+    fitted, _ = calibrate(synthetic_records(profile), profile)
+    assert fitted["calibration"]["model_version"] == MODEL_VERSION
+    stale = with_calibration(fitted, Calibration(**fitted["calibration"] | {"model_version": 0}))
+    for name, data in (("fitted", fitted), ("stale", stale), ("uncalibrated", profile)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    notes = {name: make_plan(model="tiny", hw=str(tmp_path / f"{name}.json"), gpus=1, trials=5).stale_calibration
+             for name in ("fitted", "stale", "uncalibrated")}
+    assert notes["fitted"] is None and notes["uncalibrated"] is None
+    assert notes["stale"] == stale_calibration(Calibration(**stale["calibration"]), "h200")
+    assert "fitted to an unversioned one" in notes["stale"] and "`fastml calibrate`" in notes["stale"]
+    planned = fastml("plan", "--model", "tiny", "--hw", "stale.json", "--gpus", "1", "--trials", "5", "-o",
+                     "p.json", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    assert "warning: h200's calibration was fitted to an unversioned one" in " ".join(planned.stdout.split())
 
 
 def fastml(*args, cwd):
