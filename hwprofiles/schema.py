@@ -36,6 +36,10 @@ class DeviceSection:
     fp8_backward_gemm_shapes: tuple[tuple[float, float, float, float], ...] = ()
     """(M, N, K, achieved / fp8 peak) of the two backward GEMMs of the fp8 linear whose forward GEMM is (M, N, K):
     e5m2 gradients, without fast accumulation; where none is measured, the forward's."""
+    attention_shapes: tuple[tuple[float, float, float], ...] = ()
+    """(head_dim, seq_len, achieved / bf16 peak) of causal attention's forward and backward pass as the executor runs
+    it (SDPA over grouped-query heads), FLOPs as planner/costs.py counts them; measured by `fastml profile` on a GPU.
+    Where none is measured, attention takes the efficiency of gemm_efficiency's curve at its size."""
     hbm_bytes_per_s: float
     """Device memory bandwidth (a CPU profile: a large tensor copy's rate in host memory)."""
     fp8_cast_bytes_per_s: float | None = None

@@ -333,8 +333,13 @@ def link_bytes_per_s(machine: Machine) -> float:
 
 def _attention_s(flops: float, spec: ModelSpec, micro_batch_size: int, seq_len: int, machine: Machine,
                  dtype: str) -> float:
+    """Forward attention's time (the backward's is ATTENTION_BACKWARD_FACTOR times it): at the rate the profile
+    measured for attention at this head size and sequence length (bf16), else estimated from GEMMs."""
+    measured = machine.gpu.attention_efficiency(spec.head_dim, seq_len) if dtype == "bf16" else None
+    if measured:
+        return flops / (machine.gpu.peak_flops_for(dtype) * measured)
     # Flash attention runs all heads and sequences at once: as efficient as one GEMM of (tokens x heads) rows,
-    # seq_len columns and head_dim depth.
+    # seq_len columns and head_dim depth. On the H200 that was 2.3 times what attention reached (TinyLlama's shape).
     size = (micro_batch_size * seq_len * spec.num_heads * seq_len * spec.head_dim) ** (1 / 3)
     return flops / (machine.gpu.peak_flops_for(dtype) * machine.gpu.gemm_efficiency_at(size))
 

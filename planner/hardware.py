@@ -41,6 +41,9 @@ class Gpu:
     """The same for the two backward GEMMs of the forward GEMM (M, N, K)."""
     fp8_cast_bytes_per_s: float
     """fastml's fp8 casts, bytes as planner/costs.py counts them; the HBM rate where the profile has none."""
+    attention_shapes: dict[int, tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=dict)
+    """head_dim -> ((seq_len, efficiency against the bf16 peak), ...) sorted, of causal attention forward and
+    backward, measured."""
 
     def gemm_seconds(self, m: int, n: int, k: int, dtype: str, backward: bool = False) -> float:
         """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this shape (in fp8, the
@@ -60,6 +63,14 @@ class Gpu:
                                        f"{', '.join(self.peak_flops)})")
         return self.peak_flops[dtype]
 
+    def attention_efficiency(self, head_dim: int, seq_len: int) -> float | None:
+        """Measured attention's efficiency at the nearest head size measured (in log), interpolated in log
+        seq_len and flat beyond the lengths measured; None where the profile measured none."""
+        if not self.attention_shapes:
+            return None
+        nearest = min(self.attention_shapes, key=lambda d: (abs(math.log(d / head_dim)), d))
+        return _log_interpolated(self.attention_shapes[nearest], seq_len)
+
     def gemm_efficiency_at(self, g: float) -> float:
         sizes = [s for s, _ in self.gemm_efficiency]
         i = bisect.bisect_left(sizes, g)
@@ -69,6 +80,16 @@ class Gpu:
             return self.gemm_efficiency[-1][1]
         (g0, e0), (g1, e1) = self.gemm_efficiency[i - 1], self.gemm_efficiency[i]
         return e0 + (e1 - e0) * math.log(g / g0) / math.log(g1 / g0)
+
+
+def _log_interpolated(points: tuple[tuple[int, float], ...], x: float) -> float:
+    """The value at x of (x, value) points sorted by x, linear in log x between them and flat outside."""
+    xs = [px for px, _ in points]
+    i = bisect.bisect_left(xs, x)
+    if i == 0 or i == len(xs):
+        return points[min(i, len(xs) - 1)][1]
+    (x0, v0), (x1, v1) = points[i - 1], points[i]
+    return v0 + (v1 - v0) * math.log(x / x0) / math.log(x1 / x0)
 
 
 def _shape_efficiency(shapes: dict[tuple[int, int, int], float], m: int, n: int, k: int) -> float | None:
@@ -211,12 +232,20 @@ def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
                 fp8_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.fp8_gemm_shapes},
                 fp8_backward_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.fp8_backward_gemm_shapes},
                 fp8_cast_bytes_per_s=gpu.fp8_cast_bytes_per_s or gpu.hbm_bytes_per_s,
+                attention_shapes=_by_head_dim(gpu.attention_shapes),
                 h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, p2p=gpu.p2p, nvlink_bytes_per_s=gpu.nvlink_bytes_per_s),
         node=node, num_gpus=node.gpus_per_node,
         collective_latency_s=p.collectives.latency_s, bus_bytes_per_s=dict(p.collectives.bus_bytes_per_s),
         host_routed_bus_bytes_per_s=p.collectives.host_routed_bus_bytes_per_s or math.inf,
         usd_per_gpu_hour=p.price.usd_per_gpu_hour if p.price else 0.0,
         watts_per_gpu=p.power.watts_per_gpu if p.power else 0.0, calibration=p.calibration)
+
+
+def _by_head_dim(rows: tuple[tuple[float, float, float], ...]) -> dict[int, tuple[tuple[int, float], ...]]:
+    by_head_dim = {}
+    for head_dim, seq_len, efficiency in rows:
+        by_head_dim.setdefault(int(head_dim), []).append((int(seq_len), efficiency))
+    return {d: tuple(sorted(points)) for d, points in by_head_dim.items()}
 
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,

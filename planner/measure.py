@@ -1,10 +1,10 @@
 """What `fastml profile` measures on a GPU machine, each rate the way the planner uses it: the bf16 GEMM efficiency
-curve against the GPU's dense peak (square GEMMs) and at the linear layers' exact shapes, HBM bandwidth (a copy,
-bytes read and written), pinned host copies up and down (one GPU alone, and every GPU at once through the shared
-PCIe root), the cost of a kernel launch, the host's memory bandwidth and the C++ CPU AdamW's throughput on its
-cores. GPU work is timed with CUDA events, the median of several runs after warm-ups; `quick` takes fewer sizes
-and smaller copies (under 20 s on one H200, once fastml's CUDA ops are built; several GPUs add the start of their
-workers).
+curve against the GPU's dense peak (square GEMMs) and at the linear layers' exact shapes, causal attention at each
+head size and sequence length, HBM bandwidth (a copy, bytes read and written), pinned host copies up and down (one
+GPU alone, and every GPU at once through the shared PCIe root), the cost of a kernel launch, the host's memory
+bandwidth and the C++ CPU AdamW's throughput on its cores. GPU work is timed with CUDA events, the median of several
+runs after warm-ups; `quick` takes fewer sizes and smaller copies (under 20 s on one H200, once fastml's CUDA ops are
+built; several GPUs add the start of their workers).
 
 On a GPU with fp8 tensor cores (and nvcc to build fastml's CUDA ops), also fp8 GEMMs (torch._scaled_mm) at the
 presets' linear-layer shapes, forward and backward, and the rate of fastml's fp8 cast (csrc/fp8_cuda.cu); where they cannot run, the
@@ -51,6 +51,8 @@ def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None,
         rates = {shape: _if_it_fits(_gemm_flops, *shape) for shape in _model_shapes()}
         measured["gpu.gemm_shapes"] = [[m, n, k, round(flops / peak_bf16_flops, 4)]
                                        for (m, n, k), flops in rates.items() if flops]
+    on_step("attention")
+    measured["gpu.attention_shapes"] = _attention_efficiencies(peak_bf16_flops, quick)
     if peak_fp8_flops:
         on_step("the fp8 cast" if quick else "fp8 GEMMs and the fp8 cast")
         measured |= _fp8(peak_fp8_flops, quick)
@@ -168,6 +170,52 @@ def _fp8_backward_gemm_flops(m: int, n: int, k: int) -> float:
         torch._scaled_mm(grad, weight_t.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
         torch._scaled_mm(grad_t, x_t.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     return 2 * 2 * m * n * k / _cuda_seconds(both)
+
+
+ATTENTION_HEAD_DIMS = (64, 128)
+ATTENTION_SEQ_LENS = (1024, 2048, 4096, 8192)
+QUICK_ATTENTION_SEQ_LENS = (2048, 8192)
+ATTENTION_TOKENS = 16384
+"""Tokens of the micro-batch attention is measured at: enough sequences of the shorter lengths to fill the GPU, as
+training's micro-batches do. Its rate depends on the sequence length (the share of the causal mask's diagonal tiles,
+the backward pass's accumulation over them) and the head size (TinyLlama's 64 reached 325 TFLOP/s on the H200,
+the 8B's 128 376, against GEMMs' 790: benchmarks/results/attention-h200.json)."""
+ATTENTION_HEADS = (32, 8)
+
+
+def _attention_efficiencies(peak_bf16_flops: float, quick: bool) -> list[list[float]]:
+    """(head_dim, seq_len, achieved / peak) of causal SDPA forward and backward at each measured size."""
+    from fastml.planner.costs import ATTENTION_BACKWARD_FACTOR
+
+    heads, kv_heads = ATTENTION_HEADS
+    rows = []
+    for head_dim in ATTENTION_HEAD_DIMS:
+        for seq_len in QUICK_ATTENTION_SEQ_LENS if quick else ATTENTION_SEQ_LENS:
+            batch = max(1, ATTENTION_TOKENS // seq_len)
+            # 2·s·q_size per token forward (causal: half of q·kᵀ and p·v), the backward 2.5 times it
+            flops = (1 + ATTENTION_BACKWARD_FACTOR) * 2.0 * batch * seq_len * seq_len * heads * head_dim
+            seconds = _cuda_seconds(_attention_pass(batch, seq_len, heads, kv_heads, head_dim))
+            rows.append([head_dim, seq_len, round(flops / seconds / peak_bf16_flops, 4)])
+    return rows
+
+
+def _attention_pass(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int):
+    """Causal SDPA forward and backward in bf16 as executor/model.py runs it: (B, T, H, D) tensors seen as
+    (B, H, T, D), grouped-query heads."""
+    import torch
+    import torch.nn.functional as F
+
+    def tensor(count: int) -> torch.Tensor:
+        return torch.randn(batch, seq_len, count, head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True)
+    q, k, v = tensor(heads), tensor(kv_heads), tensor(kv_heads)
+    grad = torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def run() -> None:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+    return run
 
 
 def _cuda_seconds(run, repeats: int = 10, warmups: int = 2) -> float:

@@ -1,5 +1,6 @@
 """`fastml profile`: topology detection through a fake NVML, the hwprofile it writes, and the real detection."""
 
+import dataclasses
 import io
 import json
 import os
@@ -195,7 +196,8 @@ MEASURED = {"gpu.gemm_efficiency": [[1024, 0.1], [8192, 0.71]], "gpu.hbm_bytes_p
             "node.h2d_all_gpus_bytes_per_s": 9.0e10, "node.host_copy_bytes_per_s": 6.0e10,
             "node.cpu_adam_params_per_s": 3.0e9, "launch_s": 3e-6, "quick": True, "date": "2026-12-01",
             "gpu.fp8_cast_bytes_per_s": 3.0e12, "gpu.fp8_gemm_shapes": [[8192, 4096, 4096, 0.6]],
-            "gpu.fp8_backward_gemm_shapes": [[8192, 4096, 4096, 0.5]]}
+            "gpu.fp8_backward_gemm_shapes": [[8192, 4096, 4096, 0.5]],
+            "gpu.attention_shapes": [[64, 1024, 0.25], [64, 4096, 0.45], [128, 2048, 0.38]]}
 
 
 def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(monkeypatch, tmp_path):
@@ -218,6 +220,7 @@ def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(mon
     assert machine.gpu.gemm_seconds(1024, 1024, 1024, "fp8") == pytest.approx(
         machine.gpu.gemm_seconds(1024, 1024, 1024, "bf16") * bf16_peak / fp8_peak)
     assert machine.gpu.peak_flops == hwprofiles.load("h200")["gpu"]["peak_flops"]  # datasheet peaks: not measured
+    assert_attention_takes_the_measured_rates(machine)
     assert "Measured by `fastml profile` (--quick, planner/measure.py): gpu.gemm_efficiency" in data["source"]
     assert data["measured"]["launch_s"] == 3e-6
     monkeypatch.setenv("FASTML_CACHE", str(tmp_path))
@@ -230,6 +233,30 @@ def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(mon
 
     plan = make_plan(trials=10).plan
     assert plan.hardware.profile == "detected-h200" and plan.hardware.num_gpus == 2
+
+
+def assert_attention_takes_the_measured_rates(machine) -> None:
+    """Attention's forward time is its FLOPs at the measured efficiency of its head size (the nearest measured), in
+    log sequence length between the lengths measured and flat beyond; without measurements, the GEMM curve's."""
+    from fastml.planner.costs import _attention_s
+
+    def seconds(model: str, seq_len: int, on=machine) -> float:
+        spec = PRESETS[model]
+        return _attention_s(spec.attention_forward_flops_per_token(seq_len) * seq_len, spec, 1, seq_len, on, "bf16")
+
+    def at(model: str, seq_len: int, efficiency: float) -> float:
+        spec = PRESETS[model]
+        return spec.attention_forward_flops_per_token(seq_len) * seq_len / (machine.gpu.peak_flops["bf16"] *
+                                                                             efficiency)
+    assert seconds("tinyllama-1.1b", 1024) == pytest.approx(at("tinyllama-1.1b", 1024, 0.25))
+    assert seconds("tinyllama-1.1b", 2048) == pytest.approx(at("tinyllama-1.1b", 2048, 0.35))  # halfway in log
+    assert seconds("tinyllama-1.1b", 8192) == pytest.approx(at("tinyllama-1.1b", 8192, 0.45))
+    assert seconds("llama-3.1-8b", 8192) == pytest.approx(at("llama-3.1-8b", 8192, 0.38))
+    assert seconds("qwen2.5-0.5b", 512) == pytest.approx(at("qwen2.5-0.5b", 512, 0.25))  # head_dim 64 too
+    unmeasured = dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, attention_shapes={}))
+    size = (2048 * 32 * 2048 * 64) ** (1 / 3)
+    assert seconds("tinyllama-1.1b", 2048, unmeasured) == pytest.approx(
+        at("tinyllama-1.1b", 2048, machine.gpu.gemm_efficiency_at(size)))
 
 
 def test_unknown_gpu_starts_from_the_profile_nearest_in_memory(monkeypatch, tmp_path):
@@ -299,6 +326,9 @@ def test_real_detection_on_gpus(tmp_path, monkeypatch):
     assert data["gpu"]["hbm_bytes_per_s"] == measured["gpu.hbm_bytes_per_s"] > 1e11
     assert data["gpu"]["pcie"]["h2d_bytes_per_s"] > 1e9 and data["node"]["cpu_adam_params_per_s"] > 1e7
     assert 0 < measured["launch_s"] < 1e-3
+    attention = data["gpu"]["attention_shapes"]  # --quick: two lengths for each of two head sizes
+    assert [row[:2] for row in attention] == [[64, 2048], [64, 8192], [128, 2048], [128, 8192]]
+    assert all(0.05 < e < 1.0 for _, _, e in attention)
     if torch.cuda.get_device_capability() >= (8, 9):  # --quick: the cast alone, no fp8 GEMM shapes
         assert "fp8_error" not in measured and data["gpu"]["fp8_cast_bytes_per_s"] > 1e11
     assert hwprofiles.machine_profile(torch.cuda.get_device_name(0), torch.cuda.device_count()) == \
