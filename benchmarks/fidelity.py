@@ -3,7 +3,7 @@ of runs fitted by `fastml calibrate`, then a different set scored: predicted aga
 memory, plans pinned and plans the planner chose itself, and a grid of neighbours around one of its choices.
 
     python benchmarks/fidelity.py run [--parts calibrate,planner,pinned,grid,lower] [--out DIR] [--deadline S]  # GPU
-    python benchmarks/fidelity.py score [--gemm-shapes-from PROFILE] [--fp8-from PROFILE]  # anywhere: the table
+    python benchmarks/fidelity.py score [--gemm-shapes-from P] [--fp8-from P] [--attention-from P]  # anywhere
 
 `run` writes into DIR (default benchmarks/results) `fidelity-runs-<gpu>.jsonl`, one line per run as it ends, and
 `fidelity-profile-<gpu>.json`, the measured profile (with, after the calibration part, its fitted calibration,
@@ -313,18 +313,20 @@ def _read(rows: list[dict]) -> tuple[dict, list[dict]]:
 FP8_RATES = ("fp8_gemm_shapes", "fp8_backward_gemm_shapes", "fp8_cast_bytes_per_s")
 
 
-def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_from: Path | None = None) -> None:
+def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_from: Path | None = None,
+          attention_from: Path | None = None) -> None:
     """Calibrates the measured profile on the calibration set, predicts every other run with it, and writes the
-    table, its errors and the plot. `shapes_from`, `fp8_from`: profiles of the same machine measured later, whose
-    bf16 GEMM rates at the linear layers' shapes, and whose fp8 rates (FP8_RATES), replace the runs' profile's
-    (every other rate stays as measured beside the runs)."""
+    table, its errors and the plot. `shapes_from`, `fp8_from`, `attention_from`: profiles of the same machine
+    measured later, whose bf16 GEMM rates at the linear layers' shapes, whose fp8 rates (FP8_RATES), and whose
+    attention rates replace the runs' profile's (every other rate stays as measured beside the runs)."""
     from fastml.hwprofiles.schema import Calibration
     from fastml.planner.calibrate import _predict, calibrate, with_calibration
 
     rows = {r["name"]: r for r in _latest(_rows(runs))}
     records, unreadable = _read(list(rows.values()))
     measured_profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
-    for later, rates in ((shapes_from, ("gemm_shapes",)), (fp8_from, FP8_RATES)):
+    for later, rates in ((shapes_from, ("gemm_shapes",)), (fp8_from, FP8_RATES),
+                         (attention_from, ("attention_shapes",))):
         if later:
             measured_profile["gpu"] |= {rate: json.loads(later.read_text())["gpu"][rate] for rate in rates}
     calibration_names = {c.name for c in CALIBRATION}
@@ -359,6 +361,7 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_f
         "profile_command_s": measured_profile.get("measured", {}).get("profile_command_s"),
         "gemm_shapes_from": str(shapes_from) if shapes_from else None,
         "fp8_rates_from": str(fp8_from) if fp8_from else None,
+        "attention_rates_from": str(attention_from) if attention_from else None,
     }
     path = write_result("fidelity.json", figures, machine=plans[0]["machine"] if plans else None)
     _plot(scored, RESULTS / "fidelity.png")
@@ -476,6 +479,8 @@ def main() -> None:
                          help="take the GEMM rates at the linear layers' shapes from this later profile of the machine")
     scoring.add_argument("--fp8-from", type=Path, metavar="PROFILE",
                          help="take the fp8 GEMM and cast rates from this later profile of the machine")
+    scoring.add_argument("--attention-from", type=Path, metavar="PROFILE",
+                         help="take the attention rates from this later profile of the machine")
     args = parser.parse_args()
     if args.command == "run":
         args.out.mkdir(parents=True, exist_ok=True)
@@ -491,7 +496,8 @@ def main() -> None:
     else:
         tag = "h200"  # the results kept in the repository
         score(args.runs or RESULTS / f"fidelity-runs-{tag}.jsonl",
-              args.profile or RESULTS / f"fidelity-profile-{tag}.json", args.gemm_shapes_from, args.fp8_from)
+              args.profile or RESULTS / f"fidelity-profile-{tag}.json", args.gemm_shapes_from, args.fp8_from,
+              args.attention_from)
 
 
 if __name__ == "__main__":
