@@ -6,6 +6,10 @@ in --out.
 
     python benchmarks/profile_step.py --model llama-3.1-8b --case bf16 --case fp8 [--steps 4] [--out DIR]
     python benchmarks/profile_step.py --model tinyllama-1.1b --case bf16-mb16 --sequences 32
+    python benchmarks/profile_step.py --repredict results/profile_step-h200.json --hw PROFILE  # anywhere
+
+Beside each case's kernel times, the planner's prices of the same step by kind, before calibration
+(`predicted_vs_measured`: where the model is off, kind by kind); `--repredict` writes them into an earlier file.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -22,7 +28,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 from fastml.executor.train import train  # noqa: E402
 from fastml.plan import describe_knobs, pinned  # noqa: E402
 from fastml.planner.planner import make_plan  # noqa: E402
-from record import gpu_tag, write_result  # noqa: E402
+from record import _commit, gpu_tag, write_result  # noqa: E402
 
 SEQ_LEN = 2048
 DEFAULT_MODEL = "llama-3.1-8b"
@@ -67,25 +73,96 @@ def summarize(trace: dict) -> dict:
             "by_kind_s": dict(by_kind.most_common()), "largest_kernels_s": dict(by_name.most_common(12))}
 
 
-def profile(model: str, case: str, steps: int, sequences: int, out: Path) -> dict:
+def case_plan(model: str, case: str, steps: int, sequences: int, hw: str | None = None):
     # Full precision where a case does not lower it: a case that does not fit fails, rather than run in fp8.
-    plan = make_plan(model=model, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps, gpus=1,
-                     lower_precision=False, overrides=pinned(**CASES[case])).plan
+    return make_plan(model=model, seq_len=SEQ_LEN, global_batch_tokens=sequences * SEQ_LEN, steps=steps, gpus=1,
+                     lower_precision=False, overrides=pinned(**CASES[case]), hw=hw).plan
+
+
+def profile(model: str, case: str, steps: int, sequences: int, out: Path) -> dict:
+    plan = case_plan(model, case, steps, sequences)
     run_dir = out / f"{model}-{case}"
     summary = train(plan, show_progress=False, run_dir=run_dir, trace_step=steps - 1)
     trace = json.loads((run_dir / "trace.json").read_text())
-    return {"knobs": describe_knobs(plan.knobs), "step_time_s": summary["step_time_s"],
-            "tokens_per_s": summary["tokens_per_s"], "trace": str(run_dir / "trace.json"), **summarize(trace)}
+    measured = summarize(trace)
+    result = {"knobs": describe_knobs(plan.knobs), "step_time_s": summary["step_time_s"],
+              "tokens_per_s": summary["tokens_per_s"], "trace": str(run_dir / "trace.json"), **measured}
+    try:
+        return result | beside_predicted(plan, measured["by_kind_s"])
+    except Exception as e:  # noqa: BLE001: the measurement is kept whatever the prediction does
+        return result | {"predicted_error": f"{type(e).__name__}: {e}"}
 
 
-def main() -> None:
+# ------------------------------------------------------------------------------- the planner's prices, by kind
+
+COMPARED = ("matmul", "attention", "fp8 cast", "optimizer")
+"""Kinds the planner prices as the trace counts them; the rest of the trace (compiled and fused elementwise
+kernels, copies, other) is set against the rest of the prices (the blocks' elementwise work, the loss, the
+gradients' accumulation)."""
+
+
+def beside_predicted(plan, measured_by_kind: dict[str, float], hw: str | None = None) -> dict:
+    """The GPU time the planner prices the plan's step at, by kind and before calibration (planned on this machine's
+    profile, or `hw`), and each kind's error against the trace's (predicted / measured - 1)."""
+    predicted = predicted_by_kind(plan, hw)
+    rest = {"measured": sum(s for k, s in measured_by_kind.items() if k not in COMPARED),
+            "predicted": sum(s for k, s in predicted.items() if k not in COMPARED)}
+    pairs = {kind: {"measured": measured_by_kind.get(kind, 0.0), "predicted": predicted.get(kind, 0.0)}
+             for kind in COMPARED} | {"the rest": rest}
+    return {"predicted_by_kind_s": predicted,
+            "predicted_vs_measured": {kind: pair | {"error": pair["predicted"] / pair["measured"] - 1}
+                                      for kind, pair in pairs.items() if pair["measured"] > 0}}
+
+
+def predicted_by_kind(plan, hw: str | None = None) -> dict[str, float]:
+    """The planner's prices of the plan's step by kind, before calibration, on the profile it was planned on (or
+    `hw`)."""
+    from fastml.planner.costs import step_work
+    from fastml.planner.planner import replan
+
+    return step_work(plan.model, plan.training.seq_len, plan.knobs, replan(plan, hw)[1].machine)
+
+
+def repredict(path: Path, hw: str) -> None:
+    """Writes the planner's prices by kind beside each case of an earlier results file (planned again on `hw`, the
+    profile of the machine that measured it, with the file's own command line)."""
+    results = json.loads(path.read_text())
+    args = _parser().parse_args(shlex.split(results["command"])[2:])
+    predicted_by = {"command": " ".join(["python3", *sys.argv]), "git_commit": _commit(), "profile": hw}
+    for case, result in results["cases"].items():
+        if "by_kind_s" not in result:
+            continue
+        plan = case_plan(results["model"], case, args.steps, args.sequences, hw)
+        if describe_knobs(plan.knobs) != result["knobs"]:
+            raise SystemExit(f"{case}: planned as {describe_knobs(plan.knobs)!r} on {hw}, but the file ran "
+                             f"{result['knobs']!r}")
+        result |= beside_predicted(plan, result["by_kind_s"], hw) | {"predicted_by": predicted_by}
+        print(case, json.dumps(result["predicted_vs_measured"], indent=1), flush=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--case", action="append", choices=sorted(CASES), required=True)
+    parser.add_argument("--case", action="append", choices=sorted(CASES), default=[])
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the one before the last is traced")
     parser.add_argument("--sequences", type=int, default=16, help="sequences per optimizer step")
     parser.add_argument("--out", type=Path, default=None, help="where the runs and traces go (default: a temp dir)")
+    parser.add_argument("--repredict", type=Path, metavar="RESULTS",
+                        help="no run: write the planner's prices by kind into this earlier results file (any machine)")
+    parser.add_argument("--hw", help="with --repredict: the profile of the machine that measured it")
+    return parser
+
+
+def main() -> None:
+    parser = _parser()
     args = parser.parse_args()
+    if args.repredict:
+        if not args.hw:
+            parser.error("--repredict needs --hw, the profile of the machine that measured the file")
+        return repredict(args.repredict, args.hw)
+    if not args.case:
+        parser.error("give at least one --case")
     out = args.out or Path(tempfile.mkdtemp(prefix="fastml-profile-"))
     results = {}
     for case in args.case:

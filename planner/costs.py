@@ -17,7 +17,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from fastml.plan import MEMCPY_ROW_BYTES, Knobs
+from fastml.config import fail
+from fastml.plan import KNOBS, MEMCPY_ROW_BYTES, Knobs, fp8_cached_blocks
 from fastml.hwprofiles.schema import Calibration
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, group_params,
@@ -204,7 +205,24 @@ def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Cost
     return dataclasses.replace(modelled, **changed)  # collectives apply cal.transfer themselves (`collective`)
 
 
-def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Costs:
+KINDS = ("matmul", "attention", "elementwise", "fp8 cast")
+"""The kinds of GPU work a block's passes are priced by (`LayerWork`); the head's are "matmul" and "loss"."""
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """Seconds of GPU work by kind, before calibration, of one block's passes over one micro-batch (KINDS; the
+    casts of its weights to fp8 are apart, in Costs) and of the head's forward and backward pass."""
+
+    forward: dict[str, float]
+    backward: dict[str, float]
+    recompute: dict[str, float]
+    """What the block's recompute parts (knobs.recompute) run again in its backward pass."""
+    head: dict[str, float]
+    """The LM head's matmuls and the loss's (tokens x vocab) tensors."""
+
+
+def layer_work(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> LayerWork:
     gpu = machine.gpu
     t = knobs.micro_batch_size * seq_len
     dtype = knobs.matmul_dtype
@@ -225,20 +243,59 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
     attention = _attention_s(flops["forward.attention"], spec, knobs.micro_batch_size, seq_len, machine,
                              other_dtype)
     elementwise = hbm(_elementwise_elements(spec, knobs.compile) * t * activation_bytes(knobs))
-    block = gemms("qkv", "out", "gate_up", "down")
     quantize_forward, quantize_backward = (cast(b) for b in fp8_cast_bytes(spec, t))
-    weight_casts = [cast(b) for b in fp8_weight_cast_bytes(spec)]
-    forward = block + attention + elementwise + quantize_forward
-    backward = 2 * gemms("qkv", "out", "gate_up", "down", backward=True) + ATTENTION_BACKWARD_FACTOR * attention + \
-        2 * elementwise + quantize_backward
+    forward = {"matmul": gemms("qkv", "out", "gate_up", "down"), "attention": attention, "elementwise": elementwise,
+               "fp8 cast": quantize_forward}
+    backward = {"matmul": 2 * gemms("qkv", "out", "gate_up", "down", backward=True),
+                "attention": ATTENTION_BACKWARD_FACTOR * attention, "elementwise": 2 * elementwise,
+                "fp8 cast": quantize_backward}
     # fp8: recomputed linears cast their inputs again (their weights too, where not cached: simulate.py)
     input_casts = {name: cast(t * k * (FP8_CAST_BYTES + 1)) for name, (_, k) in spec.block_linear_shapes().items()}
-    recompute = _recompute_s(knobs.recompute, forward, gemms("gate_up", "down") + input_casts["gate_up"] +
-                             input_casts["down"], gemms("qkv") + input_casts["qkv"], attention, elementwise)
-    head = head_gemm_passes(knobs.lm_head_chunks) * gpu.gemm_seconds(t, *spec.lm_head_shape(), other_dtype)
+    recompute = _recompute_work(knobs.recompute, forward,
+                                {"matmul": gemms("gate_up", "down"),
+                                 "fp8 cast": input_casts["gate_up"] + input_casts["down"]},
+                                {"matmul": gemms("qkv"), "fp8 cast": input_casts["qkv"]}, attention, elementwise)
     # Every (tokens x vocab) tensor of the loss is written once and read once (memory.loss_tensor_bytes).
-    head += hbm(2 * sum(loss_tensor_bytes(knobs).values()) * t * spec.vocab_size)
+    head = {"matmul": head_gemm_passes(knobs.lm_head_chunks) * gpu.gemm_seconds(t, *spec.lm_head_shape(),
+                                                                                 other_dtype),
+            "loss": hbm(2 * sum(loss_tensor_bytes(knobs).values()) * t * spec.vocab_size)}
+    return LayerWork(forward, backward, recompute, head)
 
+
+def step_work(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> dict[str, float]:
+    """The GPU work of one optimizer step by kind as the costs price it before calibration, on one GPU without
+    offload (where the simulated step is this work end to end): the blocks' passes (recomputed parts too) and the
+    head's for each micro-batch, the fp8 weight casts, the gradients' accumulation, their clipping and the AdamW
+    step. benchmarks/profile_step.py sets it beside a traced step's kernels by kind."""
+    if machine.num_gpus > 1 or any(getattr(knobs, name) for name, info in KNOBS.items() if info.kind == "offload"):
+        fail("knobs", "the work by kind is priced for one GPU without offload")
+    machine = dataclasses.replace(machine, calibration=Calibration())
+    work, c = layer_work(spec, seq_len, knobs, machine), costs(spec, seq_len, knobs, machine)
+    micro, layers = knobs.grad_accum_steps, spec.num_layers
+    kinds = dict.fromkeys((*KINDS, "loss"), 0.0)
+    for passes, work_of_pass in ((micro * layers, work.forward), (micro * layers, work.backward),
+                                 (micro * layers * bool(knobs.recompute), work.recompute), (micro, work.head)):
+        for kind, seconds in work_of_pass.items():
+            kinds[kind] += passes * seconds
+    cached = len(fp8_cached_blocks(knobs, layers, 1))
+    recast = recomputed_weight_share(spec, knobs.recompute) if knobs.recompute else 0.0
+    kinds["fp8 cast"] += micro * (layers - cached) * (c.layer_weight_cast_forward * (1 + recast) +
+                                                      c.layer_weight_cast_backward) + cached * c.layer_weight_cache
+    kinds["gradient accumulation"] = (micro - 1) * c.grad_accumulate
+    kinds["optimizer"] = c.grad_clip + spec.num_params() * c.gpu_adam_per_param
+    return {kind: seconds for kind, seconds in kinds.items() if seconds}
+
+
+def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Costs:
+    gpu = machine.gpu
+    t = knobs.micro_batch_size * seq_len
+    work = layer_work(spec, seq_len, knobs, machine)
+
+    def hbm(num_bytes: float) -> float:
+        return num_bytes / gpu.hbm_bytes_per_s
+
+    weight_casts = [num_bytes / gpu.fp8_cast_bytes_per_s if knobs.matmul_dtype == "fp8" else 0.0
+                    for num_bytes in fp8_weight_cast_bytes(spec)]
     p = spec.num_params()
     layer_bytes = spec.layer_params() * param_bytes(knobs)
     h2d, d2h = 1 / machine.h2d_bytes_per_s(), 1 / machine.d2h_bytes_per_s()
@@ -252,7 +309,8 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
         return collective("reduce_scatter" if knobs.shard_optimizer else "all_reduce", num_params * param_bytes(knobs),
                           machine, knobs.comm)
     return Costs(
-        layer_forward=forward, layer_backward=backward, layer_recompute=recompute, head_forward_backward=head,
+        layer_forward=sum(work.forward.values()), layer_backward=sum(work.backward.values()),
+        layer_recompute=sum(work.recompute.values()), head_forward_backward=sum(work.head.values()),
         layer_weight_cast_forward=weight_casts[0], layer_weight_cast_backward=weight_casts[1],
         layer_weight_cache=weight_casts[2],
         grad_accumulate=hbm(2 * p * param_bytes(knobs) / (machine.num_gpus if knobs.shard_gradients else 1)),
@@ -354,17 +412,23 @@ def _elementwise_elements(spec: ModelSpec, compiled: bool) -> float:
     return 10 * h + 8 * qk + 2 * q + 3 * f
 
 
-def _recompute_s(parts: tuple[str, ...], forward: float, ffn: float, qkv: float, attention: float,
-                 elementwise: float) -> float:
-    if "block" in parts:
-        return forward
-    share = {"norm": 0.15, "swiglu": 0.3, "attention": 0.3}  # rough shares of the elementwise traffic
-    seconds = sum(elementwise * share[p] for p in parts if p in share)
-    if "ffn" in parts:
-        seconds += ffn + elementwise * share["swiglu"]
-    if "attention" in parts:
-        seconds += attention
-    if "qkv" in parts:
-        seconds += qkv
-    return seconds
+RECOMPUTED_ELEMENTWISE = {"norm": 0.15, "swiglu": 0.3, "attention": 0.3}
+"""Rough shares of a block's elementwise traffic that recomputing each part runs again."""
 
+
+def _recompute_work(parts: tuple[str, ...], forward: dict[str, float], ffn: dict[str, float],
+                    qkv: dict[str, float], attention: float, elementwise: float) -> dict[str, float]:
+    if "block" in parts:
+        return dict(forward)
+    work = dict.fromkeys(KINDS, 0.0)
+    work["elementwise"] = sum(elementwise * RECOMPUTED_ELEMENTWISE[p] for p in parts if p in RECOMPUTED_ELEMENTWISE)
+    if "ffn" in parts:
+        work["elementwise"] += elementwise * RECOMPUTED_ELEMENTWISE["swiglu"]
+        for kind, seconds in ffn.items():
+            work[kind] += seconds
+    if "attention" in parts:
+        work["attention"] += attention
+    if "qkv" in parts:
+        for kind, seconds in qkv.items():
+            work[kind] += seconds
+    return work

@@ -8,9 +8,10 @@ import torch
 
 from fastml import hwprofiles
 from fastml.config import UserError
+from fastml.hwprofiles.schema import Calibration
 from fastml.plan import TIME_COMPONENTS, Knobs, knob_names
 from fastml.planner.hardware import load_machine, parse_bytes
-from fastml.planner.costs import costs, nccl_s
+from fastml.planner.costs import costs, nccl_s, step_work
 from fastml.planner.memory import layer_activation_bytes, memory, model_state_bytes
 from fastml.planner.planner import NoFeasiblePlan, _this_machine, make_plan, replan
 from fastml.planner.request import PlanRequest
@@ -146,6 +147,26 @@ def test_a_serial_step_is_the_sum_of_its_ops():
     expected = {"compute": compute, "recompute": n * layers * c.layer_recompute, "optimizer": optimizer}
     assert sim.time_s == pytest.approx(dict.fromkeys(TIME_COMPONENTS, 0.0) | expected)
     assert sim.step_time_s == pytest.approx(sum(expected.values()))
+
+
+@pytest.mark.parametrize("model, knobs", [
+    ("tinyllama-1.1b", dict(micro_batch_size=16, grad_accum_steps=2, compile=True)),
+    ("qwen2.5-0.5b", dict(micro_batch_size=2, grad_accum_steps=5, recompute=("block",), matmul_dtype="fp8")),
+    ("llama-3.1-8b", dict(micro_batch_size=4, grad_accum_steps=4, recompute=("ffn", "attention"), compile=True,
+                          matmul_dtype="fp8", cache_fp8_weights=True, lm_head_chunks=4))])
+def test_the_work_by_kind_is_the_simulated_step(model, knobs):
+    """On one GPU without offload, the step's work by kind (what benchmarks/profile_step.py sets beside a trace's
+    kernels) adds up to the simulated step, fp8 casts, recompute and accumulation included; a calibrated profile is
+    priced as the uncalibrated one."""
+    spec, knobs = PRESETS[model], Knobs(**knobs)
+    machine = load_machine("h200", 1)
+    work = step_work(spec, 2048, knobs, machine)
+    assert sum(work.values()) == pytest.approx(simulate(spec, 2048, knobs, machine).step_time_s, rel=1e-12)
+    assert (work.get("fp8 cast", 0) > 0) == (knobs.matmul_dtype == "fp8")
+    calibrated = dataclasses.replace(machine, calibration=Calibration(forward=0.5, compute=2.0))
+    assert step_work(spec, 2048, knobs, calibrated) == work
+    with pytest.raises(UserError, match="one GPU without offload"):
+        step_work(spec, 2048, dataclasses.replace(knobs, offload_residuals=0.5), machine)
 
 
 def test_nccl_without_p2p_goes_through_host_memory():
