@@ -30,6 +30,9 @@ class DeviceSection:
     gemm_shapes: tuple[tuple[float, float, float, float], ...] = ()
     """(M, N, K, achieved / peak) of GEMMs measured at exactly these shapes, used before the curve (a CPU profile:
     each linear layer of the models planned, forward and backward, M the tokens of a micro-batch)."""
+    backward_gemm_shapes: tuple[tuple[float, float, float, float], ...] = ()
+    """(M, N, K, achieved / peak) of the two backward GEMMs of the linear layer whose forward GEMM is (M, N, K)
+    (the input's and the weight's gradients); where none is measured, the forward's efficiency."""
     fp8_gemm_shapes: tuple[tuple[float, float, float, float], ...] = ()
     """(M, N, K, achieved / fp8 peak) of fp8 GEMMs (torch._scaled_mm) at these shapes; where none is measured, fp8
     GEMMs take the bf16 efficiency at the fp8 peak."""

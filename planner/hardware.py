@@ -35,6 +35,8 @@ class Gpu:
     nvlink_bytes_per_s: float
     gemm_shapes: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
     """Efficiency measured at exactly these (M, N, K): on a CPU it depends on the shape more than on g."""
+    backward_gemm_shapes: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
+    """The two backward GEMMs' efficiency of the forward GEMM (M, N, K), in bf16."""
     fp8_gemm_shapes: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
     """fp8 GEMMs' efficiency against the fp8 peak, measured at these (M, N, K)."""
     fp8_backward_gemm_shapes: dict[tuple[int, int, int], float] = dataclasses.field(default_factory=dict)
@@ -47,12 +49,14 @@ class Gpu:
 
     def gemm_seconds(self, m: int, n: int, k: int, dtype: str, backward: bool = False) -> float:
         """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this shape (in fp8, the
-        fp8 GEMMs' where measured; `backward`: one of the two backward GEMMs of the forward GEMM (m, n, k), which
-        in fp8 run at their own rate), else at this size (interpolated in log g; the curve is measured in bf16 and
+        fp8 GEMMs' where measured; `backward`: one of the two backward GEMMs of the forward GEMM (m, n, k), at their
+        own rate where measured), else at this size (interpolated in log g; the curve is measured in bf16 and
         applied to fp8 too)."""
         tables = [self.gemm_shapes]
         if dtype == "fp8":
             tables = [self.fp8_backward_gemm_shapes] * backward + [self.fp8_gemm_shapes] + tables
+        elif dtype == "bf16":
+            tables = [self.backward_gemm_shapes] * backward + tables
         measured = next((e for table in tables if (e := _shape_efficiency(table, m, n, k))), None)
         efficiency = measured or self.gemm_efficiency_at((m * n * k) ** (1 / 3))
         return 2.0 * m * n * k / (self.peak_flops_for(dtype) * efficiency)
@@ -229,6 +233,7 @@ def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
         gpu=Gpu(memory_bytes=gpu.memory_bytes, peak_flops=dict(gpu.peak_flops),
                 gemm_efficiency=tuple(sorted(gpu.gemm_efficiency)), hbm_bytes_per_s=gpu.hbm_bytes_per_s,
                 gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.gemm_shapes},
+                backward_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.backward_gemm_shapes},
                 fp8_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.fp8_gemm_shapes},
                 fp8_backward_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.fp8_backward_gemm_shapes},
                 fp8_cast_bytes_per_s=gpu.fp8_cast_bytes_per_s or gpu.hbm_bytes_per_s,

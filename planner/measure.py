@@ -1,5 +1,6 @@
 """What `fastml profile` measures on a GPU machine, each rate the way the planner uses it: the bf16 GEMM efficiency
-curve against the GPU's dense peak (square GEMMs) and at the linear layers' exact shapes, causal attention at each
+curve against the GPU's dense peak (square GEMMs) and the linear layers' GEMMs at their exact shapes (forward, and
+the two backward ones, in the layouts F.linear and autograd use), causal attention at each
 head size and sequence length, HBM bandwidth (a copy, bytes read and written), pinned host copies up and down (one
 GPU alone, and every GPU at once through the shared PCIe root), the cost of a kernel launch, the host's memory
 bandwidth and the C++ CPU AdamW's throughput on its cores. GPU work is timed with CUDA events, the median of several
@@ -48,9 +49,11 @@ def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None,
     measured["gpu.gemm_efficiency"] = [[g, round(_gemm_flops(g, g, g) / peak_bf16_flops, 4)] for g in sizes]
     if not quick:
         on_step("the presets' linear layers")
-        rates = {shape: _if_it_fits(_gemm_flops, *shape) for shape in _model_shapes()}
-        measured["gpu.gemm_shapes"] = [[m, n, k, round(flops / peak_bf16_flops, 4)]
-                                       for (m, n, k), flops in rates.items() if flops]
+        for field, gemm_flops in (("gpu.gemm_shapes", _linear_flops),
+                                  ("gpu.backward_gemm_shapes", _linear_backward_flops)):
+            rates = {shape: _if_it_fits(gemm_flops, *shape) for shape in _model_shapes()}
+            measured[field] = [[m, n, k, round(flops / peak_bf16_flops, 4)] for (m, n, k), flops in rates.items()
+                               if flops]
     on_step("attention")
     measured["gpu.attention_shapes"] = _attention_efficiencies(peak_bf16_flops, quick)
     if peak_fp8_flops:
@@ -240,6 +243,31 @@ def _gemm_flops(m: int, n: int, k: int) -> float:
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     return 2 * m * n * k / _cuda_seconds(lambda: a @ b)
+
+
+def _linear_flops(m: int, n: int, k: int) -> float:
+    """A linear layer's forward GEMM in bf16 as F.linear runs it: x (m, k) by the weight (n, k) transposed."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    return 2 * m * n * k / _cuda_seconds(lambda: F.linear(x, w))
+
+
+def _linear_backward_flops(m: int, n: int, k: int) -> float:
+    """The two backward GEMMs of the linear whose forward GEMM is (m, n, k), in bf16 as autograd runs them: the
+    input gradient (dy by the weight) and the weight gradient (dy transposed by x); their FLOPs over their time."""
+    import torch
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def both() -> None:
+        dy @ w
+        dy.t() @ x
+    return 2 * 2 * m * n * k / _cuda_seconds(both)
 
 
 def _if_it_fits(gemm_flops, m: int, n: int, k: int) -> float | None:

@@ -197,7 +197,9 @@ MEASURED = {"gpu.gemm_efficiency": [[1024, 0.1], [8192, 0.71]], "gpu.hbm_bytes_p
             "node.cpu_adam_params_per_s": 3.0e9, "launch_s": 3e-6, "quick": True, "date": "2026-12-01",
             "gpu.fp8_cast_bytes_per_s": 3.0e12, "gpu.fp8_gemm_shapes": [[8192, 4096, 4096, 0.6]],
             "gpu.fp8_backward_gemm_shapes": [[8192, 4096, 4096, 0.5]],
-            "gpu.attention_shapes": [[64, 1024, 0.25], [64, 4096, 0.45], [128, 2048, 0.38]]}
+            "gpu.attention_shapes": [[64, 1024, 0.25], [64, 4096, 0.45], [128, 2048, 0.38]],
+            "gpu.gemm_shapes": [[8192, 4096, 4096, 0.7], [8192, 2048, 2048, 0.6]],
+            "gpu.backward_gemm_shapes": [[8192, 4096, 4096, 0.65]]}
 
 
 def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(monkeypatch, tmp_path):
@@ -214,8 +216,13 @@ def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(mon
     assert machine.gpu.gemm_seconds(8192, 4096, 4096, "fp8") == pytest.approx(2 * 8192 * 4096**2 / (fp8_peak * 0.6))
     assert machine.gpu.gemm_seconds(8192, 4096, 4096, "fp8", backward=True) == pytest.approx(
         2 * 8192 * 4096**2 / (fp8_peak * 0.5))
-    assert machine.gpu.gemm_seconds(8192, 4096, 4096, "bf16", backward=True) == \
-        machine.gpu.gemm_seconds(8192, 4096, 4096, "bf16")
+    assert machine.gpu.gemm_seconds(8192, 4096, 4096, "bf16") == pytest.approx(
+        2 * 8192 * 4096**2 / (bf16_peak * 0.7))
+    assert machine.gpu.gemm_seconds(8192, 4096, 4096, "bf16", backward=True) == pytest.approx(
+        2 * 8192 * 4096**2 / (bf16_peak * 0.65))
+    # a backward shape not measured takes the forward's efficiency
+    assert machine.gpu.gemm_seconds(8192, 2048, 2048, "bf16", backward=True) == pytest.approx(
+        2 * 8192 * 2048**2 / (bf16_peak * 0.6))
     # an fp8 shape not measured takes the bf16 efficiency, at the fp8 peak
     assert machine.gpu.gemm_seconds(1024, 1024, 1024, "fp8") == pytest.approx(
         machine.gpu.gemm_seconds(1024, 1024, 1024, "bf16") * bf16_peak / fp8_peak)
