@@ -325,10 +325,11 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_f
     rows = {r["name"]: r for r in _latest(_rows(runs))}
     records, unreadable = _read(list(rows.values()))
     measured_profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
-    for later, rates in ((shapes_from, ("gemm_shapes",)), (fp8_from, FP8_RATES),
+    for later, rates in ((shapes_from, ("gemm_shapes", "backward_gemm_shapes")), (fp8_from, FP8_RATES),
                          (attention_from, ("attention_shapes",))):
-        if later:
-            measured_profile["gpu"] |= {rate: json.loads(later.read_text())["gpu"][rate] for rate in rates}
+        if later:  # the rates it has (a profile measured before backward GEMMs were has no backward_gemm_shapes)
+            gpu = json.loads(later.read_text())["gpu"]
+            measured_profile["gpu"] |= {rate: gpu[rate] for rate in rates if rate in gpu}
     calibration_names = {c.name for c in CALIBRATION}
     fitted, _ = calibrate({n: r for n, r in records.items() if n in calibration_names}, measured_profile)
     plans = []
