@@ -319,35 +319,14 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_f
     table, its errors and the plot. `shapes_from`, `fp8_from`, `attention_from`: profiles of the same machine
     measured later, whose bf16 GEMM rates at the linear layers' shapes, whose fp8 rates (FP8_RATES), and whose
     attention rates replace the runs' profile's (every other rate stays as measured beside the runs)."""
-    from fastml.hwprofiles.schema import Calibration
-    from fastml.planner.calibrate import _predict, calibrate, with_calibration
+    from fastml.planner.calibrate import calibrate
 
     rows = {r["name"]: r for r in _latest(_rows(runs))}
     records, unreadable = _read(list(rows.values()))
-    measured_profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
-    for later, rates in ((shapes_from, ("gemm_shapes", "backward_gemm_shapes")), (fp8_from, FP8_RATES),
-                         (attention_from, ("attention_shapes",))):
-        if later:  # the rates it has (a profile measured before backward GEMMs were has no backward_gemm_shapes)
-            gpu = json.loads(later.read_text())["gpu"]
-            measured_profile["gpu"] |= {rate: gpu[rate] for rate in rates if rate in gpu}
+    measured_profile = _scoring_profile(profile_path, shapes_from, fp8_from, attention_from)
     calibration_names = {c.name for c in CALIBRATION}
     fitted, _ = calibrate({n: r for n, r in records.items() if n in calibration_names}, measured_profile)
-    plans = []
-    for name, record in records.items():
-        row = rows[name]
-        p = _predict(record.plan, fitted)
-        m = record.measured
-        plans.append({"name": name, "set": "calibration" if name in calibration_names else "scored",
-                      "chosen_by": "planner" if row["pins"] is None else "pinned", "grid": row["grid"],
-                      "model": row["model"], "seq_len": row["seq_len"], "gpu_mem": row["gpu_mem"],
-                      "machine": record.machine.device_name, "knobs": row["knobs"],
-                      "predicted": {"step_time_s": p.step_s, "peak_memory_bytes": p.peak_bytes,
-                                    "tokens_per_s": record.plan.training.global_batch_tokens / p.step_s},
-                      "predicted_at_run": row["predicted_at_run"],
-                      "measured": {"step_time_s": m.step_time_s, "peak_memory_bytes": m.peak_memory_bytes,
-                                   "tokens_per_s": m.tokens_per_s},
-                      "step_time_error": p.step_s / m.step_time_s - 1,
-                      "peak_memory_error": p.peak_bytes / m.peak_memory_bytes - 1 if m.peak_memory_bytes else None})
+    plans = [_scored(rows[name], record, fitted, name in calibration_names) for name, record in records.items()]
     failed = [{"name": r["name"], "error": r["error"]} for r in rows.values() if "error" in r] + unreadable
     _cross_validate(plans, records, measured_profile)
     scored = [p for p in plans if p["set"] == "scored"]
@@ -375,6 +354,39 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_f
     for g in figures["grids"]:
         print(f"grid around {g['centre']}: the planner's plan reaches {g['share_of_best']:.1%} of the best "
               f"({g['best']})")
+
+
+def _scoring_profile(profile_path: Path, shapes_from: Path | None, fp8_from: Path | None,
+                     attention_from: Path | None) -> dict:
+    """The runs' measured profile, uncalibrated, with the rates of the later profiles (`score`) written over it."""
+    from fastml.hwprofiles.schema import Calibration
+    from fastml.planner.calibrate import with_calibration
+
+    profile = with_calibration(json.loads(profile_path.read_text()), Calibration())
+    for later, rates in ((shapes_from, ("gemm_shapes", "backward_gemm_shapes")), (fp8_from, FP8_RATES),
+                         (attention_from, ("attention_shapes",))):
+        if later:  # the rates it has (a profile measured before backward GEMMs were has no backward_gemm_shapes)
+            gpu = json.loads(later.read_text())["gpu"]
+            profile["gpu"] |= {rate: gpu[rate] for rate in rates if rate in gpu}
+    return profile
+
+
+def _scored(row: dict, record, fitted: dict, in_calibration: bool) -> dict:
+    """One run's row of the table: its plan, predicted (by `fitted`) and measured figures, and the errors."""
+    from fastml.planner.calibrate import _predict
+
+    p, m = _predict(record.plan, fitted), record.measured
+    return {"name": row["name"], "set": "calibration" if in_calibration else "scored",
+            "chosen_by": "planner" if row["pins"] is None else "pinned", "grid": row["grid"],
+            "model": row["model"], "seq_len": row["seq_len"], "gpu_mem": row["gpu_mem"],
+            "machine": record.machine.device_name, "knobs": row["knobs"],
+            "predicted": {"step_time_s": p.step_s, "peak_memory_bytes": p.peak_bytes,
+                          "tokens_per_s": record.plan.training.global_batch_tokens / p.step_s},
+            "predicted_at_run": row["predicted_at_run"],
+            "measured": {"step_time_s": m.step_time_s, "peak_memory_bytes": m.peak_memory_bytes,
+                         "tokens_per_s": m.tokens_per_s},
+            "step_time_error": p.step_s / m.step_time_s - 1,
+            "peak_memory_error": p.peak_bytes / m.peak_memory_bytes - 1 if m.peak_memory_bytes else None}
 
 
 FOLDS = 5

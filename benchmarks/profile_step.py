@@ -127,7 +127,9 @@ def repredict(path: Path, hw: str) -> None:
     """Writes the planner's prices by kind beside each case of an earlier results file (planned again on `hw`, the
     profile of the machine that measured it, with the file's own command line)."""
     results = json.loads(path.read_text())
-    args = _parser().parse_args(shlex.split(results["command"])[2:])
+    words = shlex.split(results["command"])
+    script = next(i for i, word in enumerate(words) if word.endswith("profile_step.py"))
+    args = _parser().parse_args(words[script + 1:])
     predicted_by = {"command": " ".join(["python3", *sys.argv]), "git_commit": _commit(), "profile": hw}
     for case, result in results["cases"].items():
         if "by_kind_s" not in result:

@@ -50,14 +50,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
     hw, best, _ = min(feasible, key=lambda r: _usd_per_million_tokens(r[1].plan))
     check_data(best.plan.training.data, best.plan.training.seq_len, best.plan.model.vocab_size)  # after --set
     save_plan(best.plan, args.output)
+    if best.stale_calibration:  # on stderr with --json
+        console.print(f"[yellow]warning:[/] {best.stale_calibration}")
     if args.json:
         print(json.dumps(report.plan_json(best.plan, best.runners_up, best.limit), indent=2))
     else:
         report.print_plan(console, best.plan, best.runners_up, best.limit)
         if len(hardware) > 1:
             report.print_ranking(console, [(h or "here", r and r.plan, note) for h, r, note in results])
-        if best.stale_calibration:
-            console.print(f"[yellow]warning:[/] {best.stale_calibration}")
         if best.lower_precision:
             console.print("[yellow]note:[/] fits only with lower-precision knobs (fp8 matmuls or bf16 optimizer "
                           "states/master weights); pass --full-precision to refuse them")
@@ -87,6 +87,8 @@ def cmd_explain(args: argparse.Namespace) -> None:
                         f"(GPU over by {candidate.gpu_over_bytes / 2**30:.1f} GiB, host over by "
                         f"{candidate.host_over_bytes / 2**30:.1f} GiB)")
     plan = dataclasses.replace(plan, predicted=predicted(problem, candidate))
+    if note := stale_calibration(problem.machine.calibration, problem.machine.profile):
+        Console(stderr=args.json).print(f"[yellow]warning:[/] {note}")
     measured = run_dir / TRACE_FILE if run_dir and (run_dir / TRACE_FILE).is_file() else None
     if args.trace:
         trace = chrome_trace(candidate.simulation)
@@ -98,8 +100,6 @@ def cmd_explain(args: argparse.Namespace) -> None:
         return
     console = Console()
     report.print_plan(console, plan, limit=limit(problem, candidate))
-    if note := stale_calibration(problem.machine.calibration, problem.machine.profile):
-        console.print(f"[yellow]warning:[/] {note}")
     console.print(f"critical path: {len(candidate.simulation.critical_path)} ops, from "
                   f"{candidate.simulation.critical_path[0]!r} to {candidate.simulation.critical_path[-1]!r}")
     if args.trace:

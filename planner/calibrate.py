@@ -40,7 +40,8 @@ MODEL_VERSION = 1
 Bump it with any change that moves predictions (tests/test_calibrate.py pins this version's): a profile
 calibrated before the change is then said to be stale, since its terms correct the old model's errors (issue 11:
 an old fit's compiled_activations of 0.81 discounted FFN tensors the new model no longer counted, and the plan
-made with it ran out of memory)."""
+made with it ran out of memory). Version 1 is the first kept: it calls every earlier calibration stale, though
+some were fitted to the same models, since nothing tells them apart."""
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,8 @@ def stale_calibration(calibration: Calibration, profile: str) -> str | None:
         return None
     fitted_by = f"version {calibration.model_version}" if calibration.model_version else "an unversioned one"
     return (f"{profile}'s calibration was fitted to {fitted_by} of the planner's models, this fastml's is version "
-            f"{MODEL_VERSION}: its predictions may be off, and a plan near the memory limit may not fit; run its "
-            f"runs again and `fastml calibrate` them")
+            f"{MODEL_VERSION}: its predictions may be off, and a plan near the memory limit may not fit; "
+            f"`fastml calibrate` the run directories it was fitted to again (they need not run again)")
 
 
 def with_calibration(profile: dict, calibration: Calibration) -> dict:

@@ -256,8 +256,9 @@ def layer_work(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) ->
                                  "fp8 cast": input_casts["gate_up"] + input_casts["down"]},
                                 {"matmul": gemms("qkv"), "fp8 cast": input_casts["qkv"]}, attention, elementwise)
     # Every (tokens x vocab) tensor of the loss is written once and read once (memory.loss_tensor_bytes).
-    head = {"matmul": head_gemm_passes(knobs.lm_head_chunks) * gpu.gemm_seconds(t, *spec.lm_head_shape(),
-                                                                                 other_dtype),
+    forward_passes = head_gemm_passes(knobs.lm_head_chunks) - 2  # the forward, again where chunks recompute it
+    head = {"matmul": forward_passes * gpu.gemm_seconds(t, *spec.lm_head_shape(), other_dtype) +
+            2 * gpu.gemm_seconds(t, *spec.lm_head_shape(), other_dtype, backward=True),
             "loss": hbm(2 * sum(loss_tensor_bytes(knobs).values()) * t * spec.vocab_size)}
     return LayerWork(forward, backward, recompute, head)
 
@@ -397,7 +398,8 @@ def _attention_s(flops: float, spec: ModelSpec, micro_batch_size: int, seq_len: 
     if measured:
         return flops / (machine.gpu.peak_flops_for(dtype) * measured)
     # Flash attention runs all heads and sequences at once: as efficient as one GEMM of (tokens x heads) rows,
-    # seq_len columns and head_dim depth. On the H200 that was 2.3 times what attention reached (TinyLlama's shape).
+    # seq_len columns and head_dim depth. On the H200 that was 2.3 times what attention reached at TinyLlama's shape
+    # (results/fidelity-profile-h200.json's curve against results/attention-h200.json).
     size = (micro_batch_size * seq_len * spec.num_heads * seq_len * spec.head_dim) ** (1 / 3)
     return flops / (machine.gpu.peak_flops_for(dtype) * machine.gpu.gemm_efficiency_at(size))
 

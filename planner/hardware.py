@@ -233,17 +233,26 @@ def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
         gpu=Gpu(memory_bytes=gpu.memory_bytes, peak_flops=dict(gpu.peak_flops),
                 gemm_efficiency=tuple(sorted(gpu.gemm_efficiency)), hbm_bytes_per_s=gpu.hbm_bytes_per_s,
                 gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.gemm_shapes},
-                backward_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.backward_gemm_shapes},
+                backward_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in
+                                      _checked_rows("gpu.backward_gemm_shapes", gpu.backward_gemm_shapes, 4)},
                 fp8_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.fp8_gemm_shapes},
                 fp8_backward_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.fp8_backward_gemm_shapes},
                 fp8_cast_bytes_per_s=gpu.fp8_cast_bytes_per_s or gpu.hbm_bytes_per_s,
-                attention_shapes=_by_head_dim(gpu.attention_shapes),
+                attention_shapes=_by_head_dim(_checked_rows("gpu.attention_shapes", gpu.attention_shapes, 3)),
                 h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, p2p=gpu.p2p, nvlink_bytes_per_s=gpu.nvlink_bytes_per_s),
         node=node, num_gpus=node.gpus_per_node,
         collective_latency_s=p.collectives.latency_s, bus_bytes_per_s=dict(p.collectives.bus_bytes_per_s),
         host_routed_bus_bytes_per_s=p.collectives.host_routed_bus_bytes_per_s or math.inf,
         usd_per_gpu_hour=p.price.usd_per_gpu_hour if p.price else 0.0,
         watts_per_gpu=p.power.watts_per_gpu if p.power else 0.0, calibration=p.calibration)
+
+
+def _checked_rows(name: str, rows: tuple[tuple[float, ...], ...], length: int) -> tuple[tuple[float, ...], ...]:
+    """Rows of `length` positive numbers (sizes, then an efficiency), else one line naming the row."""
+    for i, row in enumerate(rows):
+        if len(row) != length or not all(value > 0 for value in row):
+            fail(f"{name}[{i}]", f"{list(row)}: expected {length} positive numbers (sizes, then an efficiency)")
+    return rows
 
 
 def _by_head_dim(rows: tuple[tuple[float, float, float], ...]) -> dict[int, tuple[tuple[int, float], ...]]:

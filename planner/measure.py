@@ -180,14 +180,20 @@ ATTENTION_SEQ_LENS = (1024, 2048, 4096, 8192)
 QUICK_ATTENTION_SEQ_LENS = (2048, 8192)
 ATTENTION_TOKENS = 16384
 """Tokens of the micro-batch attention is measured at: enough sequences of the shorter lengths to fill the GPU, as
-training's micro-batches do. Its rate depends on the sequence length (the share of the causal mask's diagonal tiles,
-the backward pass's accumulation over them) and the head size (TinyLlama's 64 reached 325 TFLOP/s on the H200,
-the 8B's 128 376, against GEMMs' 790: benchmarks/results/attention-h200.json)."""
+training's micro-batches do (a micro-batch of few sequences and heads that leaves SMs idle is priced too fast). Its
+rate depends on the sequence length (the share of the causal mask's diagonal tiles, the backward pass's
+accumulation over them) and the head size: TinyLlama's 64 reached 325 TFLOP/s on the H200, the 8B's 128 376
+(benchmarks/results/attention-h200.json), where the GEMM curve reaches 790 (0.80 of the peak at 8192,
+results/fidelity-profile-h200.json)."""
 ATTENTION_HEADS = (32, 8)
+"""Query and key/value heads measured: grouped-query attention, as the Llama 3 presets have."""
 
 
 def _attention_efficiencies(peak_bf16_flops: float, quick: bool) -> list[list[float]]:
-    """(head_dim, seq_len, achieved / peak) of causal SDPA forward and backward at each measured size."""
+    """(head_dim, seq_len, achieved / peak) of causal SDPA forward and backward at each measured size; a size this
+    GPU cannot run (out of memory, or no kernel for these inputs) is left out, and priced by the GEMM curve."""
+    import torch
+
     from fastml.planner.costs import ATTENTION_BACKWARD_FACTOR
 
     heads, kv_heads = ATTENTION_HEADS
@@ -197,26 +203,30 @@ def _attention_efficiencies(peak_bf16_flops: float, quick: bool) -> list[list[fl
             batch = max(1, ATTENTION_TOKENS // seq_len)
             # 2·s·q_size per token forward (causal: half of q·kᵀ and p·v), the backward 2.5 times it
             flops = (1 + ATTENTION_BACKWARD_FACTOR) * 2.0 * batch * seq_len * seq_len * heads * head_dim
-            seconds = _cuda_seconds(_attention_pass(batch, seq_len, heads, kv_heads, head_dim))
+            try:
+                seconds = _cuda_seconds(_attention_pass(batch, seq_len, heads, kv_heads, head_dim))
+            except (torch.cuda.OutOfMemoryError, RuntimeError):  # SDPA's math fallback on an older GPU, say
+                torch.cuda.empty_cache()
+                continue
             rows.append([head_dim, seq_len, round(flops / seconds / peak_bf16_flops, 4)])
     return rows
 
 
 def _attention_pass(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int):
     """Causal SDPA forward and backward in bf16 as executor/model.py runs it: (B, T, H, D) tensors seen as
-    (B, H, T, D), grouped-query heads."""
+    (B, H, T, D), the output's gradient too, and grouped-query heads."""
     import torch
     import torch.nn.functional as F
 
-    def tensor(count: int) -> torch.Tensor:
+    def tensor(count: int, requires_grad: bool = True) -> torch.Tensor:
         return torch.randn(batch, seq_len, count, head_dim, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=True)
+                           requires_grad=requires_grad)
     q, k, v = tensor(heads), tensor(kv_heads), tensor(kv_heads)
-    grad = torch.randn(batch, heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16)
+    grad = tensor(heads, requires_grad=False).transpose(1, 2)
 
     def run() -> None:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=True)
+                                             is_causal=True, enable_gqa=heads != kv_heads)
         torch.autograd.grad(out, (q, k, v), grad)
     return run
 

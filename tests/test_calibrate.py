@@ -84,18 +84,31 @@ def test_records_of_another_machine_are_refused():
         calibrate({"run0": on_a_cpu}, profile)
 
 
-# What the uncalibrated models predict for CASES and an fp8 plan on the h200 profile (step seconds, peak bytes), by
-# MODEL_VERSION: a change that moves them makes every earlier calibration stale.
+# What the uncalibrated models predict for CASES and an fp8 plan on the h200 profile (step seconds, peak bytes), as
+# shipped and with measured tables (below), by MODEL_VERSION: a change that moves them makes every earlier
+# calibration stale.
 FP8_CASE = ("llama-3.1-8b", 2, 4, ("norm",), True,
             dict(matmul_dtype="fp8", lm_head_chunks=4, optimizer_dtype="bf16", master_dtype="bf16"))
 PREDICTED = {1: [(0.416804, 47144206336), (0.517903, 21551841280), (0.237701, 101236307968),
                  (0.343369, 16540612608), (0.622868, 31282118656), (0.831577, 20287520768),
-                 (0.250607, 25309076992), (1.05396, 83299975168)]}
+                 (0.250607, 25309076992), (1.05396, 83299975168),
+                 # with MEASURED_TABLES
+                 (0.469644, 47144206336), (0.589094, 21551841280), (0.254243, 101236307968),
+                 (0.347902, 16540612608), (0.651927, 31282118656), (0.84046, 20287520768),
+                 (0.255792, 25309076992), (1.08325, 83299975168)]}
+
+
+MEASURED_TABLES = {"attention_shapes": [[64, 1024, 0.28], [64, 8192, 0.4], [128, 2048, 0.38]],
+                   "gemm_shapes": [[8192, 2048, 2048, 0.57], [8192, 11264, 2048, 0.64], [8192, 32000, 2048, 0.58]],
+                   "backward_gemm_shapes": [[8192, 2048, 2048, 0.6], [8192, 32000, 2048, 0.55]]}
+"""Rates of a measured profile's tables (fastml profile), for the pinned predictions to price through them too."""
 
 
 def test_the_model_version_names_what_the_models_predict():
-    profile = hwprofiles.load("h200")
-    predicted = [_predict(case_plan(*case), profile) for case in [*CASES, FP8_CASE]]
+    shipped = hwprofiles.load("h200")
+    measured = shipped | {"gpu": shipped["gpu"] | MEASURED_TABLES}
+    predicted = [_predict(case_plan(*case), profile) for profile in (shipped, measured)
+                 for case in [*CASES, FP8_CASE]]
     moved = "the planner's predictions moved: bump MODEL_VERSION in planner/calibrate.py and pin its predictions here"
     assert MODEL_VERSION in PREDICTED, moved
     assert [(float(f"{p.step_s:.6g}"), p.peak_bytes) for p in predicted] == PREDICTED[MODEL_VERSION], moved
@@ -119,6 +132,13 @@ def test_a_calibration_of_other_models_is_said_to_be_stale(tmp_path):
                      "p.json", cwd=tmp_path)
     assert planned.returncode == 0, planned.stderr
     assert "warning: h200's calibration was fitted to an unversioned one" in " ".join(planned.stdout.split())
+    as_json = fastml("plan", "--model", "tiny", "--hw", "stale.json", "--gpus", "1", "--trials", "5", "--json",
+                     "-o", "p.json", cwd=tmp_path)
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)  # the JSON alone on stdout, the warning beside
+    assert "fitted to an unversioned one" in " ".join(as_json.stderr.split())
+    explained = fastml("explain", "p.json", "--hw", "stale.json", "--json", cwd=tmp_path)
+    assert explained.returncode == 0 and json.loads(explained.stdout), explained.stderr
+    assert "fitted to an unversioned one" in " ".join(explained.stderr.split())
 
 
 def fastml(*args, cwd):

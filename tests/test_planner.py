@@ -11,7 +11,8 @@ from fastml.config import UserError
 from fastml.hwprofiles.schema import Calibration
 from fastml.plan import TIME_COMPONENTS, Knobs, knob_names
 from fastml.planner.hardware import load_machine, parse_bytes
-from fastml.planner.costs import costs, nccl_s, step_work
+from fastml.planner.costs import (ATTENTION_BACKWARD_FACTOR, _attention_s, costs, layer_flops, nccl_s,
+                                  step_work)
 from fastml.planner.memory import layer_activation_bytes, memory, model_state_bytes
 from fastml.planner.planner import NoFeasiblePlan, _this_machine, make_plan, replan
 from fastml.planner.request import PlanRequest
@@ -163,6 +164,11 @@ def test_the_work_by_kind_is_the_simulated_step(model, knobs):
     work = step_work(spec, 2048, knobs, machine)
     assert sum(work.values()) == pytest.approx(simulate(spec, 2048, knobs, machine).step_time_s, rel=1e-12)
     assert (work.get("fp8 cast", 0) > 0) == (knobs.matmul_dtype == "fp8")
+    flops = layer_flops(spec, knobs.micro_batch_size, 2048)["forward.attention"]
+    again = bool({"attention", "block"} & set(knobs.recompute))
+    attention_passes = 1 + ATTENTION_BACKWARD_FACTOR + again  # forward, backward, and recomputed
+    assert work["attention"] == pytest.approx(knobs.grad_accum_steps * spec.num_layers * attention_passes *
+                                              _attention_s(flops, spec, knobs.micro_batch_size, 2048, machine, "bf16"))
     calibrated = dataclasses.replace(machine, calibration=Calibration(forward=0.5, compute=2.0))
     assert step_work(spec, 2048, knobs, calibrated) == work
     with pytest.raises(UserError, match="one GPU without offload"):

@@ -266,6 +266,16 @@ def assert_attention_takes_the_measured_rates(machine) -> None:
         at("tinyllama-1.1b", 2048, machine.gpu.gemm_efficiency_at(size)))
 
 
+@pytest.mark.parametrize("field, row", [("attention_shapes", [64, 1024]), ("attention_shapes", [0, 1024, 0.3]),
+                                        ("attention_shapes", [64, 1024, -0.3]),
+                                        ("backward_gemm_shapes", [8192, 2048, 2048])])
+def test_a_bad_row_of_a_measured_table_is_one_error(field, row):
+    shipped = hwprofiles.load("h200")
+    profile = shipped | {"gpu": shipped["gpu"] | {field: [row]}}  # the shipped one's cached dict stays as it is
+    with pytest.raises(UserError, match=rf"gpu\.{field}\[0\]: .* expected \d positive numbers"):
+        load_machine(profile, 1)
+
+
 def test_unknown_gpu_starts_from_the_profile_nearest_in_memory(monkeypatch, tmp_path):
     topology = use(monkeypatch, fake_nvml(rtx4090s("Acme X1", H200_MEMORY_BYTES), p2p_status=0,
                                           level=socket_level))
