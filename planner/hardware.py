@@ -80,10 +80,7 @@ class Gpu:
         i = bisect.bisect_left(sizes, g)
         if i == 0:
             return self.gemm_efficiency[0][1] * g / sizes[0]  # below the curve: launch-bound, time ~ constant
-        if i == len(sizes):
-            return self.gemm_efficiency[-1][1]
-        (g0, e0), (g1, e1) = self.gemm_efficiency[i - 1], self.gemm_efficiency[i]
-        return e0 + (e1 - e0) * math.log(g / g0) / math.log(g1 / g0)
+        return _log_interpolated(self.gemm_efficiency, g)
 
 
 def _log_interpolated(points: tuple[tuple[int, float], ...], x: float) -> float:

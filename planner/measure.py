@@ -1,9 +1,9 @@
 """What `fastml profile` measures on a GPU machine, each rate the way the planner uses it: the bf16 GEMM efficiency
 curve against the GPU's dense peak (square GEMMs) and the linear layers' GEMMs at their exact shapes (forward, and
-the two backward ones, in the layouts F.linear and autograd use), causal attention at each
-head size and sequence length, HBM bandwidth (a copy, bytes read and written), pinned host copies up and down (one
-GPU alone, and every GPU at once through the shared PCIe root), the cost of a kernel launch, the host's memory
-bandwidth and the C++ CPU AdamW's throughput on its cores. GPU work is timed with CUDA events, the median of several
+the two backward ones, in the layouts F.linear and autograd use), causal attention at each head size and sequence
+length, HBM bandwidth (a copy, bytes read and written), pinned host copies up and down (one GPU alone, and every GPU
+at once through the shared PCIe root), the cost of a kernel launch, the host's memory bandwidth and the C++ CPU
+AdamW's throughput on its cores. GPU work is timed with CUDA events, the median of several
 runs after warm-ups; `quick` takes fewer sizes and smaller copies (under 20 s on one H200, once fastml's CUDA ops are
 built; several GPUs add the start of their workers).
 
