@@ -1,6 +1,6 @@
 """Which of torch's attention kernels is fastest at the presets' shapes: causal scaled-dot-product attention,
 forward and backward, through each SDPA backend torch has on this GPU (cuDNN's, FlashAttention-2's, the
-memory-efficient one), in the layout and with the grouped-query heads the executor uses (executor/model.py:
+memory-efficient one), in the layout and with the grouped-query heads the executor uses (executor/model/transformer.py:
 (B, T, H, D) tensors transposed to (B, H, T, D) views); `default` is SDPA's own choice. A backend that refuses the
 inputs records torch's error. Writes benchmarks/results/attention-<gpu>.json.
 

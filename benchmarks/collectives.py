@@ -1,12 +1,12 @@
 """The collectives of a job of several processes on this machine, timed: torch's (gloo between CPU processes, NCCL
-between GPUs) beside fastml's memcpy collectives (executor/hostcomm.py), reduce-scatter, all-gather and all-reduce
+between GPUs) beside fastml's memcpy collectives (executor/parallel/hostcomm.py), reduce-scatter, all-gather and all-reduce
 over sizes, as bus bandwidth (NCCL's convention: bytes each rank moves, (n-1)/n of the size, twice for an
 all-reduce, over the time). Writes benchmarks/results/collectives-<device>.json; on a CPU these are the figures behind
 hwprofiles/cpu.json's gloo estimate.
 
     python benchmarks/collectives.py [--device cpu|cuda] [--ranks 2]
 
-It starts the ranks itself, as `fastml profile` does on a machine of several GPUs (planner/between_gpus.py).
+It starts the ranks itself, as `fastml profile` does on a machine of several GPUs (hwprofiles/between_gpus.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ SIZES = (2**16, 2**20, 2**24, 2**26)
 
 
 def main() -> None:
-    from fastml.planner.between_gpus import bus_bytes, time_collectives
+    from fastml.hwprofiles.between_gpus import bus_bytes, time_collectives
 
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

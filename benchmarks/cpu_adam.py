@@ -25,7 +25,7 @@ import time
 import torch
 from record import gpu_tag, write_result
 
-from fastml.executor import cpu_adam
+from fastml.executor.memory import cpu_adam
 from fastml.hwprofiles import cpu_key
 
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1

@@ -13,7 +13,7 @@ from pathlib import Path
 from record import gpu_tag, write_result
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fastml.executor.train import train
+from fastml.executor.loop.train import train
 from fastml.plan import pinned
 from fastml.planner.planner import make_plan
 

@@ -1,4 +1,4 @@
-"""fastml's fused kernels (executor/fused.py) against what torch.compile makes of the same arithmetic, forward and
+"""fastml's fused kernels (executor/model/fused.py) against what torch.compile makes of the same arithmetic, forward and
 backward, at the presets' shapes (vs_hf.py's best bf16 micro-batches at 2,048 tokens): seconds, the bytes each pass
 must move at least and the bandwidth that makes, and the largest difference from the reference. Writes
 benchmarks/results/fused_kernels-<gpu>.json.
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from record import gpu_tag, write_result
 
-from fastml.executor import fused
+from fastml.executor.model import fused
 from fastml.spec import PRESETS
 
 SHAPES = {"tinyllama-1.1b": 16, "llama-3.1-8b": 4}

@@ -14,7 +14,7 @@ import json
 import torch
 from record import gpu_tag, write_result
 
-from fastml.executor.train import train
+from fastml.executor.loop.train import train
 from fastml.plan import pinned
 from fastml.planner.planner import make_plan
 

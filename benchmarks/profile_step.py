@@ -25,7 +25,7 @@ from pathlib import Path
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-from fastml.executor.train import train  # noqa: E402
+from fastml.executor.loop.train import train  # noqa: E402
 from fastml.plan import describe_knobs, pinned  # noqa: E402
 from fastml.planner.planner import make_plan  # noqa: E402
 from record import _commit, gpu_tag, write_result  # noqa: E402
@@ -49,7 +49,7 @@ KINDS = [  # first match wins: (kind, substrings of the kernel's name)
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "splitk")),
     ("copy", ("memcpy", "memset", "copy")),
-    ("fused elementwise", ("swiglu",)),  # executor/fused.py's Triton kernels
+    ("fused elementwise", ("swiglu",)),  # executor/model/fused.py's Triton kernels
     ("compiled elementwise", ("triton",)),
 ]
 

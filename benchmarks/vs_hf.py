@@ -26,11 +26,11 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 from fastml import hwprofiles  # noqa: E402
-from fastml.executor.hf import fastml_to_hf  # noqa: E402
-from fastml.executor.data import TokenData  # noqa: E402
-from fastml.executor.model import build_model, materialize  # noqa: E402
-from fastml.executor.optim import lr_at  # noqa: E402
-from fastml.executor.train import train  # noqa: E402
+from fastml.executor.storage.hf import fastml_to_hf  # noqa: E402
+from fastml.executor.storage.data import TokenData  # noqa: E402
+from fastml.executor.model.transformer import build_model, materialize  # noqa: E402
+from fastml.executor.memory.optim import lr_at  # noqa: E402
+from fastml.executor.loop.train import train  # noqa: E402
 from fastml.plan import describe_knobs, pinned  # noqa: E402
 from fastml.planner.planner import make_plan  # noqa: E402
 from fastml.spec import PRESETS, hf_config  # noqa: E402

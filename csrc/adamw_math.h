@@ -1,6 +1,6 @@
 // One AdamW step of one element, shared by the CPU op (cpu_adam.cpp) and the GPU one (adamw_cuda.cu), so that both
 // compute the same bits: torch.optim.AdamW's single-tensor step, op for op and rounding for rounding as torch's
-// vectorised CPU kernels round (adamw_step_reference_ in executor/cpu_adam.py is the reference beside them). Each
+// vectorised CPU kernels round (adamw_step_reference_ in executor/memory/cpu_adam.py is the reference beside them). Each
 // operation is rounded on its own (both builds have -ffp-contract=off for host code, the GPU's --fmad=false for device
 // code) but for the two fused multiply-adds written here, those of torch's vectorised lerp and addcmul. The square
 // root and the division are the correctly rounded ones on both. (A NaN's payload may differ; a bf16 NaN is 0x7FC0.)

@@ -1,5 +1,5 @@
 // torch.ops.fastml.host_barrier: the barrier between the ranks of a node that the memcpy collectives
-// (executor/hostcomm.py) pass between copying their data into shared host memory and reading the others' from it.
+// (executor/parallel/hostcomm.py) pass between copying their data into shared host memory and reading the others' from it.
 //
 // The ranks share one int64 flag per rank in shared memory (a cache line apart). A rank arriving at its n-th barrier
 // stores n into its flag with release ordering, so that every write it made before (the copies it waited for) is

@@ -3,11 +3,11 @@ builder and cached, one build per source, flags and torch; a machine that cannot
 never a slower Python path in their place. Two libraries:
 
 - the C++ ops (csrc/*.cpp; a C++ compiler and ninja, nothing else): `adamw_step_` on the CPU (cpu_adam.cpp, the
-  AdamW of offloaded optimizer states, executor/cpu_adam.py) and `host_barrier` (hostcomm.cpp, the barrier between
+  AdamW of offloaded optimizer states, executor/memory/cpu_adam.py) and `host_barrier` (hostcomm.cpp, the barrier between
   the ranks of a node of the memcpy collectives, hostcomm.py). `load`.
 - the CUDA ops (csrc/*.cu; nvcc too), built for the GPU in use: `adamw_step_` on the GPU (adamw_cuda.cu, bf16
   masters and moments with stochastic rounding) and `quantize_fp8` (fp8_cuda.cu, the casts of fp8 matmuls,
-  executor/fp8.py). `load_cuda`, which loads the C++ ops first (they define `adamw_step_`).
+  executor/model/fp8.py). `load_cuda`, which loads the C++ ops first (they define `adamw_step_`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def load_cuda(verbose: bool = False) -> None:
                         f"{'no GPU' if torch.version.cuda else 'a CPU-only torch ' + torch.__version__}")
     load(verbose)
     _load(CUDA_OPS, verbose)
-    from fastml.executor import fp8  # the fake implementations, so that torch.compile traces the ops
+    from fastml.executor.model import fp8  # the fake implementations, so that torch.compile traces the ops
 
     fp8.register_fakes()
 

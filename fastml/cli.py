@@ -139,7 +139,7 @@ def _record_paths(given: list[str]) -> list[Path]:
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
-    from fastml.planner.profile import profile
+    from fastml.hwprofiles.profile import profile
 
     profile(args.output, quick=args.quick)
 
@@ -148,7 +148,7 @@ def check_data(data: str, seq_len: int, vocab_size: int) -> None:
     """The dataset exists, holds a sequence and fits the model's vocabulary: checked when planning rather than when
     the run starts. The default corpus is built on first use, by the run."""
     if data != "default":
-        from fastml.executor.data import TokenData
+        from fastml.executor.storage.data import TokenData
 
         TokenData.open(data, seq_len, vocab_size)
 
@@ -209,9 +209,9 @@ def _trial_progress(console, trials: int, hw: str | None):
 
 def cmd_run(args: argparse.Namespace) -> None:
     from fastml.plan import load_plan, with_overrides
-    from fastml.executor.launch import WorkersFailed
-    from fastml.executor.train import TrainingStopped, train
-    from fastml.executor.world import EXIT_OTHER_RANK, launched
+    from fastml.executor.parallel.launch import WorkersFailed
+    from fastml.executor.loop.train import TrainingStopped, train
+    from fastml.executor.parallel.world import EXIT_OTHER_RANK, launched
 
     overrides = list(args.set)
     if args.checkpoint_dir is not None:
@@ -220,7 +220,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         overrides.append(f"training.checkpoint_interval={args.checkpoint_interval}")
     plan = with_overrides(load_plan(args.plan), overrides)
     if args.gpu_mem is not None:
-        from fastml.executor.device import with_gpu_memory_cap
+        from fastml.executor.loop.device import with_gpu_memory_cap
         from fastml.planner.hardware import parse_bytes
 
         plan = with_gpu_memory_cap(plan, parse_bytes(args.gpu_mem, "--gpu-mem"))
@@ -256,7 +256,7 @@ def _new_run_dir() -> Path:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from fastml.executor.data import prepare
+    from fastml.executor.storage.data import prepare
 
     header = prepare(args.input, args.output, tokenizer=args.tokenizer, field=args.field)
     print(f"wrote {args.output}: {header['num_tokens']:,} tokens from {header['num_documents']:,} documents "
@@ -264,7 +264,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from fastml.executor.hf import convert_from_hf, convert_to_hf
+    from fastml.executor.storage.hf import convert_from_hf, convert_to_hf
 
     if bool(args.from_hf) == bool(args.to_hf):
         raise UserError("convert: give either --from-hf DIR -o OUT, or CHECKPOINT --to-hf DIR")

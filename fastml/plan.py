@@ -216,17 +216,17 @@ def describe_knobs(knobs: Knobs, against: Knobs | None = None) -> str:
 
 
 # The executor's CPU optimizer step moves a GPU-resident gradient, master or weight to and from host memory in
-# slices of this many elements, through STAGING_SLOTS pinned buffers per dtype (executor/optim.py), so that its host
+# slices of this many elements, through STAGING_SLOTS pinned buffers per dtype (executor/memory/optim.py), so that its host
 # staging stays small (planner/memory.py).
 CPU_STEP_CHUNK = 2**26
 STAGING_SLOTS = 2
 
-# The memcpy collectives (executor/hostcomm.py) move data through MEMCPY_SLOTS slots of pinned host memory shared by
+# The memcpy collectives (executor/parallel/hostcomm.py) move data through MEMCPY_SLOTS slots of pinned host memory shared by
 # the ranks of a node, a row of MEMCPY_ROW_BYTES per rank in each (planner/memory.py counts them).
 MEMCPY_SLOTS = 2
 MEMCPY_ROW_BYTES = 2**25
 
-# Which parameter groups ("embed", "blocks.N", "head": executor/optim.py `layer_groups`) each offload knob moves
+# Which parameter groups ("embed", "blocks.N", "head": executor/memory/optim.py `layer_groups`) each offload knob moves
 # to host memory. The fraction counts blocks from the first; the embedding and the LM head (with the final norm)
 # follow the optimizer and master knobs at 1.0. Their weights and gradients stay on the GPU: streaming the
 # embedding table for a lookup would move far more than it saves.

@@ -31,7 +31,7 @@ def load(name: str) -> dict:
     data = json.loads(path.read_text())
     from fastml.hwprofiles.schema import parse_profile
 
-    if name != "cpu":  # cpu.json is the template a measurement of this CPU fills in (planner/profile.py)
+    if name != "cpu":  # cpu.json is the template a measurement of this CPU fills in (hwprofiles/profile.py)
         parse_profile(data, f"hwprofiles/{name}.json")  # validated once, as every profile is: readers trust it
     return data
 
@@ -68,7 +68,7 @@ def peak_flops(name: str, dtype: str, cpu_threads: int | None = None) -> float |
 
 @dataclass(frozen=True, kw_only=True)
 class CpuMeasurements:
-    """What `fastml plan` measured of this machine's CPU (planner/profile.py), cached as JSON."""
+    """What `fastml plan` measured of this machine's CPU (hwprofiles/profile.py), cached as JSON."""
 
     key: dict[str, str]
     """What would change the numbers: CPU model, CPU count, torch's threads and version."""
@@ -161,3 +161,12 @@ def machine_profile(device_name: str, count: int) -> dict | None:
 def host_memory_bytes() -> int:
     """This machine's physical memory (on some VMs memory is added as it is used, so this can read low)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def local_gpus() -> tuple[str, int] | None:
+    """This machine's CUDA GPUs as torch sees them: the first one's name and how many there are; None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(0), torch.cuda.device_count()

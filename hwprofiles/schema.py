@@ -9,6 +9,16 @@ from typing import Literal
 from fastml.config import from_dict
 
 
+# The units of the measured rates, which the planner prices with and `fastml profile` measures in:
+
+ATTENTION_BACKWARD_FACTOR = 2.5
+"""Attention's backward FLOPs over its forward's: flash attention's backward does 5 matmuls of the forward's size
+against the forward's 2 (FlashAttention-2, section 4.1; torch.utils.flop_counter counts its kernels the same way)."""
+FP8_CAST_BYTES = 2 + 2 + 1
+"""Bytes moved per element by an fp8 cast (executor/model/fp8.py, csrc/fp8_cuda.cu): the bf16 read for its absolute
+maximum, the bf16 read of the cast, one fp8 byte written (and one more for the transposed copy)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Pcie:
     generation: int | None = None
@@ -46,7 +56,7 @@ class DeviceSection:
     hbm_bytes_per_s: float
     """Device memory bandwidth (a CPU profile: a large tensor copy's rate in host memory)."""
     fp8_cast_bytes_per_s: float | None = None
-    """fastml's fp8 cast (csrc/fp8_cuda.cu), bytes as planner/costs.py counts them (FP8_CAST_BYTES an element, one
+    """fastml's fp8 cast (csrc/fp8_cuda.cu), bytes as FP8_CAST_BYTES counts them (an element, one
     more for the transposed copy) per second; None: at hbm_bytes_per_s."""
     pcie: Pcie | None = None
     """None where the device is the host (a CPU): nothing crosses a bus."""

@@ -19,16 +19,11 @@ from dataclasses import dataclass
 
 from fastml.config import fail
 from fastml.plan import KNOBS, MEMCPY_ROW_BYTES, Knobs, fp8_cached_blocks
-from fastml.hwprofiles.schema import Calibration
+from fastml.hwprofiles.schema import ATTENTION_BACKWARD_FACTOR, FP8_CAST_BYTES, Calibration
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, group_params,
                                    has_fp32_masters, loss_tensor_bytes, param_bytes)
 from fastml.spec import ModelSpec
-
-# Flash attention's backward does 5 matmuls of the forward's size against the forward's 2 (FlashAttention-2,
-# section 4.1; torch.utils.flop_counter counts its kernels the same way).
-ATTENTION_BACKWARD_FACTOR = 2.5
-
 
 @dataclass(frozen=True)
 class Costs:
@@ -100,7 +95,7 @@ class Collective:
 
 def cpu_adam_rate(machine: Machine) -> float:
     """Parameters per second one rank's CPU AdamW steps: the node's rate (measured by `fastml profile` over all its
-    cores) shared by the ranks of the node, which step at once, each on its share of the cores (executor/device.py).
+    cores) shared by the ranks of the node, which step at once, each on its share of the cores (executor/loop/device.py).
     One rate for every state dtype: bf16 moments stepped alone ran 10-16% faster than fp32 state on the H200 host,
     but not in training (benchmarks/NOTES.md)."""
     return machine.node.cpu_adam_params_per_s / machine.gpus_per_node
@@ -110,11 +105,6 @@ def layer_gemms(spec: ModelSpec, tokens: int) -> dict[str, tuple[int, int, int]]
     """(m, n, k) of each forward matmul of one block over `tokens` tokens: the block's linear layers of
     `ModelSpec.block_linear_shapes`. The backward pass does two of each size (input and weight gradients)."""
     return {name: (tokens, n, k) for name, (n, k) in spec.block_linear_shapes().items()}
-
-
-FP8_CAST_BYTES = 2 + 2 + 1
-"""Bytes moved per element by an fp8 cast (executor/fp8.py, csrc/fp8_cuda.cu): the bf16 read for its absolute
-maximum, the bf16 read of the cast, one fp8 byte written (and one more for the transposed copy)."""
 
 
 def fp8_cast_bytes(spec: ModelSpec, tokens: int) -> tuple[float, float]:
@@ -135,7 +125,7 @@ def fp8_weight_cast_bytes(spec: ModelSpec) -> tuple[float, float, float]:
 
 
 RECOMPUTED_LINEARS = {"ffn": ("gate_up", "down"), "qkv": ("qkv",)}
-"""The linear layers each recompute part runs again (executor/apply.py `recompute_targets`); "block" runs all."""
+"""The linear layers each recompute part runs again (executor/model/apply.py `recompute_targets`); "block" runs all."""
 
 
 def recomputed_weight_share(spec: ModelSpec, parts: tuple[str, ...]) -> float:
@@ -159,7 +149,7 @@ def layer_flops(spec: ModelSpec, micro_batch_size: int, seq_len: int) -> dict[st
 
 def head_gemm_passes(num_chunks: int) -> int:
     """LM-head matmuls of the forward's size: forward, input and weight gradients, and with chunks the forward
-    again (the chunks are recomputed in the backward pass, executor/model.py)."""
+    again (the chunks are recomputed in the backward pass, executor/model/transformer.py)."""
     return 3 + (num_chunks > 1)
 
 
@@ -168,7 +158,7 @@ def head_flops(spec: ModelSpec, tokens: int, num_chunks: int) -> float:
 
 
 def optimizer_step_bytes(knobs: Knobs) -> int:
-    """Bytes AdamW reads and writes per parameter (executor/optim.py). With fp32 masters: read the gradient (torch's
+    """Bytes AdamW reads and writes per parameter (executor/memory/optim.py). With fp32 masters: read the gradient (torch's
     fused AdamW: write and read its fp32 copy first; fastml's op, stepping bf16 moments, reads it as it is), read and
     write the master, write the rounded weight; else the parameter is its own master: read the gradient, read and
     write the weight. Then read and write m and v."""
@@ -226,7 +216,7 @@ def layer_work(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) ->
     gpu = machine.gpu
     t = knobs.micro_batch_size * seq_len
     dtype = knobs.matmul_dtype
-    # fp8 is the blocks' linear layers' alone: attention and the LM head stay bf16 (executor/fp8.py)
+    # fp8 is the blocks' linear layers' alone: attention and the LM head stay bf16 (executor/model/fp8.py)
     other_dtype = "bf16" if dtype == "fp8" else dtype
 
     def gemms(*names: str, backward: bool = False) -> float:
@@ -345,7 +335,7 @@ def collective(kind: str, num_bytes: float, machine: Machine, comm: str) -> Coll
 
 
 def _memcpy(kind: str, num_bytes: float, machine: Machine) -> Collective:
-    """The memcpy collectives (executor/hostcomm.py) in rounds of a slot each, a barrier between each round's copies
+    """The memcpy collectives (executor/parallel/hostcomm.py) in rounds of a slot each, a barrier between each round's copies
     down and up: a reduce-scatter sends the (n-1)/n of its input that the others sum down and fetches theirs up,
     then adds on the GPU; an all-gather sends its shard down and fetches the (n-1) others; an all-reduce is both. A
     round's copies up overlap the next round's down (separate engines): the simulator runs all the copies down, then
@@ -407,7 +397,7 @@ def _attention_s(flops: float, spec: ModelSpec, micro_batch_size: int, seq_len: 
 def _elementwise_elements(spec: ModelSpec, compiled: bool) -> float:
     """Elements read and written per token by one block's forward pass outside its matmuls and attention:
     norms, rotary embedding, SwiGLU, residual adds and the head-merging copy. Compilation fuses chains of them
-    into single passes; SwiGLU is one fused op either way (executor/fused.py: reads gate and up, writes the product)."""
+    into single passes; SwiGLU is one fused op either way (executor/model/fused.py: reads gate and up, writes the product)."""
     h, qk, q, f = spec.hidden_size, spec.q_size + spec.kv_size, spec.q_size, spec.ffn_hidden_size
     if compiled:
         return 4 * h + 2 * qk + 2 * q + 3 * f

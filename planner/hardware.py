@@ -201,7 +201,7 @@ def _resized_cpu(machine: Machine, num_gpus, num_nodes, gpu_memory, host_memory)
 
 def read_profile(hw: str) -> dict:
     if hw == "cpu":
-        from fastml.planner.profile import this_cpu_profile
+        from fastml.hwprofiles.profile import this_cpu_profile
 
         return this_cpu_profile()
     return _read_file(hw) if _is_file(hw) else hwprofiles.load(hw)

@@ -1,6 +1,6 @@
 """Bytes of one training step, by category, on one GPU and in the host memory of one node.
 
-Counts follow the exact tensors fastml's executor keeps (executor/model.py, executor/optim.py), for every knob of
+Counts follow the exact tensors fastml's executor keeps (executor/model/transformer.py, executor/memory/optim.py), for every knob of
 the plan, including knobs the executor does not run yet, in the dtypes the knobs name. Sources:
 - model states: mixed-precision Adam keeps bf16 weights (2 B) and gradients (2 B), fp32 master weights (4 B) and
   Adam m and v (4 B each) per parameter: 16 B, of which ZeRO stages 1/2/3 shard the last 12, then the gradients,
@@ -83,7 +83,7 @@ def saved_bytes_per_token(spec: ModelSpec, knobs: Knobs, device: str) -> dict[st
 
 
 def _fp8_saved(spec: ModelSpec, knobs: Knobs, saved: dict[str, float]) -> dict[str, float]:
-    """What fp8 linears change (executor/fp8.py): each keeps the fp8 transpose of its input (1 byte an element) for
+    """What fp8 linears change (executor/model/fp8.py): each keeps the fp8 transpose of its input (1 byte an element) for
     its weight gradient instead of the bf16 input; a checkpointed linear's input the checkpoint keeps, in bf16. The out
     projection's input is SDPA's output, which SDPA keeps too unless attention is recomputed."""
     fp8, checkpointed = DTYPE_BYTES["fp8"] / activation_bytes(knobs), {"qkv": "qkv", "gate_up": "ffn"}
@@ -107,7 +107,7 @@ def _saved_activations(spec: ModelSpec, recompute: tuple[str, ...]) -> dict[str,
         # (its transpose, flattened) is the same storage: counted once.
         "attention.output": q,
         "ffn_norm.input": h, "gate_up.input": h,
-        "gate_up.output": 2 * f,  # the fused SwiGLU keeps its input (executor/fused.py)
+        "gate_up.output": 2 * f,  # the fused SwiGLU keeps its input (executor/model/fused.py)
         "down.input": f,
     }
     if "attention" in recompute:  # keeps its inputs (q, k, v) and output, drops the rotated copies
@@ -144,7 +144,7 @@ def layer_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: s
 
 
 def loss_tensor_bytes(knobs: Knobs) -> dict[str, int]:
-    """The (tokens x vocab) tensors of the executor's LM head and loss (executor/model.py `_lm_loss_sum`), in the
+    """The (tokens x vocab) tensors of the executor's LM head and loss (executor/model/transformer.py `_lm_loss_sum`), in the
     order forward and backward make them, in bytes per logit: the matmul's logits in the activation dtype, their
     fp32 copy (`.float()`, none when they are fp32 already), cross-entropy's log-softmax (kept for the backward
     pass), then the gradients: of the log-probabilities (nll_loss backward), of the fp32 logits (log-softmax
@@ -205,7 +205,7 @@ def block_input_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
 
 
 def group_params(spec: ModelSpec) -> dict[str, int]:
-    """Parameters of each optimizer group (executor/optim.py `layer_groups`), in model order: the embedding, the
+    """Parameters of each optimizer group (executor/memory/optim.py `layer_groups`), in model order: the embedding, the
     blocks, and the final norm with the LM head (the norm alone when the head is the tied embedding)."""
     embedding = spec.vocab_size * spec.hidden_size
     groups = {"embed": embedding} | {f"blocks.{i}": spec.layer_params() for i in range(spec.num_layers)}
@@ -314,7 +314,7 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     backward_workspace = max(loss_workspace_bytes(spec, knobs, tokens) - rebuilt, gradients)
     if knobs.matmul_dtype == "fp8":
         cached = len(fp8_cached_blocks(knobs, spec.num_layers, num_gpus))
-        # Cached blocks keep their weights in fp8 and transposed (executor/fp8.py); the others cast one layer's as
+        # Cached blocks keep their weights in fp8 and transposed (executor/model/fp8.py); the others cast one layer's as
         # they compute.
         gpu["weights"] += cached * spec.layer_matmul_params() * 2 * DTYPE_BYTES["fp8"]
         if cached < spec.num_layers:
@@ -326,9 +326,9 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     gpu["workspace"] = backward_workspace
     host["workspace"] = PROCESS_HOST_BYTES + _cpu_staging_bytes(spec, knobs, place, num_gpus)
     if num_gpus > 1:
-        # Each reduction in flight holds a group's gradients as one flat vector (executor/shard.py, IN_FLIGHT).
+        # Each reduction in flight holds a group's gradients as one flat vector (executor/parallel/shard.py, IN_FLIGHT).
         gpu["comm_buffers"] = STREAM_BUFFER_LAYERS * max(groups.values()) * param_bytes(knobs)
-        if knobs.comm == "memcpy":  # a rank's row of each slot of shared pinned memory (executor/hostcomm.py), and
+        if knobs.comm == "memcpy":  # a rank's row of each slot of shared pinned memory (executor/parallel/hostcomm.py), and
             host["comm_buffers"] = MEMCPY_SLOTS * MEMCPY_ROW_BYTES  # on the GPU, a round's cells fetched to add
             gpu["comm_buffers"] += MEMCPY_ROW_BYTES
         if knobs.cache_weights_on_host and sharded:  # each rank's copy of the gathered weights of every block
@@ -377,7 +377,7 @@ def rebuilt_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device:
 
 
 def _gpu_optimizer_workspace(spec: ModelSpec, place: Placement) -> int:
-    """The GPU's optimizer steps one parameter group at a time (executor/optim.py), with temporary buffers for that
+    """The GPU's optimizer steps one parameter group at a time (executor/memory/optim.py), with temporary buffers for that
     group only (`Placement.gpu_step_workspace`): the largest sets the workspace."""
     sizes = group_params(spec)
     return max((sizes[g] * place.gpu_step_workspace(g) for g in sizes if g not in place.cpu_steps), default=0)
@@ -385,7 +385,7 @@ def _gpu_optimizer_workspace(spec: ModelSpec, place: Placement) -> int:
 
 def _cpu_staging_bytes(spec: ModelSpec, knobs: Knobs, place: Placement, num_gpus: int) -> int:
     """Host memory through which the CPU-stepped groups' transfers pass: STAGING_SLOTS pinned buffers of at most
-    CPU_STEP_CHUNK elements per dtype (executor/optim.py), sized here by the largest group rather than the largest
+    CPU_STEP_CHUNK elements per dtype (executor/memory/optim.py), sized here by the largest group rather than the largest
     parameter (an upper bound for small models, exact where a parameter exceeds a slice)."""
     shard = num_gpus if knobs.shard_optimizer else 1
     sizes = group_params(spec)

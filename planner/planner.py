@@ -5,17 +5,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from fastml import hwprofiles
 from fastml.config import UserError, check_range, fail, from_dict
 from fastml.plan import KNOBS, ZERO_STAGES, Hardware, Knobs, Plan, Predicted, Training, parse_assignment, with_overrides
-from fastml.planner.between_gpus import peer_access
+from fastml.hwprofiles.between_gpus import peer_access
 from fastml.planner.calibrate import stale_calibration
 from fastml.planner.explain import limit
 from fastml.planner.hardware import Machine, check_cpu_options, load_machine, parse_bytes
 from fastml.planner.memory import Memory, memory
-from fastml.planner.profile import this_cpu_profile
+from fastml.hwprofiles.profile import this_cpu_profile
 from fastml.planner.request import SEQUENCES_PER_STEP, PlanRequest
 from fastml.planner.search import (HOST_USABLE_FRACTION, MAX_MICRO_BATCH, Candidate, Problem, evaluate, knob_space,
                                    make_knobs, pin, search, smallest_choice)
@@ -172,14 +170,14 @@ def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
         fail("--device", f"{r.device!r} is not allowed; choose one of 'cpu', 'cuda'")
     if r.nodes not in (None, 1):
         fail("--nodes", f"{r.nodes}: this machine is one node; plan for several with --hw PROFILE --nodes {r.nodes}")
-    if r.device == "cpu" or (r.device is None and not torch.cuda.is_available()):
+    gpus_here = hwprofiles.local_gpus()
+    if r.device == "cpu" or (r.device is None and gpus_here is None):
         if r.gpu_mem is not None:
             fail("--gpu-mem", "this machine has no GPU (or --device cpu): plan for other hardware with --hw")
         return _this_cpu(r, spec, seq_len)  # --gpus: CPU processes
-    if not torch.cuda.is_available():
+    if gpus_here is None:
         fail("--device", "'cuda' was asked for, but this machine has no CUDA GPU")
-    name = torch.cuda.get_device_name(0)
-    present = torch.cuda.device_count()
+    name, present = gpus_here
     measured = hwprofiles.machine_profile(name, present)  # `fastml profile` on this machine
     profile = hwprofiles.for_device_name(name)
     if profile is None and measured is None:
@@ -194,9 +192,10 @@ def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
 
 def _measured_here(fingerprint: str) -> dict | None:
     """This machine's measured profile (`fastml profile`), if it is the one with `fingerprint`."""
-    if not torch.cuda.is_available():
+    gpus_here = hwprofiles.local_gpus()
+    if gpus_here is None:
         return None
-    measured = hwprofiles.machine_profile(torch.cuda.get_device_name(0), torch.cuda.device_count())
+    measured = hwprofiles.machine_profile(*gpus_here)
     return measured if measured is not None and hwprofiles.fingerprint_of(measured) == fingerprint else None
 
 

@@ -176,7 +176,7 @@ class _StepGraph:
 
     def forward(self, m: int) -> None:
         c = self.c
-        if m == 0 and self.fp8_cached:  # the step's one cast of the cached fp8 weights (executor/step.py)
+        if m == 0 and self.fp8_cached:  # the step's one cast of the cached fp8 weights (executor/loop/step.py)
             self.cache_op = self.compute("cache fp8 weights", len(self.fp8_cached) * c.layer_weight_cache, "compute")
         if self.multi and self.knobs.shard_weights:  # gathered at the start of the pass, waited for at once
             self.compute(f"embed mb{m}", 0.0, "compute", [self.collective(f"gather embed mb{m}", c.embed_gather,
@@ -241,7 +241,7 @@ class _StepGraph:
         return self.multi and self.knobs.shard_optimizer and not self.knobs.shard_gradients
 
     def sharded_host_gradients(self, layer: int) -> bool:
-        """Whether the block's reduced gradient shard sums the micro-batches in host memory (executor/shard.py)."""
+        """Whether the block's reduced gradient shard sums the micro-batches in host memory (executor/parallel/shard.py)."""
         return self.multi and self.knobs.shard_gradients and _block(layer) in self.place.host_gradients
 
     def gradients_down(self, layer: int, m: int, grad: str) -> str:

@@ -1,4 +1,4 @@
-"""One rank of a test job that checks the memcpy collectives (executor/hostcomm.py) on DEVICE ("cpu", or "cuda" for
+"""One rank of a test job that checks the memcpy collectives (executor/parallel/hostcomm.py) on DEVICE ("cpu", or "cuda" for
 GPU 0, every rank on it) against the same sums taken in rank order on the CPU, bit for bit, in bf16 and fp32, for
 shards of one round and of several (tests/test_distributed.py, tests/test_gpu_distributed.py).
 
@@ -10,8 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from fastml.executor.world import launched
-from fastml.executor.hostcomm import HostCollectives
+from fastml.executor.parallel.world import launched
+from fastml.executor.parallel.hostcomm import HostCollectives
 world = launched()
 dist.init_process_group("gloo")
 device = torch.device(sys.argv[1])

@@ -13,7 +13,7 @@ import json
 import sys
 
 from fastml.plan import plan_from_dict
-from fastml.executor.train import train
+from fastml.executor.loop.train import train
 from test_gpu import deterministic  # beside this file, on the path of a script run from here
 
 for run in json.loads(open(sys.argv[1]).read())["runs"]:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from fastml.config import UserError
-from fastml.executor import cpu_adam, native
-from fastml.executor.optim import EPS, lr_at
+from fastml.executor.memory import cpu_adam
+from fastml.executor import native
+from fastml.executor.memory.optim import EPS, lr_at
 from fastml.plan import Training
 
 U = 2.0**-24
@@ -207,7 +208,7 @@ def test_bad_inputs_are_refused(kwargs, message):
 
 
 def test_a_later_process_loads_the_cached_build_without_compiling():
-    code = "from fastml.executor import cpu_adam; import torch; cpu_adam.load(); print(torch.ops.fastml.adamw_step_)"
+    code = "from fastml.executor.memory import cpu_adam; import torch; cpu_adam.load(); print(torch.ops.fastml.adamw_step_)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
     assert result.returncode == 0, result.stderr
     assert "fastml.adamw_step_" in result.stdout

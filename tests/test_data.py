@@ -1,4 +1,4 @@
-"""Tests of executor/data.py: tokenizers, prepare, the default corpus and the batch stream."""
+"""Tests of executor/storage/data.py: tokenizers, prepare, the default corpus and the batch stream."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fastml.config import UserError
-from fastml.executor import data
-from fastml.executor.data import ByteTokenizer, HFTokenizer, TokenData, default_corpus, load_tokenizer, prepare
+from fastml.executor.storage import data
+from fastml.executor.storage.data import ByteTokenizer, HFTokenizer, TokenData, default_corpus, load_tokenizer, prepare
 
 EOS = ByteTokenizer.eos_id
 

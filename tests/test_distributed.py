@@ -22,9 +22,9 @@ import pytest
 from fastml.config import to_dict
 from fastml.plan import Hardware, Knobs, Plan, Training, load_plan, save_plan
 from fastml.spec import PRESETS
-from fastml.executor.data import TokenData
-from fastml.executor.tensordir import read_manifest
-from fastml.executor.train import train
+from fastml.executor.storage.data import TokenData
+from fastml.executor.storage.tensordir import read_manifest
+from fastml.executor.loop.train import train
 
 pytestmark = pytest.mark.slow
 
@@ -213,7 +213,7 @@ def test_a_nan_on_one_rank_skips_the_step_on_all(tmp_path):
     assert [r["skipped"] for r in got] == [False, True, False, False]
     os.environ["FASTML_FAULTS"] = "nan-loss@2"
     try:
-        from fastml.executor import faults
+        from fastml.executor.loop import faults
 
         faults._planned.cache_clear()
         alone = trained_alone(tmp_path, one_process(p), "alone")

@@ -1,12 +1,12 @@
-"""Tests of executor/files.py: atomic directory replacement, its races and fsyncs, and JSON reading."""
+"""Tests of executor/storage/files.py: atomic directory replacement, its races and fsyncs, and JSON reading."""
 
 from pathlib import Path
 
 import pytest
 
 from fastml.config import UserError
-from fastml.executor import files
-from fastml.executor.files import read_json_object, write_dir_atomically
+from fastml.executor.storage import files
+from fastml.executor.storage.files import read_json_object, write_dir_atomically
 
 
 def is_ours(directory: Path) -> bool:

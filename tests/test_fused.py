@@ -1,4 +1,4 @@
-"""The fused kernels (executor/fused.py): their references against autograd of the plain arithmetic, the ops'
+"""The fused kernels (executor/model/fused.py): their references against autograd of the plain arithmetic, the ops'
 gradients, and the Triton kernels against the references under Triton's interpreter, on the CPU
 (tests/test_gpu_fused.py runs the kernels on a GPU)."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastml.executor import fused
+from fastml.executor.model import fused
 
 
 def plain_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -49,7 +49,7 @@ def test_the_op_traces_into_one_compiled_graph():
 
 INTERPRETED = """
 import torch
-from fastml.executor import fused
+from fastml.executor.model import fused
 for dtype, tolerance in ((torch.bfloat16, {}), (torch.float32, dict(rtol=1e-5, atol=1e-6))):
     # rows of a partial block, of more than one block, one element
     for shape in [(3, 5, 2 * 1100), (7, 2 * 16), (1, 2)]:

@@ -9,9 +9,9 @@ import torch
 
 from fastml.plan import pinned
 from fastml.planner.planner import make_plan
-from fastml.executor.apply import build_training_model
-from fastml.executor.optim import AdamW
-from fastml.executor.train import train
+from fastml.executor.model.apply import build_training_model
+from fastml.executor.memory.optim import AdamW
+from fastml.executor.loop.train import train
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")]

@@ -50,7 +50,7 @@ def shared_gpu(tmp_path_factory):
 
 
 def alone(tmp_path: Path, p: Plan) -> list[float]:
-    from fastml.executor.train import train
+    from fastml.executor.loop.train import train
 
     k = p.knobs
     single = dataclasses.replace(p, hardware=Hardware(profile="h200", device="cuda"),

@@ -1,9 +1,9 @@
-"""On a CUDA GPU: the fused kernels (executor/fused.py) against their references, and in compiled blocks."""
+"""On a CUDA GPU: the fused kernels (executor/model/fused.py) against their references, and in compiled blocks."""
 
 import pytest
 import torch
 
-from fastml.executor import fused
+from fastml.executor.model import fused
 from test_fused import plain_swiglu
 
 pytestmark = [pytest.mark.gpu,

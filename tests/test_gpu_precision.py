@@ -6,10 +6,14 @@ import json
 import pytest
 import torch
 
-from fastml.executor import cpu_adam, fp8, native
-from fastml.executor.apply import build_training_model
-from fastml.executor.optim import EPS, AdamW
-from fastml.executor.train import train
+from fastml.executor.memory import cpu_adam
+
+from fastml.executor.model import fp8
+
+from fastml.executor import native
+from fastml.executor.model.apply import build_training_model
+from fastml.executor.memory.optim import EPS, AdamW
+from fastml.executor.loop.train import train
 from fastml.plan import pinned
 from fastml.planner.planner import make_plan
 
@@ -185,8 +189,8 @@ def test_compiled_fp8_blocks_share_one_graph(parts, cached):
     """Every converted block compiles to the same graph: torch.compile guards on the forward it calls, and a forward
     of each module's own would compile again for every block, to its recompile limit, then run the rest uncompiled."""
     needs_fp8_tensor_cores()
-    from fastml.executor.apply import apply_plan
-    from fastml.executor.model import build_model, materialize
+    from fastml.executor.model.apply import apply_plan
+    from fastml.executor.model.transformer import build_model, materialize
     from fastml.plan import Knobs
     from fastml.spec import PRESETS
 
@@ -293,8 +297,8 @@ def test_cached_fp8_weights_are_counted_as_the_planner_counts_them():
     """The cache's bytes (fp8 and transposed, 2 a weight of the cached blocks) are in the "weights" the meter
     measures, and in the planner's "weights" the same."""
     needs_fp8_tensor_cores()
-    from fastml.executor.train import memory_tensors
-    from fastml.executor.meter import storage_bytes
+    from fastml.executor.loop.train import memory_tensors
+    from fastml.executor.loop.meter import storage_bytes
     from fastml.planner.memory import memory
 
     measured = {}

@@ -11,10 +11,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fastml.config import UserError
-from fastml.executor.hf import (convert_from_hf, convert_to_hf, fastml_to_hf, hf_to_fastml, load_pretrained,
+from fastml.executor.storage.hf import (convert_from_hf, convert_to_hf, fastml_to_hf, hf_to_fastml, load_pretrained,
                                 read_hf_tensors, save_hf)
-from fastml.executor.tensordir import load_checkpoint, load_json_file, load_tensor_file, save_checkpoint
-from fastml.executor.model import build_model, materialize, rotary_tables
+from fastml.executor.storage.tensordir import load_checkpoint, load_json_file, load_tensor_file, save_checkpoint
+from fastml.executor.model.transformer import build_model, materialize, rotary_tables
 from fastml.spec import PRESETS
 
 VOCAB = 128

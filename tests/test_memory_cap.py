@@ -1,5 +1,5 @@
 """Memory a run may use and what it used: the GPU memory cap (`--gpu-mem`), the host memory check, and memory
-measured by the planner's categories beside the predicted (executor/device.py, executor/meter.py)."""
+measured by the planner's categories beside the predicted (executor/loop/device.py, executor/loop/meter.py)."""
 
 import io
 import sys
@@ -12,10 +12,10 @@ from fastml import cli, hwprofiles
 from fastml.config import UserError
 from fastml.plan import MEMORY_CATEGORIES, TIME_COMPONENTS, Hardware, Knobs, Plan, Predicted, Training, save_plan
 from fastml.spec import PRESETS
-import fastml.executor.train  # noqa: F401  (the module whose train() `no_training` replaces)
-from fastml.executor.device import apply_memory_cap, check_host_memory, with_gpu_memory_cap
-from fastml.executor.display import memory_table, print_summary
-from fastml.executor.meter import Meter, gpu_memory, host_memory, storage_bytes
+import fastml.executor.loop.train  # noqa: F401  (the module whose train() `no_training` replaces)
+from fastml.executor.loop.device import apply_memory_cap, check_host_memory, with_gpu_memory_cap
+from fastml.executor.loop.display import memory_table, print_summary
+from fastml.executor.loop.meter import Meter, gpu_memory, host_memory, storage_bytes
 
 GIB = 2**30
 CUDA = torch.device("cuda", 0)
@@ -195,7 +195,7 @@ def no_training(monkeypatch):
     """`fastml run` must stop before it trains."""
     def train(*args, **kwargs):
         raise AssertionError("trained")
-    monkeypatch.setattr(sys.modules["fastml.executor.train"], "train", train)
+    monkeypatch.setattr(sys.modules["fastml.executor.loop.train"], "train", train)
 
 
 @pytest.mark.parametrize("device, gpu_mem, message", [
@@ -295,7 +295,7 @@ def test_a_capped_run_stays_under_its_cap_and_measures_every_category():
     Micro-batch 4 x 2 keeps the gradients alive through the second forward pass (see the test above)."""
     from fastml.plan import pinned
     from fastml.planner.planner import make_plan
-    from fastml.executor.train import train
+    from fastml.executor.loop.train import train
 
     cap = 2 * GIB
     plan = make_plan(seq_len=256, global_batch_tokens=256 * 8, steps=3, gpus=1,

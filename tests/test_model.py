@@ -5,8 +5,8 @@ import torch
 
 from fastml.plan import Knobs, Plan, Training
 from fastml.spec import PRESETS
-from fastml.executor.apply import apply_recompute, build_training_model
-from fastml.executor.model import build_model, materialize
+from fastml.executor.model.apply import apply_recompute, build_training_model
+from fastml.executor.model.transformer import build_model, materialize
 from fastml.config import UserError
 
 
@@ -114,7 +114,7 @@ def test_checkpoints_of_compiled_blocks_recompute_every_op(monkeypatch, compiled
     """Blocks to be compiled get checkpoints with the policy that recomputes every op, which reaches into the fp8
     linears' autograd.Function (torch 2.11 saved their casts without it; tests/test_gpu_precision.py measures that on
     the real op); eager ones a plain checkpoint. Either way the gradients are the same."""
-    from fastml.executor import apply
+    from fastml.executor.model import apply
 
     policies = []
     checkpoint = apply.checkpoint

@@ -10,9 +10,9 @@ import torch
 
 from fastml.plan import Knobs, Plan, Training, offloaded_groups
 from fastml.spec import PRESETS
-from fastml.executor.apply import build_training_model
-from fastml.executor.optim import AdamW
-from fastml.executor.train import train
+from fastml.executor.model.apply import build_training_model
+from fastml.executor.memory.optim import AdamW
+from fastml.executor.loop.train import train
 
 SAME_ARITHMETIC = ["offload_weights", "offload_gradients", "offload_residuals", "offload_master"]
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from fastml.executor.model import build_model
-from fastml.executor.optim import layer_groups
+from fastml.executor.model.transformer import build_model
+from fastml.executor.memory.optim import layer_groups
 from fastml.plan import STAGING_SLOTS, Knobs
 from fastml.planner.costs import costs
 from fastml.planner.hardware import load_machine
@@ -136,7 +136,7 @@ def simulated(**knobs):
 
 def test_the_ranks_of_a_node_share_its_cpu_adamw():
     """The profile's rate is the node's, over all its cores; its ranks step their optimizers at once, each with its
-    share of the cores (executor/device.py), so each at a share of the rate."""
+    share of the cores (executor/loop/device.py), so each at a share of the rate."""
     spec, knobs = PRESETS["tinyllama-1.1b"], Knobs(offload_optimizer=1.0)
     one, four = (costs(spec, SEQ, knobs, load_machine("rtx4090", gpus)) for gpus in (1, 4))
     assert four.cpu_adam_per_param == pytest.approx(4 * one.cpu_adam_per_param)

@@ -19,7 +19,7 @@ from fastml.planner.request import PlanRequest
 from fastml.planner.search import Problem, evaluate, exhaustive, knob_space, pin, search, tokens_per_s
 from fastml.planner.simulate import chrome_trace, simulate
 from fastml.spec import PRESETS
-from fastml.executor.model import build_model
+from fastml.executor.model.transformer import build_model
 
 GB = 1e9
 
@@ -400,7 +400,7 @@ def test_the_search_leaves_out_fp8_weight_caches_that_would_cache_nothing():
 
 
 def test_recomputed_fp8_linears_cast_their_weights_again_unless_cached():
-    """Recomputing the FFN re-runs gate_up and down (executor/apply.py): uncached, their weights are cast again."""
+    """Recomputing the FFN re-runs gate_up and down (executor/model/apply.py): uncached, their weights are cast again."""
     from fastml.planner.costs import recomputed_weight_share
 
     spec, machine = PRESETS["llama-3.1-8b"], load_machine("h200")

@@ -17,9 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from fastml.executor import native
-from fastml.executor.apply import apply_recompute
-from fastml.executor.fp8 import MIN_CAPABILITY, convert_to_fp8
-from fastml.executor.model import Transformer, _lm_loss_sum, build_model, rotary_tables
+from fastml.executor.model.apply import apply_recompute
+from fastml.executor.model.fp8 import MIN_CAPABILITY, convert_to_fp8
+from fastml.executor.model.transformer import Transformer, _lm_loss_sum, build_model, rotary_tables
 from fastml.plan import KNOBS, Knobs
 from fastml.planner.costs import ATTENTION_BACKWARD_FACTOR, head_flops, layer_flops, layer_gemms
 from fastml.planner.memory import (LOSS_PEAK_TENSORS, layer_activation_bytes, loss_tensor_bytes,

@@ -11,9 +11,9 @@ import torch
 
 from fastml.plan import Knobs, Plan, Training
 from fastml.spec import PRESETS
-from fastml.executor.apply import build_training_model
-from fastml.executor.optim import AdamW
-from fastml.executor.train import train
+from fastml.executor.model.apply import build_training_model
+from fastml.executor.memory.optim import AdamW
+from fastml.executor.loop.train import train
 
 LOWER = {"optimizer_dtype": "bf16", "master_dtype": "bf16"}
 
@@ -71,7 +71,7 @@ def test_bf16_state_resumes_bit_for_bit(tmp_path):
 def emulated_fp8(monkeypatch):
     """fp8 matmuls on a CPU: the cast by its float32 reference, the scaled GEMM as float32 products of the fp8
     values. What this checks is the bookkeeping around them (tests/test_gpu_precision.py runs the real ones)."""
-    from fastml.executor import fp8
+    from fastml.executor.model import fp8
 
     def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
         return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
@@ -104,8 +104,8 @@ def test_cached_fp8_weights_are_not_in_checkpoints(emulated_fp8):
 def kept_by_a_recomputed_block(device: str, **knobs) -> list:
     """The shapes and dtypes of what one block with block recompute saves for its backward pass, beyond its inputs
     and parameters, the random generators' states (uint8) and empty tensors: what it computes and keeps."""
-    from fastml.executor.apply import apply_plan
-    from fastml.executor.model import build_model, materialize, rotary_tables
+    from fastml.executor.model.apply import apply_plan
+    from fastml.executor.model.transformer import build_model, materialize, rotary_tables
 
     torch._dynamo.reset()
     spec = PRESETS["tiny"]

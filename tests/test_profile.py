@@ -13,9 +13,9 @@ from rich.console import Console
 
 from fastml import hwprofiles
 from fastml.config import UserError
-from fastml.planner import profile as profile_module
+from fastml.hwprofiles import profile as profile_module
 from fastml.planner.hardware import load_machine
-from fastml.planner.profile import (detect_topology, linear_shapes, measure_cpu, print_topology, profile,
+from fastml.hwprofiles.profile import (detect_topology, linear_shapes, measure_cpu, print_topology, profile,
                                     profile_json, this_cpu_profile)
 from fastml.spec import PRESETS
 
@@ -203,7 +203,7 @@ MEASURED = {"gpu.gemm_efficiency": [[1024, 0.1], [8192, 0.71]], "gpu.hbm_bytes_p
 
 
 def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(monkeypatch, tmp_path):
-    """The profile schema of a measured machine: each rate planner/measure.py measured replaces the shipped one,
+    """The profile schema of a measured machine: each rate hwprofiles/measure.py measured replaces the shipped one,
     the source says which, and `fastml plan` for this machine plans with it once `fastml profile` saved it."""
     topology = use(monkeypatch, fake_nvml(h200s(), p2p_status=0, level=lambda a, b: 50))
     data = profile_json(topology, MEASURED)
@@ -228,7 +228,7 @@ def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(mon
         machine.gpu.gemm_seconds(1024, 1024, 1024, "bf16") * bf16_peak / fp8_peak)
     assert machine.gpu.peak_flops == hwprofiles.load("h200")["gpu"]["peak_flops"]  # datasheet peaks: not measured
     assert_attention_takes_the_measured_rates(machine)
-    assert "Measured by `fastml profile` (--quick, planner/measure.py): gpu.gemm_efficiency" in data["source"]
+    assert "Measured by `fastml profile` (--quick, hwprofiles/measure.py): gpu.gemm_efficiency" in data["source"]
     assert data["measured"]["launch_s"] == 3e-6
     monkeypatch.setenv("FASTML_CACHE", str(tmp_path))
     hwprofiles.save_machine_profile(data)
@@ -436,7 +436,7 @@ def test_profiles_load_through_from_dict(tmp_path, edit, fragment):
 
 
 def test_an_alpha_beta_fit_recovers_latency_and_bus_bandwidth():
-    from fastml.planner.between_gpus import SIZES, bus_bytes, fit_alpha_beta, profile_fields
+    from fastml.hwprofiles.between_gpus import SIZES, bus_bytes, fit_alpha_beta, profile_fields
 
     def measured(alpha, bandwidth):
         return {kind: {s: alpha + bus_bytes(kind, s, 4) / bandwidth for s in SIZES} for kind in
@@ -454,7 +454,7 @@ def test_an_alpha_beta_fit_recovers_latency_and_bus_bandwidth():
 def test_collectives_are_timed_in_one_worker_per_rank():
     """The workers `fastml profile` starts on a machine of several GPUs, here as CPU processes over gloo: every
     transport, kind and size is timed (how fast is the benchmark's business, not a test's)."""
-    from fastml.planner.between_gpus import time_collectives
+    from fastml.hwprofiles.between_gpus import time_collectives
 
     seconds = time_collectives("cpu", 2, sizes=(2**12, 2**22), repeats=2)
     assert set(seconds) == {"torch", "memcpy"}
@@ -478,3 +478,12 @@ def test_profile_measures_between_gpus(tmp_path, monkeypatch):
     assert set(measured["collectives_fit"]) == {"torch", "memcpy"}
     if torch.cuda.can_device_access_peer(0, 1):
         assert measured["p2p_bytes_per_s"] > 1e9
+
+
+def test_the_cpu_profiles_adam_bytes_are_the_planners():
+    """The CPU profile turns its memory bandwidth into an AdamW rate with the bytes the planner counts for a CPU plan."""
+    from fastml.hwprofiles.profile import ADAM_BYTES_PER_PARAM
+    from fastml.plan import Knobs
+    from fastml.planner.costs import optimizer_step_bytes
+
+    assert ADAM_BYTES_PER_PARAM == optimizer_step_bytes(Knobs(param_dtype="fp32", matmul_dtype="fp32"))

@@ -1,7 +1,7 @@
 """Faults during training: SIGKILL mid-step and mid-checkpoint, corrupted checkpoints, NaN losses, signals; and one
 run per checkpoint directory: fresh starts, --start-over, what --resume may change, pruning.
 
-The fault runs go through the real `fastml` command, with faults injected by FASTML_FAULTS (executor/faults.py); the
+The fault runs go through the real `fastml` command, with faults injected by FASTML_FAULTS (executor/loop/faults.py); the
 checkpoint-directory tests train tiny plans in this process."""
 
 import io
@@ -22,10 +22,11 @@ from safetensors.torch import load_file
 
 from fastml.config import UserError
 from fastml.planner.planner import make_plan
-from fastml.executor import snapshot, train
-from fastml.executor.model import build_model, materialize
-from fastml.executor.optim import lr_at
-from fastml.executor.tensordir import read_manifest
+from fastml.executor.storage import checkpoints as run_checkpoints
+from fastml.executor import train
+from fastml.executor.model.transformer import build_model, materialize
+from fastml.executor.memory.optim import lr_at
+from fastml.executor.storage.tensordir import read_manifest
 
 STEPS = 8
 
@@ -151,8 +152,8 @@ def test_a_plan_for_other_hardware_warns_or_is_refused(workdir):
 
 
 def test_a_training_checkpoint_exports_to_hf(workdir):
-    from fastml.executor.hf import convert_to_hf, load_pretrained
-    from fastml.executor.tensordir import load_checkpoint
+    from fastml.executor.storage.hf import convert_to_hf, load_pretrained
+    from fastml.executor.storage.tensordir import load_checkpoint
 
     checkpoint = Path(workdir, "ck-reference", f"step-{STEPS:08d}")
     convert_to_hf(checkpoint, workdir / "hf")
@@ -309,12 +310,13 @@ def test_pruning_never_touches_another_runs_checkpoints(tmp_path):
     each prunes only its own checkpoints, neither overwrites the other's, and --resume refuses to pick one."""
     plan = tiny_plan(tmp_path / "ck")
     model = materialize(build_model(plan.model), "cpu", torch.float32, seed=0)
-    first, second = (snapshot.Run(plan, run_id, keep=1, say=lambda message: None) for run_id in ("first", "second"))
+    first, second = (run_checkpoints.Run(plan, run_id, keep=1, say=lambda message: None)
+                     for run_id in ("first", "second"))
     for step, run_ in [(1, first), (2, second), (3, first), (4, second), (5, first)]:
-        run_.save(model, NoOptimizerState(), snapshot.Position(step, step))
+        run_.save(model, NoOptimizerState(), run_checkpoints.Position(step, step))
     assert steps_in(tmp_path / "ck") == ["step-00000004", "step-00000005"]
     with pytest.raises(UserError, match="step-00000005: was written by run first, not by this run"):
-        second.save(model, NoOptimizerState(), snapshot.Position(5, 5))
+        second.save(model, NoOptimizerState(), run_checkpoints.Position(5, 5))
     with pytest.raises(UserError, match=r"holds the checkpoints of 2 runs \(first, second\)"):
         train_quietly(plan, resume=True)
 

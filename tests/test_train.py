@@ -12,14 +12,14 @@ from fastml import hwprofiles
 from fastml.plan import MEMORY_CATEGORIES, TIME_COMPONENTS, Knobs, Plan, Predicted, Training, describe_knobs
 from fastml.planner.planner import make_plan
 from fastml.spec import PRESETS
-from fastml.executor.apply import build_training_model
-from fastml.executor.data import TokenData
-from fastml.executor.display import print_summary
-from fastml.executor.meter import peak_flops
-from fastml.executor.model import build_model, materialize
-from fastml.executor.optim import AdamW, lr_at
-from fastml.executor.step import StepHooks, train_step
-from fastml.executor.train import train
+from fastml.executor.model.apply import build_training_model
+from fastml.executor.storage.data import TokenData
+from fastml.executor.loop.display import print_summary
+from fastml.executor.loop.meter import peak_flops
+from fastml.executor.model.transformer import build_model, materialize
+from fastml.executor.memory.optim import AdamW, lr_at
+from fastml.executor.loop.step import StepHooks, train_step
+from fastml.executor.loop.train import train
 
 
 # CPU training in fp32, said by the plan (older CPU plans say bf16 parameters and matmuls).

@@ -23,7 +23,7 @@ from rich.console import Console
 
 from fastml.config import fail
 from fastml.plan import Plan, save_plan
-from fastml.executor.world import EXIT_OTHER_RANK
+from fastml.executor.parallel.world import EXIT_OTHER_RANK
 
 SHUTDOWN_S = 900
 """How long the workers may take to finish their step and write a checkpoint after a signal before they are
@@ -87,7 +87,7 @@ def check_single_node(plan: Plan) -> None:
                                   f"{'GPUs' if h.device == 'cuda' else 'processes'}: start it on every node with "
                                   f"torchrun (README, 'Several GPUs and nodes')")
     if h.device == "cuda":
-        from fastml.executor.device import check_gpus
+        from fastml.executor.loop.device import check_gpus
 
         check_gpus(plan)
 

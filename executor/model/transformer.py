@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fastml.executor import fused
+from fastml.executor.model import fused
 from fastml.spec import ModelSpec, RopeScaling
 
 
@@ -115,7 +115,7 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def run_block(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Block `index` over x; offload (executor/offload.py) replaces it to move weights and inputs around it."""
+        """Block `index` over x; offload (executor/memory/offload.py) replaces it to move weights and inputs around it."""
         return self.blocks[index](x, cos, sin)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:

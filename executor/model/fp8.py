@@ -149,7 +149,7 @@ def cached_linears(model: nn.Module) -> list[CachedFP8Linear]:
 
 def refresh_weight_caches(model: nn.Module) -> None:
     """Casts every cached fp8 weight anew from the weight as it is now, both layouts in one pass. Called at the start
-    of each optimizer step (executor/step.py): the weights change only between steps. The buffers are replaced, not
+    of each optimizer step (executor/loop/step.py): the weights change only between steps. The buffers are replaced, not
     written into: a compiled block takes them as inputs, without recompiling."""
     for linear in cached_linears(model):
         for name, tensor in zip(CACHE_BUFFERS, _cast_both(linear.weight)):

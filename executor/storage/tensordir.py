@@ -1,4 +1,4 @@
-"""fastml's checkpoint format, shared by training snapshots (snapshot.py) and HF conversion (hf.py).
+"""fastml's checkpoint format, shared by training checkpoints (checkpoints.py) and HF conversion (hf.py).
 
 A fastml checkpoint is a directory: `model.safetensors` (our tensor names), any further safetensors or JSON files
 the writer adds (optimizer state, RNG states, an HF config), and `fastml.json`, the `Manifest`: format, version, the
@@ -19,9 +19,9 @@ import torch
 from fastml.config import UserError, fail, from_dict, to_dict
 from fastml.plan import Plan
 from fastml.spec import ModelSpec
-from fastml.executor.files import (read_json_object, read_safetensors, sha256, write_dir_atomically, write_json,
+from fastml.executor.storage.files import (read_json_object, read_safetensors, sha256, write_dir_atomically, write_json,
                                    write_safetensors)
-from fastml.executor.model import build_model
+from fastml.executor.model.transformer import build_model
 
 FORMAT = "fastml-checkpoint"
 VERSION = 2

@@ -1,7 +1,7 @@
 """The collectives data-parallel training needs, behind one interface with two transports (the plan's `knobs.comm`):
 
 - `TorchCollectives` ("nccl"): torch.distributed's, NCCL between GPUs and gloo between CPU processes;
-- `HostCollectives` ("memcpy", executor/hostcomm.py): copies through pinned host memory shared by the ranks of a
+- `HostCollectives` ("memcpy", executor/parallel/hostcomm.py): copies through pinned host memory shared by the ranks of a
   node, for GPUs that cannot reach each other (consumer GPUs without peer-to-peer PCIe).
 
 Each call is asynchronous and returns a `Work`, whose `wait()` makes the current CUDA stream (on a CPU: the caller)
@@ -64,7 +64,7 @@ def agree(values: list[float]) -> list[list[float]]:
 
 def make_collectives(comm: str, world, device: torch.device, watchdog=None):
     if comm == "memcpy":
-        from fastml.executor.hostcomm import HostCollectives
+        from fastml.executor.parallel.hostcomm import HostCollectives
 
         return HostCollectives(world, device, watchdog)
     return TorchCollectives(world, watchdog)

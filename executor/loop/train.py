@@ -21,15 +21,17 @@ from fastml import hwprofiles
 from fastml.config import check_range, fail
 from fastml.plan import Plan, save_plan
 from fastml.record import TRACE_FILE, Measured, RunMachine, RunRecord, save_record
-from fastml.executor import display, faults, fp8, snapshot
-from fastml.executor.apply import build_training_model
-from fastml.executor.collectives import make_collectives
-from fastml.executor.data import TokenData
-from fastml.executor.device import apply_memory_cap, check_hardware, check_host_memory, training_device
-from fastml.executor.meter import Meter
-from fastml.executor.optim import AdamW
-from fastml.executor.step import train_step
-from fastml.executor.world import SINGLE, Watchdog, World, check_world, join, launched
+from fastml.executor.loop import display, faults
+from fastml.executor.model import fp8
+from fastml.executor.storage import checkpoints
+from fastml.executor.model.apply import build_training_model
+from fastml.executor.parallel.collectives import make_collectives
+from fastml.executor.storage.data import TokenData
+from fastml.executor.loop.device import apply_memory_cap, check_hardware, check_host_memory, training_device
+from fastml.executor.loop.meter import Meter
+from fastml.executor.memory.optim import AdamW
+from fastml.executor.loop.step import train_step
+from fastml.executor.parallel.world import SINGLE, Watchdog, World, check_world, join, launched
 
 
 class TrainingStopped(Exception):
@@ -53,7 +55,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     """Runs `plan` for `steps` optimizer steps in all (default: the plan's) and returns the summary of the run.
 
     With `resume`, continues from the newest intact checkpoint in the plan's checkpoint_dir; without it, a directory
-    holding checkpoints is refused unless `start_over` moves them aside (snapshot.open_run). SIGINT and SIGTERM
+    holding checkpoints is refused unless `start_over` moves them aside (checkpoints.open_run). SIGINT and SIGTERM
     finish the step, write a checkpoint and raise TrainingStopped; so do `max_nonfinite_steps` skipped steps in a
     row (without the checkpoint). `strict` refuses a plan made for other hardware instead of warning.
 
@@ -85,7 +87,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
                    max_nonfinite_steps=max_nonfinite_steps, strict=strict, start_over=start_over, timeout_s=timeout_s,
                    trace_step=trace_step)
     if world is None and plan.hardware.num_gpus > 1:
-        from fastml.executor.launch import train_in_workers
+        from fastml.executor.parallel.launch import train_in_workers
 
         summary = train_in_workers(plan, console or Console(stderr=True), run_dir=run_dir, **options)
         _write_summary(summary, summary_json)
@@ -138,7 +140,7 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
            cpu_threads: int, *,
            log_json, show_progress: bool, resume: bool, keep_checkpoints: int, max_nonfinite_steps: int,
            strict: bool, start_over: bool, timeout_s: float, trace_step: int | None, trace: Path | None) -> dict:
-    run = snapshot.open_run(plan, resume=resume, start_over=start_over, keep=keep_checkpoints,
+    run = checkpoints.open_run(plan, resume=resume, start_over=start_over, keep=keep_checkpoints,
                             say=lambda message: console.print(message, markup=False), world=world)
     model, optimizer = _model_and_optimizer(plan, device, world, comm)
     data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
@@ -171,7 +173,7 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
             stopping = record.pop("stop")
             if step == first_step:  # after the first batch was read: bad data is one line alone, never after it
                 display.print_knobs(console, plan)
-            position = snapshot.Position(step + 1, position.sequences + sequences_per_step)
+            position = checkpoints.Position(step + 1, position.sequences + sequences_per_step)
             bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0
             _log(record, log)
             progress.update(task, advance=1, status=display.status(record))

@@ -1,5 +1,5 @@
 """`fastml profile`: the GPUs, their links and the host as NVML reports them, and the rates measured on them
-(planner/measure.py), written as a hwprofile JSON that `fastml plan` then uses for this machine; and this machine's
+(hwprofiles/measure.py), written as a hwprofile JSON that `fastml plan` then uses for this machine; and this machine's
 CPU, measured, as the profile CPU plans are made with.
 
 A GPU profile starts from the nearest shipped one: what NVML detects and what is measured are written over it, and
@@ -27,8 +27,7 @@ from rich.table import Table
 
 from fastml import hwprofiles
 from fastml.config import fail
-from fastml.plan import Knobs
-from fastml.planner.costs import ATTENTION_BACKWARD_FACTOR, optimizer_step_bytes
+from fastml.hwprofiles.schema import ATTENTION_BACKWARD_FACTOR
 
 DEFAULT_OUTPUT = "hwprofile.json"
 
@@ -149,7 +148,7 @@ def _cpu_list(words) -> str | None:
 
 def profile_json(topology: dict, measured: dict | None = None) -> dict:
     """A hwprofile (the schema of hwprofiles/*.json) for the detected machine: the nearest shipped profile with
-    what was detected and what was `measured` (planner/measure.py's fields) written over it, the raw topology under
+    what was detected and what was `measured` (hwprofiles/measure.py's fields) written over it, the raw topology under
     the extra top-level key `detected` and the measurements under `measured`."""
     if not topology["gpus"]:
         # Measured again: the way to replace a cached measurement taken while other work loaded the CPU.
@@ -163,7 +162,7 @@ def profile_json(topology: dict, measured: dict | None = None) -> dict:
     mixed = f"; the GPUs are of {len(kinds)} kinds, so the profile takes the smallest memory and PCIe link" \
         if len(kinds) > 1 else ""
     how = "--quick, " if rates and measured.get("quick") else ""
-    measured_here = f" Measured by `fastml profile` ({how}planner/measure.py): {', '.join(rates)}." if rates else ""
+    measured_here = f" Measured by `fastml profile` ({how}hwprofiles/measure.py): {', '.join(rates)}." if rates else ""
     data["name"] = f"detected-{base}"
     data["source"] = (
         f"detected by `fastml profile` on {topology['date']}: {', '.join(fields)}; the raw NVML topology is under "
@@ -176,7 +175,7 @@ def profile_json(topology: dict, measured: dict | None = None) -> dict:
 
 
 def _write_measured(data: dict, measured: dict) -> list[str]:
-    """Writes the measured rates over `data` (dotted profile fields, planner/measure.py); returns their names."""
+    """Writes the measured rates over `data` (dotted profile fields, hwprofiles/measure.py); returns their names."""
     written = []
     for field, value in measured.items():
         if "." not in field:  # informational (the launch cost, whether --quick)
@@ -303,7 +302,7 @@ def profile(output: str | None = None, console: Console | None = None, quick: bo
 def _measure(topology: dict, quick: bool, console: Console) -> dict:
     from rich.progress import Progress
 
-    from fastml.planner.measure import measure_gpus
+    from fastml.hwprofiles.measure import measure_gpus
 
     base, _ = _base_profile(topology["gpus"][0]["name"], topology["gpus"][0]["memory_bytes"])
     peaks = hwprofiles.load(base)["gpu"]["peak_flops"]
@@ -333,8 +332,9 @@ MAX_MEASURED_FLOPS = 2e10
 layer): large GEMMs run at the CPU's plateau, and the measurement stays a few seconds for any model."""
 ATTENTION_FLOPS_FACTOR = 1 + ATTENTION_BACKWARD_FACTOR
 """Attention's forward and backward over its forward FLOPs."""
-ADAM_BYTES_PER_PARAM = optimizer_step_bytes(Knobs(param_dtype="fp32", matmul_dtype="fp32"))
-"""fp32 AdamW on fp32 parameters, as a CPU trains."""
+ADAM_BYTES_PER_PARAM = 7 * 4
+"""fp32 AdamW on fp32 parameters, as a CPU trains: it reads the gradient and reads and writes the weight, m and v
+(planner/costs.py's optimizer_step_bytes of such a plan, which a test holds it to)."""
 
 
 def linear_shapes(spec, token_counts: Iterable[int]) -> list[tuple[int, int, int]]:
@@ -423,7 +423,7 @@ def _linear_seconds(tokens: int, out: int, inp: int) -> float:
 
 
 def _attention_seconds(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int) -> float:
-    """Causal attention's forward and backward as the executor runs it (executor/model.py), in fp32."""
+    """Causal attention's forward and backward as the executor runs it (executor/model/transformer.py), in fp32."""
     import torch
     import torch.nn.functional as F
 

@@ -28,7 +28,7 @@ import torch
 
 from fastml.config import UserError, check_range, fail, first_line, from_dict, to_dict
 from fastml.hwprofiles import cache_dir
-from fastml.executor.files import read_json_object, write_dir_atomically
+from fastml.executor.storage.files import read_json_object, write_dir_atomically
 
 FORMAT = "fastml-tokens"
 FORMAT_VERSION = 1

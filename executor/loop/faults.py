@@ -16,7 +16,7 @@ import signal
 import time
 from functools import cache
 
-from fastml.executor.step import StepHooks
+from fastml.executor.loop.step import StepHooks
 
 ENV = "FASTML_FAULTS"
 

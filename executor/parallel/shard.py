@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fastml.plan import Plan, offloaded_groups, weights_sharded
-from fastml.executor.pinned import pinned_empty
+from fastml.executor.memory.pinned import pinned_empty
 
 IN_FLIGHT = 2
 """Reductions in flight at once (planner/memory.py's STREAM_BUFFER_LAYERS)."""

@@ -10,10 +10,11 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from fastml.plan import CPU_STEP_CHUNK, STAGING_SLOTS, Knobs, Training, offloaded_groups
-from fastml.executor import cpu_adam, native
-from fastml.executor.collectives import agree
-from fastml.executor.pinned import pinned_empty
-from fastml.executor.shard import Layout, Piece
+from fastml.executor.memory import cpu_adam
+from fastml.executor import native
+from fastml.executor.parallel.collectives import agree
+from fastml.executor.memory.pinned import pinned_empty
+from fastml.executor.parallel.shard import Layout, Piece
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EPS = 1e-8  # torch.optim.AdamW's default

@@ -12,7 +12,7 @@ from rich.console import Console
 from fastml import hwprofiles
 from fastml.config import fail
 from fastml.plan import Plan
-from fastml.executor.world import SINGLE, World
+from fastml.executor.parallel.world import SINGLE, World
 
 
 ONE_GPU_ENV = "FASTML_TEST_ONE_GPU"

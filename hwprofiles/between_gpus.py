@@ -1,10 +1,10 @@
 """What `fastml profile` measures between the GPUs of a machine with several: peer-to-peer copies, and the
 collectives a plan can run (NCCL's reduce-scatter, all-gather and all-reduce, and fastml's memcpy ones,
-executor/hostcomm.py) over sizes, each fitted as time = α + bytes moved / bus bandwidth (NCCL's bus convention:
+executor/parallel/hostcomm.py) over sizes, each fitted as time = α + bytes moved / bus bandwidth (NCCL's bus convention:
 (n-1)/n of the size per rank, twice for an all-reduce; nccl-tests doc/PERFORMANCE.md).
 
 The collectives are timed in one worker process per GPU, started as `fastml run` starts its ranks
-(executor/launch.py); on a CPU the same workers time gloo, which is how the tests run it.
+(executor/parallel/launch.py); on a CPU the same workers time gloo, which is how the tests run it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def time_collectives(device_type: str, ranks: int, sizes=SIZES, repeats: int = R
     kind and size in bytes: the fastest of `repeats` after a warm-up, timed by rank 0 among `ranks` workers."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from fastml.executor.launch import _launch_config
+    from fastml.executor.parallel.launch import _launch_config
 
     return elastic_launch(_launch_config(ranks), _worker)(device_type, tuple(sizes), repeats)[0]
 
@@ -45,9 +45,9 @@ def _worker(device_type: str, sizes: tuple[int, ...], repeats: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fastml.executor.collectives import TorchCollectives
-    from fastml.executor.hostcomm import HostCollectives
-    from fastml.executor.world import launched
+    from fastml.executor.parallel.collectives import TorchCollectives
+    from fastml.executor.parallel.hostcomm import HostCollectives
+    from fastml.executor.parallel.world import launched
 
     world = launched()
     if device_type == "cpu":
@@ -104,7 +104,7 @@ def fit_alpha_beta(seconds_by_size: dict[int, float], kind: str, ranks: int) -> 
 
 
 def profile_fields(seconds: dict, ranks: int, p2p: bool) -> dict:
-    """The profile fields (planner/profile.py's dotted names) of what `time_collectives` measured: NCCL's α (the
+    """The profile fields (hwprofiles/profile.py's dotted names) of what `time_collectives` measured: NCCL's α (the
     mean over kinds) and bus bandwidth per kind; without P2P also the host-routed bound (NCCL then goes through
     host memory); and, informational, every transport's fit under `collectives_fit`."""
     fits = {name: {kind: dict(zip(("latency_s", "bus_bytes_per_s"), fit_alpha_beta(by_size, kind, ranks)))

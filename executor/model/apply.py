@@ -15,12 +15,13 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fastml.plan import Knobs, Plan, fp8_cached_blocks
-from fastml.executor import fp8, fused, native
-from fastml.executor.model import Transformer, build_model, materialize
-from fastml.executor.offload import HostOffload
-from fastml.executor.optim import DTYPES, layer_groups
-from fastml.executor.shard import DataParallel
-from fastml.executor.world import SINGLE, World
+from fastml.executor.model import fp8, fused
+from fastml.executor import native
+from fastml.executor.model.transformer import Transformer, build_model, materialize
+from fastml.executor.memory.offload import HostOffload
+from fastml.executor.memory.optim import DTYPES, layer_groups
+from fastml.executor.parallel.shard import DataParallel
+from fastml.executor.parallel.world import SINGLE, World
 
 # Said once per process for every compiled checkpoint with a policy (`_recompute_everything`), to ask that it hold no
 # in-place ops: the blocks hold none.

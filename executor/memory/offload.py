@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from fastml.plan import Plan, offloaded_groups
-from fastml.executor.optim import layer_groups, layer_of
-from fastml.executor.pinned import pinned_empty
-from fastml.executor.shard import CopyDone
+from fastml.executor.memory.optim import layer_groups, layer_of
+from fastml.executor.memory.pinned import pinned_empty
+from fastml.executor.parallel.shard import CopyDone
 
 
 class Copier:

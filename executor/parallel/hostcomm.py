@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from fastml.plan import MEMCPY_ROW_BYTES, MEMCPY_SLOTS
 from fastml.executor import native
-from fastml.executor.pinned import pin
+from fastml.executor.memory.pinned import pin
 
 FLAG_BYTES = 4096
 """The barrier's flags at the start of the shared memory: an int64 per rank, a 64-byte cache line apart."""

@@ -31,13 +31,13 @@ from safetensors import safe_open
 
 from fastml.config import UserError, fail, show
 from fastml.plan import KNOBS, Hardware, Plan
-from fastml.executor import faults
-from fastml.executor.files import remove_dir
-from fastml.executor.model import Transformer
-from fastml.executor.optim import layer_of
-from fastml.executor.tensordir import (MODEL_FILE, TrainingState, check_state_dict, load_tensor_file,
+from fastml.executor.loop import faults
+from fastml.executor.storage.files import remove_dir
+from fastml.executor.model.transformer import Transformer
+from fastml.executor.memory.optim import layer_of
+from fastml.executor.storage.tensordir import (MODEL_FILE, TrainingState, check_state_dict, load_tensor_file,
                                        read_manifest, save_checkpoint, verify_checkpoint, write_files)
-from fastml.executor.world import SINGLE, World
+from fastml.executor.parallel.world import SINGLE, World
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"

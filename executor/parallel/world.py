@@ -1,7 +1,7 @@
 """The processes that train one plan together: who this one is (its rank, its node), its device, the process group
 that joins them, and the watchdog that stops the whole job when one of them dies or hangs.
 
-A job of N processes is started the torchrun way (executor/launch.py, or torchrun itself), which puts each
+A job of N processes is started the torchrun way (executor/parallel/launch.py, or torchrun itself), which puts each
 process's place in its environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK (the node).
 """
 

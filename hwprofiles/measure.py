@@ -11,7 +11,7 @@ On a GPU with fp8 tensor cores (and nvcc to build fastml's CUDA ops), also fp8 G
 presets' linear-layer shapes, forward and backward, and the rate of fastml's fp8 cast (csrc/fp8_cuda.cu); where they cannot run, the
 profile keeps its base profile's fp8 figures (`fp8_error` says why).
 
-With several GPUs, also peer-to-peer copies and the collectives between them (planner/between_gpus.py).
+With several GPUs, also peer-to-peer copies and the collectives between them (hwprofiles/between_gpus.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+
+from fastml.hwprofiles.schema import ATTENTION_BACKWARD_FACTOR, FP8_CAST_BYTES
 
 SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
 QUICK_SQUARE_SIZES = (1024, 4096, 8192)
@@ -37,7 +39,7 @@ ADAM_ROUNDS = 7
 def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None, nvlink: bool = False,
                  peak_fp8_flops: float | None = None) -> dict:
     """Every rate, by the profile field it is written to (`profile.profile_json`); `on_step(what)` before each.
-    With several GPUs also those between them (planner/between_gpus.py); `nvlink`: their peer copies go over
+    With several GPUs also those between them (hwprofiles/between_gpus.py); `nvlink`: their peer copies go over
     NVLink, whose rate the profile then takes from the copy. fp8 where the profile has an fp8 peak
     (`peak_fp8_flops`)."""
     import torch
@@ -81,7 +83,7 @@ def _between_gpus(quick: bool, on_step, nvlink: bool) -> dict:
     profile's figures kept and every other measurement with them."""
     import torch
 
-    from fastml.planner import between_gpus
+    from fastml.hwprofiles import between_gpus
 
     gpus = torch.cuda.device_count()
     p2p = between_gpus.peer_access(gpus)  # as NCCL will see it: NCCL_P2P_DISABLE counts
@@ -108,7 +110,8 @@ def _fp8(peak_fp8_flops: float, quick: bool) -> dict:
     import torch
 
     from fastml.config import UserError
-    from fastml.executor import fp8, native
+    from fastml.executor.model import fp8
+    from fastml.executor import native
 
     if torch.cuda.get_device_capability() < fp8.MIN_CAPABILITY:
         return {"fp8_error": "no fp8 tensor cores (compute capability below 8.9)"}
@@ -133,11 +136,10 @@ CAST_LAYOUTS = ((True, False), (False, True), (True, True))
 
 
 def _fp8_cast_bytes_per_s() -> float:
-    """A bf16 matrix cast to e4m3 in each layout a step casts, bytes counted as planner/costs.py counts them."""
+    """A bf16 matrix cast to e4m3 in each layout a step casts, bytes as FP8_CAST_BYTES counts them."""
     import torch
 
-    from fastml.executor import fp8
-    from fastml.planner.costs import FP8_CAST_BYTES
+    from fastml.executor.model import fp8
 
     x = torch.randn(*CAST_SHAPE, device="cuda", dtype=torch.bfloat16)
     seconds = sum(_cuda_seconds(lambda rowwise=rowwise, transposed=transposed:
@@ -147,7 +149,7 @@ def _fp8_cast_bytes_per_s() -> float:
 
 
 def _fp8_gemm_flops(m: int, n: int, k: int) -> float:
-    """x @ w.T in e4m3 with bf16 out, as the fp8 linears' forward pass multiplies (executor/fp8.py)."""
+    """x @ w.T in e4m3 with bf16 out, as the fp8 linears' forward pass multiplies (executor/model/fp8.py)."""
     import torch
 
     a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
@@ -158,7 +160,7 @@ def _fp8_gemm_flops(m: int, n: int, k: int) -> float:
 
 
 def _fp8_backward_gemm_flops(m: int, n: int, k: int) -> float:
-    """The backward GEMMs of the fp8 linear whose forward GEMM is (m, n, k), as executor/fp8.py runs them: the input
+    """The backward GEMMs of the fp8 linear whose forward GEMM is (m, n, k), as executor/model/fp8.py runs them: the input
     gradient (e5m2 gradient by the e4m3 weight's transpose) and the weight gradient (the gradient's transpose by the
     input's), bf16 out, without fast accumulation; their FLOPs over their time together."""
     import torch
@@ -194,7 +196,6 @@ def _attention_efficiencies(peak_bf16_flops: float, quick: bool) -> list[list[fl
     GPU cannot run (out of memory, or no kernel for these inputs) is left out, and priced by the GEMM curve."""
     import torch
 
-    from fastml.planner.costs import ATTENTION_BACKWARD_FACTOR
 
     heads, kv_heads = ATTENTION_HEADS
     rows = []
@@ -213,7 +214,7 @@ def _attention_efficiencies(peak_bf16_flops: float, quick: bool) -> list[list[fl
 
 
 def _attention_pass(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int):
-    """Causal SDPA forward and backward in bf16 as executor/model.py runs it: (B, T, H, D) tensors seen as
+    """Causal SDPA forward and backward in bf16 as executor/model/transformer.py runs it: (B, T, H, D) tensors seen as
     (B, H, T, D), the output's gradient too, and grouped-query heads."""
     import torch
     import torch.nn.functional as F
@@ -381,7 +382,7 @@ def _cpu_adam_params_per_s() -> float:
     """The C++ CPU AdamW with a bf16 gradient and bf16 weights out, as offloaded optimizer states are stepped."""
     import torch
 
-    from fastml.executor import cpu_adam
+    from fastml.executor.memory import cpu_adam
 
     master, m, v = torch.randn(ADAM_PARAMS), torch.zeros(ADAM_PARAMS), torch.zeros(ADAM_PARAMS)
     grad, out = torch.randn(ADAM_PARAMS).to(torch.bfloat16), torch.empty(ADAM_PARAMS, dtype=torch.bfloat16)

@@ -8,7 +8,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fastml.plan import MEMORY_CATEGORIES, Plan, describe_knobs
-from fastml.executor.device import predicted_host_bytes
+from fastml.executor.loop.device import predicted_host_bytes
 
 
 def print_knobs(console: Console, plan: Plan) -> None:
@@ -63,7 +63,7 @@ def print_summary(console: Console, plan: Plan, summary: dict) -> None:
 
 
 def memory_table(plan: Plan, summary: dict) -> Table:
-    """Memory by the planner's categories, predicted beside measured (executor/meter.py's `gpu_memory` and
+    """Memory by the planner's categories, predicted beside measured (executor/loop/meter.py's `gpu_memory` and
     `host_memory` say what each measured figure is): GPU and host on a GPU; on a CPU, whose "GPU" is its host
     memory, host only. Of this process: with several ranks a node's predicted host memory is shared out among them."""
     p = plan.predicted

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from fastml.config import UserError, check_range, fail
-from fastml.executor.files import compact, read_json_object, read_safetensors, write_json, write_safetensors
-from fastml.executor.model import Transformer, build_model
-from fastml.executor.tensordir import (check_state_dict, load_checkpoint, load_json_file, model_shapes,
+from fastml.executor.storage.files import compact, read_json_object, read_safetensors, write_json, write_safetensors
+from fastml.executor.model.transformer import Transformer, build_model
+from fastml.executor.storage.tensordir import (check_state_dict, load_checkpoint, load_json_file, model_shapes,
                                        name_mismatch, save_checkpoint)
 from fastml.spec import ModelSpec, hf_config, resolve_model, spec_from_hf_config
 

@@ -10,11 +10,11 @@ from typing import Callable
 import torch
 
 from fastml.plan import Plan
-from fastml.executor import fp8
-from fastml.executor.collectives import agree
-from fastml.executor.model import Transformer
-from fastml.executor.optim import AdamW, lr_at
-from fastml.executor.world import SINGLE, World
+from fastml.executor.model import fp8
+from fastml.executor.parallel.collectives import agree
+from fastml.executor.model.transformer import Transformer
+from fastml.executor.memory.optim import AdamW, lr_at
+from fastml.executor.parallel.world import SINGLE, World
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
     offload = optimizer.offload
     micro_batches = knobs.grad_accum_steps * world.size
     fp8.refresh_weight_caches(model)  # the weights as the last step left them, cast to fp8 once for this one
-    loss_sum = torch.zeros((), device=device)
+    losses = []
     for micro in range(knobs.grad_accum_steps):
         if offload is not None:
             offload.begin_micro_batch(micro, last=micro == knobs.grad_accum_steps - 1)
@@ -53,20 +53,16 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
                               knobs.lm_head_chunks)
         loss = hooks.after_loss(step + 1, loss)
         (loss / micro_batches).backward()
-        loss_sum += loss.detach()
+        losses.append(loss.detach())
         if micro == 0:
             hooks.after_first_backward(step + 1)
     if meter is not None:
         meter.sample_states()  # every gradient is complete, no optimizer temporary exists yet
-    loss_value = loss_sum.item() / knobs.grad_accum_steps
+    mine = torch.stack(losses).tolist()  # one wait for the device, after the whole step's work is queued
     stop = stop_requested()
-    if world.distributed:
-        # Added in float32 in rank order, as one process adds its micro-batches' losses.
-        rows = agree([loss_sum.item(), float(stop)])
-        total = torch.zeros((), dtype=loss_sum.dtype)
-        for loss_of_rank, _ in rows:
-            total += loss_of_rank
-        loss_value, stop = total.item() / micro_batches, any(stopped for _, stopped in rows)
+    rows = agree([*mine, float(stop)]) if world.distributed else [[*mine, float(stop)]]
+    loss_value = _step_loss(rows, micro_batches)
+    stop = any(row[-1] for row in rows)
     clip = plan.training.grad_clip
     grad_norm = optimizer.clip_grad_norm_(clip if clip > 0 else float("inf"))
     skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
@@ -78,3 +74,13 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
     # JSON has no NaN or infinity: a non-finite figure is logged as null.
     return {"step": step + 1, "loss": loss_value if math.isfinite(loss_value) else None, "lr": lr,
             "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "skipped": skipped, "stop": stop}
+
+
+def _step_loss(rows: list[list[float]], micro_batches: int) -> float:
+    """The mean of the step's micro-batch losses, added in float32 in the order of the data (rank r's micro-batch m
+    is the step's micro-batch m * ranks + r, data.py): every layout, one process or several ranks, adds the same
+    numbers in the same order, so the logged loss is the same bits on every machine."""
+    ranks, total = len(rows), torch.zeros((), dtype=torch.float32)
+    for index in range(micro_batches):
+        total += rows[index % ranks][index // ranks]
+    return total.item() / micro_batches
