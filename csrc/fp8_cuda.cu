@@ -13,6 +13,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <torch/library.h>
@@ -20,6 +22,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <limits>
 #include <tuple>
 
 #include "cuda_util.h"
@@ -32,6 +35,13 @@ constexpr int kThreads = 256;         // threads of a block, in both kernels
 constexpr int kVector = 8;            // bf16 elements of one 16-byte load
 constexpr int kPad = 4;               // bytes after each tile row in shared memory, to spread the transposed reads
 constexpr int kAmaxBlocksPerSm = 4;
+
+// The largest finite value of an fp8 format, from torch's own definition of the type (executor/model/fp8.py's FP8_MAX
+// reads the same through torch.finfo), so the scale fp8_max / amax is the reference's.
+template <typename Float8>
+float finite_max() {
+  return static_cast<float>(std::numeric_limits<Float8>::max());
+}
 
 __device__ __forceinline__ uint32_t abs_bits(__nv_bfloat16 x) {
   // |x| as float32 bits: non-negative floats order as unsigned integers, and a NaN's bits exceed every number's.
@@ -181,11 +191,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tenso
   auto* out_t = transposed ? reinterpret_cast<uint8_t*>(q_t.mutable_data_ptr()) : nullptr;
   auto* inverse = scale_inv.mutable_data_ptr<float>();
   if (dtype == at::kFloat8_e4m3fn) {
-    cast_kernel<__nv_fp8_e4m3><<<grid, kThreads, 0, stream>>>(input, rows, cols, amax, 448.0f, out, out_t, inverse,
-                                                             aligned);
+    cast_kernel<__nv_fp8_e4m3><<<grid, kThreads, 0, stream>>>(input, rows, cols, amax, finite_max<c10::Float8_e4m3fn>(),
+                                                             out, out_t, inverse, aligned);
   } else {
-    cast_kernel<__nv_fp8_e5m2><<<grid, kThreads, 0, stream>>>(input, rows, cols, amax, 57344.0f, out, out_t,
-                                                             inverse, aligned);
+    cast_kernel<__nv_fp8_e5m2><<<grid, kThreads, 0, stream>>>(input, rows, cols, amax, finite_max<c10::Float8_e5m2>(),
+                                                             out, out_t, inverse, aligned);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {q, q_t, scale_inv};

@@ -256,7 +256,7 @@ def _new_run_dir() -> Path:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from fastml.executor.storage.data import prepare
+    from fastml.executor.storage.prepare import prepare
 
     header = prepare(args.input, args.output, tokenizer=args.tokenizer, field=args.field)
     print(f"wrote {args.output}: {header['num_tokens']:,} tokens from {header['num_documents']:,} documents "

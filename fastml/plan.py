@@ -221,12 +221,28 @@ def describe_knobs(knobs: Knobs, against: Knobs | None = None) -> str:
 CPU_STEP_CHUNK = 2**26
 STAGING_SLOTS = 2
 
+# The sharding engine (executor/parallel/shard.py) keeps at most this many gradient reductions in flight, each holding
+# one parameter group's gradients as one flat vector (planner/memory.py counts them as comm buffers).
+REDUCTIONS_IN_FLIGHT = 2
+
 # The memcpy collectives (executor/parallel/hostcomm.py) move data through MEMCPY_SLOTS slots of pinned host memory shared by
 # the ranks of a node, a row of MEMCPY_ROW_BYTES per rank in each (planner/memory.py counts them).
 MEMCPY_SLOTS = 2
 MEMCPY_ROW_BYTES = 2**25
 
-# Which parameter groups ("embed", "blocks.N", "head": executor/memory/optim.py `layer_groups`) each offload knob moves
+def block_group(index: int) -> str:
+    """The parameter group of block `index`, whose parameters are named `blocks.{index}.…` (the executor's model)."""
+    return f"blocks.{index}"
+
+
+def layer_of(name: str) -> str:
+    """The parameter group of the parameter called `name`: "embed", a block's (`block_group`), or "head" for
+    everything else (the final norm and an untied LM head). Offload, sharding and the optimizer place and step groups."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else "embed" if parts[0] == "embed" else "head"
+
+
+# Which parameter groups ("embed", `block_group`, "head": `layer_of`) each offload knob moves
 # to host memory. The fraction counts blocks from the first; the embedding and the LM head (with the final norm)
 # follow the optimizer and master knobs at 1.0. Their weights and gradients stay on the GPU: streaming the
 # embedding table for a lookup would move far more than it saves.
@@ -238,7 +254,7 @@ def offloaded_groups(knobs: Knobs, name: str, num_layers: int) -> frozenset[str]
     input activations go to the host; for offload_gradients with sharded gradients, the blocks whose reduced shard of
     the gradients sums the micro-batches in host memory)."""
     fraction = getattr(knobs, name)
-    groups = {f"blocks.{i}" for i in range(round(fraction * num_layers))}
+    groups = {block_group(i) for i in range(round(fraction * num_layers))}
     if fraction == 1.0 and name in WHOLE_MODEL_OFFLOAD:
         groups |= {"embed", "head"}
     return frozenset(groups)
@@ -256,7 +272,7 @@ def fp8_cached_blocks(knobs: Knobs, num_layers: int, num_gpus: int) -> frozenset
     if not knobs.cache_fp8_weights or (knobs.shard_weights and num_gpus > 1):
         return frozenset()
     streamed = offloaded_groups(knobs, "offload_weights", num_layers)
-    return frozenset(f"blocks.{i}" for i in range(num_layers)) - streamed
+    return frozenset(block_group(i) for i in range(num_layers)) - streamed
 
 
 FP8_GEMM_MULTIPLE = 16

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fastml.plan import (CPU_STEP_CHUNK, MEMCPY_ROW_BYTES, MEMCPY_SLOTS, MEMORY_CATEGORIES, STAGING_SLOTS, Knobs,
-                         fp8_cached_blocks, offloaded_groups, weights_sharded)
+from fastml.plan import (CPU_STEP_CHUNK, MEMCPY_ROW_BYTES, MEMCPY_SLOTS, MEMORY_CATEGORIES, REDUCTIONS_IN_FLIGHT,
+                         STAGING_SLOTS, Knobs, block_group, fp8_cached_blocks, offloaded_groups, weights_sharded)
 from fastml.hwprofiles.schema import Calibration
 from fastml.spec import ModelSpec
 
@@ -205,10 +205,10 @@ def block_input_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
 
 
 def group_params(spec: ModelSpec) -> dict[str, int]:
-    """Parameters of each optimizer group (executor/memory/optim.py `layer_groups`), in model order: the embedding, the
+    """Parameters of each parameter group (`fastml.plan.layer_of`), in model order: the embedding, the
     blocks, and the final norm with the LM head (the norm alone when the head is the tied embedding)."""
     embedding = spec.vocab_size * spec.hidden_size
-    groups = {"embed": embedding} | {f"blocks.{i}": spec.layer_params() for i in range(spec.num_layers)}
+    groups = {"embed": embedding} | {block_group(i): spec.layer_params() for i in range(spec.num_layers)}
     groups["head"] = spec.hidden_size + (0 if spec.tied_embeddings else embedding)
     return groups
 
@@ -326,8 +326,8 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     gpu["workspace"] = backward_workspace
     host["workspace"] = PROCESS_HOST_BYTES + _cpu_staging_bytes(spec, knobs, place, num_gpus)
     if num_gpus > 1:
-        # Each reduction in flight holds a group's gradients as one flat vector (executor/parallel/shard.py, IN_FLIGHT).
-        gpu["comm_buffers"] = STREAM_BUFFER_LAYERS * max(groups.values()) * param_bytes(knobs)
+        # Each reduction in flight holds a group's gradients as one flat vector (executor/parallel/shard.py).
+        gpu["comm_buffers"] = REDUCTIONS_IN_FLIGHT * max(groups.values()) * param_bytes(knobs)
         if knobs.comm == "memcpy":  # a rank's row of each slot of shared pinned memory (executor/parallel/hostcomm.py), and
             host["comm_buffers"] = MEMCPY_SLOTS * MEMCPY_ROW_BYTES  # on the GPU, a round's cells fetched to add
             gpu["comm_buffers"] += MEMCPY_ROW_BYTES

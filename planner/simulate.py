@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from fastml.plan import TIME_COMPONENTS, Knobs, fp8_cached_blocks
+from fastml.plan import TIME_COMPONENTS, Knobs, block_group, fp8_cached_blocks
 from fastml.planner.costs import Collective, costs, recomputed_weight_share
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (STREAM_BUFFER_LAYERS, block_input_bytes, group_params, layer_activation_bytes,
@@ -141,7 +141,7 @@ class _StepGraph:
         (a streamed shard first up from the host), or in the backward pass their copy cached on the host."""
         k, c = self.knobs, self.c
         sharded = k.shard_weights and self.multi
-        streamed = _block(layer) in self.place.streamed_weights
+        streamed = block_group(layer) in self.place.streamed_weights
         if streamed and not sharded:  # the copies wait for the compute queued before them (the fp8 cache's cast)
             return self.add(f"h2d weights L{layer} {tag}", "h2d", c.layer_weights_h2d, "offload",
                             [self.buffer_free("weights"), self.cache_op])
@@ -158,20 +158,20 @@ class _StepGraph:
     def cache_weights(self, layer: int, forward_op: str) -> None:
         """ZeRO-3 with cache_weights_on_host: a block's gathered weights go to the host after its forward pass."""
         k = self.knobs
-        if self.multi and k.shard_weights and k.cache_weights_on_host and _block(layer) not in \
+        if self.multi and k.shard_weights and k.cache_weights_on_host and block_group(layer) not in \
                 self.place.streamed_weights:
             self.add(f"d2h cached weights L{layer} {forward_op.split()[-1]}", "d2h", self.c.layer_weights_h2d,
                      "offload", [forward_op])
 
     def weight_casts(self, layer: int, phase: str) -> float:
         """The casts of the block's weights to fp8 in a pass of `phase`, where the block does not cache them."""
-        if _block(layer) in self.fp8_cached:
+        if block_group(layer) in self.fp8_cached:
             return 0.0
         return self.c.layer_weight_cast_forward if phase == "forward" else self.c.layer_weight_cast_backward
 
     def release(self, kind: str, layer: int, op: str) -> None:
         """`op` is the last to use the block's GPU buffer of stream `kind`, if it has one: the buffer frees after it."""
-        if _block(layer) in self.streamed[kind]:
+        if block_group(layer) in self.streamed[kind]:
             self.buffer_users[kind].append(op)
 
     def forward(self, m: int) -> None:
@@ -183,7 +183,7 @@ class _StepGraph:
                                                                          [self.prefetch_slot()])])
         for layer in range(self.num_layers):
             ready = self.fetch_weights(layer, f"mb{m} fwd", backward=False)
-            offloaded = _block(layer) in self.place.host_inputs
+            offloaded = block_group(layer) in self.place.host_inputs
             kept = [(f"act {m} {layer}", self.act_bytes - offloaded * self.input_bytes)]
             if offloaded:
                 kept.append((f"input {m} {layer}", self.input_bytes))
@@ -210,7 +210,7 @@ class _StepGraph:
         for layer in reversed(range(self.num_layers)):
             deps = [self.fetch_weights(layer, f"mb{m} bwd", backward=True)]
             freed = [f"act {m} {layer}"]
-            if _block(layer) in self.place.host_inputs:
+            if block_group(layer) in self.place.host_inputs:
                 deps.append(self.add(f"h2d input L{layer} mb{m}", "h2d", c.layer_input_h2d, "offload",
                                      [f"d2h input L{layer} mb{m}", self.buffer_free("inputs")],
                                      alloc=[(f"input {m} {layer}", self.input_bytes)]))
@@ -227,7 +227,7 @@ class _StepGraph:
             self.release("inputs", layer, grad)
             if self.multi and (self.knobs.shard_gradients or last):
                 grad = self.collective(f"reduce grads L{layer} mb{m}", c.layer_grad_reduce, [grad])
-            if _block(layer) in self.place.host_gradients and not (last and self.reduced_on_gpu()):
+            if block_group(layer) in self.place.host_gradients and not (last and self.reduced_on_gpu()):
                 grad = self.gradients_down(layer, m, grad)
                 self.release("gradients", layer, grad)
             self.last_grad[layer] = grad
@@ -242,7 +242,7 @@ class _StepGraph:
 
     def sharded_host_gradients(self, layer: int) -> bool:
         """Whether the block's reduced gradient shard sums the micro-batches in host memory (executor/parallel/shard.py)."""
-        return self.multi and self.knobs.shard_gradients and _block(layer) in self.place.host_gradients
+        return self.multi and self.knobs.shard_gradients and block_group(layer) in self.place.host_gradients
 
     def gradients_down(self, layer: int, m: int, grad: str) -> str:
         """An offloaded block's gradients to the host after its backward pass (and reduction); a sharded one's sum
@@ -260,7 +260,7 @@ class _StepGraph:
         """What the backward pass of an offloaded-gradient block waits for: a free gradient buffer, and from the
         second micro-batch on the accumulated gradients, back from the host to be added to (unsharded: a sharded
         block adds to its shard after the reduction, `gradients_down`)."""
-        if _block(layer) not in self.place.host_gradients:
+        if block_group(layer) not in self.place.host_gradients:
             return []
         if self.sharded_host_gradients(layer):
             return [self.buffer_free("gradients")]
@@ -325,10 +325,6 @@ class _StepGraph:
         if not up_bytes:
             return step
         return self.add(f"h2d updated {group}", "h2d", up_bytes * self.c.h2d_per_byte, "offload", [step])
-
-
-def _block(layer: int) -> str:
-    return f"blocks.{layer}"
 
 
 def _schedule(graph: nx.DiGraph) -> None:

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from fastml.cli import main
 from fastml.config import UserError
-from fastml.executor.storage.data import TOKENS_FILE, HFTokenizer, TokenData, prepare
+from fastml.executor.storage.data import TOKENS_FILE, TokenData
+from fastml.executor.storage.prepare import HFTokenizer, prepare
 from fastml.plan import MAX_PLAN_FILE_BYTES, Plan, Training, load_plan, plan_from_dict
 from fastml.planner.planner import make_plan
 from fastml.spec import PRESETS, resolve_model

@@ -1,4 +1,4 @@
-"""Tests of executor/storage/data.py: tokenizers, prepare, the default corpus and the batch stream."""
+"""Tests of executor/storage/prepare.py and data.py: tokenizers, prepare, the default corpus and the batch stream."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from fastml.config import UserError
-from fastml.executor.storage import data
-from fastml.executor.storage.data import ByteTokenizer, HFTokenizer, TokenData, default_corpus, load_tokenizer, prepare
+from fastml.executor.storage import prepare as preparing
+from fastml.executor.storage.data import TokenData
+from fastml.executor.storage.prepare import ByteTokenizer, HFTokenizer, default_corpus, load_tokenizer, prepare
 
 EOS = ByteTokenizer.eos_id
 
@@ -145,8 +146,8 @@ def test_large_vocab_is_stored_as_uint32(tmp_path):
 def test_prepare_uses_the_field_and_shows_progress(tmp_path, capsys, monkeypatch):
     """The bar hears of each file as it starts and of every token written; it draws on stderr only."""
     heard = []
-    monkeypatch.setattr(data._FileProgress, "start_file", lambda self, path: heard.append(path.name))
-    monkeypatch.setattr(data._FileProgress, "add_tokens", lambda self, num_tokens: heard.append(num_tokens))
+    monkeypatch.setattr(preparing._FileProgress, "start_file", lambda self, path: heard.append(path.name))
+    monkeypatch.setattr(preparing._FileProgress, "add_tokens", lambda self, num_tokens: heard.append(num_tokens))
     write_jsonl(tmp_path / "d.jsonl", [{"body": "hi"}])
     (tmp_path / "e.txt").write_text("four")
     header = prepare([str(tmp_path / "d.jsonl"), str(tmp_path / "e.txt")], tmp_path / "out", field="body",
@@ -176,7 +177,7 @@ def test_losing_publish_keeps_the_winner(tmp_path):
     (tmp_path / "a.txt").write_text("winner")
     (tmp_path / "b.txt").write_text("loser")
     prepare([str(tmp_path / "a.txt")], tmp_path / "out", progress=False)
-    data._prepare_files([tmp_path / "b.txt"], tmp_path / "out", ByteTokenizer(), "text", False, keep_existing=True)
+    preparing._prepare_files([tmp_path / "b.txt"], tmp_path / "out", ByteTokenizer(), "text", False, keep_existing=True)
     assert read_tokens(tmp_path / "out") == byte_ids("winner") + [EOS]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "out"]
 

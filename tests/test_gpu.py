@@ -9,7 +9,7 @@ import torch
 
 from fastml.plan import pinned
 from fastml.planner.planner import make_plan
-from fastml.executor.model.apply import build_training_model
+from fastml.executor.loop.build import build_training_model
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.train import train
 
@@ -49,7 +49,7 @@ def test_bf16_training_keeps_fp32_masters_in_the_optimizer_state():
     plan = gpu_plan(1, micro_batch_size=4)
     assert (plan.knobs.param_dtype, plan.knobs.master_dtype, plan.knobs.optimizer_dtype) == ("bf16", "fp32", "fp32")
     model = build_training_model(plan, torch.device("cuda"))
-    optimizer = AdamW(model, plan.training, plan.knobs, model.offload)
+    optimizer = AdamW(model, plan.training, plan.knobs, model.placement)
     for p in model.parameters():
         assert p.dtype == torch.bfloat16 and p.is_cuda
         state = optimizer.state[p]
@@ -171,3 +171,18 @@ def test_a_traced_gpu_step_holds_its_kernels(tmp_path):
     assert len(kernels) > 20
     both = beside_measured({"traceEvents": []}, measured)["traceEvents"]
     assert any(e.get("cat") == "kernel" and e["pid"] != 0 for e in both)
+
+
+def test_the_cpu_steps_staging_refuses_a_third_buffer_of_one_dtype_in_a_slice():
+    """Two pinned buffers per dtype take turns: a third tensor of one slice would be handed the first's buffer while
+    it is still in use. The CPU step stages at most two of a dtype (a gradient and a weight), and a third is refused."""
+    from fastml.executor.memory.optim import _Staging
+
+    staging = _Staging(1024)
+    staging.begin_slice()
+    a, b = (torch.zeros(1024, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert staging.fetch(a).data_ptr() != staging.fetch(b).data_ptr()
+    with pytest.raises(RuntimeError, match="the CPU step stages more than 2 torch.bfloat16 tensors of one slice"):
+        staging.slot(a)
+    staging.begin_slice()
+    staging.slot(a)  # a new slice takes turns again

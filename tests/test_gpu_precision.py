@@ -11,7 +11,7 @@ from fastml.executor.memory import cpu_adam
 from fastml.executor.model import fp8
 
 from fastml.executor import native
-from fastml.executor.model.apply import build_training_model
+from fastml.executor.loop.build import build_training_model
 from fastml.executor.memory.optim import EPS, AdamW
 from fastml.executor.loop.train import train
 from fastml.plan import pinned
@@ -100,6 +100,29 @@ def test_quantize_of_zeros_and_of_a_nan():
     x[3, 5] = float("nan")
     _, _, scale_inv = fp8.quantize(x, fp8.E4M3)
     assert scale_inv.isnan().item()  # visible downstream: the step's loss is NaN and the step is skipped
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+def test_quantize_of_an_infinity_and_of_subnormal_magnitudes(dtype):
+    """An infinite element makes amax infinite: the scale is 0, so the cast is NaN where x is infinite and 0 elsewhere,
+    and the inverse scale infinite, as in the reference: the step's loss is not finite and the step is skipped. A
+    matrix of subnormal bf16 magnitudes scales up to fp8_max (the scale clamped to float32's largest), also as in the
+    reference, bit for bit: its largest element lands on amax times float32's largest, below fp8_max, and the inverse
+    scale is a float32 subnormal, which the kernel must not flush to zero."""
+    x = matrix((64, 64))
+    x[7, 9] = float("inf")
+    q, q_t, scale_inv = fp8.quantize(x, dtype, True, True)
+    ref_q, ref_q_t, ref_scale_inv = fp8.quantize_reference(x, dtype, True, True)
+    assert scale_inv.item() == ref_scale_inv.item() == float("inf")
+    assert q.float()[7, 9].isnan() and not q.float().isinf().any()
+    tiny = torch.full((64, 64), 2.0**-130, device="cuda").to(torch.bfloat16)  # bf16 subnormals
+    tiny[0, 0] = -(2.0**-128)
+    q, q_t, scale_inv = fp8.quantize(tiny, dtype, True, True)
+    ref_q, ref_q_t, ref_scale_inv = fp8.quantize_reference(tiny, dtype, True, True)
+    assert scale_inv.item() == ref_scale_inv.item() > 0
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert torch.equal(q_t.view(torch.uint8), ref_q_t.view(torch.uint8))
+    assert q.float().abs().max().item() < fp8.FP8_MAX[dtype]
 
 
 def test_quantize_refuses_what_it_cannot_take():
@@ -195,10 +218,8 @@ def test_compiled_fp8_blocks_share_one_graph(parts, cached):
     from fastml.spec import PRESETS
 
     torch._dynamo.reset()
-    model = apply_plan(build_model(PRESETS["tiny"]), Knobs(matmul_dtype="fp8", recompute=parts, compile=True))
-    model = materialize(model, "cuda", torch.bfloat16)
-    if cached:
-        fp8.cache_weights(model, frozenset(f"blocks.{i}" for i in range(len(model.blocks))))
+    knobs = Knobs(matmul_dtype="fp8", recompute=parts, compile=True, cache_fp8_weights=cached)
+    model = materialize(apply_plan(build_model(PRESETS["tiny"]), knobs), "cuda", torch.bfloat16)
     tokens = torch.randint(0, 512, (2, 65), device="cuda")
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(2):  # a second step's casts are new tensors, taken without recompiling
@@ -305,7 +326,7 @@ def test_cached_fp8_weights_are_counted_as_the_planner_counts_them():
     for cache in (False, True):
         plan = gpu_plan(1, micro_batch_size=8, matmul_dtype="fp8", offload_weights=0.5, cache_fp8_weights=cache)
         model = build_training_model(plan, torch.device("cuda"))
-        gpu_bytes, _ = storage_bytes(memory_tensors(model, AdamW(model, plan.training, plan.knobs, model.offload)))
+        gpu_bytes, _ = storage_bytes(memory_tensors(model, AdamW(model, plan.training, plan.knobs, model.placement)))
         predicted = memory(plan.model, plan.training.seq_len, plan.knobs, 1, 1, "cuda").gpu["weights"]
         measured[cache] = gpu_bytes["weights"], predicted
         del model
@@ -320,7 +341,7 @@ def test_cached_fp8_weights_are_counted_as_the_planner_counts_them():
 def test_bf16_state_lives_in_bf16_on_the_gpu():
     plan = gpu_plan(1, micro_batch_size=4, optimizer_dtype="bf16", master_dtype="bf16")
     model = build_training_model(plan, torch.device("cuda"))
-    optimizer = AdamW(model, plan.training, plan.knobs, model.offload)
+    optimizer = AdamW(model, plan.training, plan.knobs, model.placement)
     for p in model.parameters():
         state = optimizer.state[p]
         assert "master" not in state  # the bf16 weights are the masters

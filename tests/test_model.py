@@ -5,7 +5,8 @@ import torch
 
 from fastml.plan import Knobs, Plan, Training
 from fastml.spec import PRESETS
-from fastml.executor.model.apply import apply_recompute, build_training_model
+from fastml.executor.loop.build import build_training_model
+from fastml.executor.model.apply import apply_recompute
 from fastml.executor.model.transformer import build_model, materialize
 from fastml.config import UserError
 
@@ -157,3 +158,17 @@ def test_recompute_applies_to_modules_converted_before_it(converted_first):
     CountingLinear.calls = 0
     tiny_loss(model, torch.randint(0, 512, (2, 33))).backward()
     assert CountingLinear.calls == len(model.blocks) * (2 if converted_first else 1)
+
+
+def test_a_change_of_class_after_recompute_is_caught():
+    """A conversion by change of class after recompute would leave the recompute rerunning the old class's forward;
+    the build checks that none did."""
+    from fastml.executor.model.apply import check_recompute_intact
+
+    model = tiny_model()
+    apply_recompute(model, ("qkv",), compiled=False)
+    check_recompute_intact(model)
+    model.blocks[1].attn.qkv.__class__ = CountingLinear
+    with pytest.raises(RuntimeError, match="blocks.1.attn.qkv became a CountingLinear after its recompute wrapped a "
+                                           "Linear"):
+        check_recompute_intact(model)

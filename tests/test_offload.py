@@ -10,7 +10,7 @@ import torch
 
 from fastml.plan import Knobs, Plan, Training, offloaded_groups
 from fastml.spec import PRESETS
-from fastml.executor.model.apply import build_training_model
+from fastml.executor.loop.build import build_training_model
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.train import train
 
@@ -56,13 +56,27 @@ def test_every_knob_together_with_recompute(tmp_path):
 def test_offloaded_tensors_live_in_host_buffers():
     plan = cpu_plan(offload_weights=0.5, offload_gradients=0.5, offload_master=1.0, offload_optimizer=1.0)
     model = build_training_model(plan, torch.device("cpu"))
-    optimizer = AdamW(model, plan.training, plan.knobs, model.offload)
+    optimizer = AdamW(model, plan.training, plan.knobs, model.placement)
     streamed = offloaded_groups(plan.knobs, "offload_weights", plan.model.num_layers)
     assert streamed == {f"blocks.{i}" for i in range(plan.model.num_layers // 2)}
     for group in optimizer.param_groups:
         assert group["on_cpu"]  # the optimizer knob at 1.0 takes the embedding and head too
         for p in group["params"]:
-            in_host_buffer = model.offload.weights.views.get(model.offload.name_of[p])
+            in_host_buffer = model.placement.offload.weights.views.get(model.placement.name_of[p])
             assert (in_host_buffer is not None) == (group["layer"] in streamed)
             if in_host_buffer is not None:
                 assert p.data_ptr() == in_host_buffer.data_ptr()
+
+
+def test_a_parameter_left_without_a_gradient_is_an_error_not_a_hang():
+    """A group's gradients move (or, with several ranks, are reduced) once all its parameters have theirs: one
+    without a gradient would leave the group unmoved, and the ranks' collectives out of step. It is said instead."""
+    plan = cpu_plan(offload_gradients=1.0)
+    model = build_training_model(plan, torch.device("cpu"))
+    optimizer = AdamW(model, plan.training, plan.knobs, model.placement)
+    model.blocks[0].ffn_norm.forward = lambda x: x  # its weight takes no part in the loss
+    tokens = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 33))
+    model.placement.begin_micro_batch(0, last=True)
+    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    with pytest.raises(RuntimeError, match="blocks.0: 5 of its 6 parameters had a gradient in this backward pass"):
+        optimizer.clip_grad_norm_(1.0)

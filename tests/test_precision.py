@@ -11,7 +11,7 @@ import torch
 
 from fastml.plan import Knobs, Plan, Training
 from fastml.spec import PRESETS
-from fastml.executor.model.apply import build_training_model
+from fastml.executor.loop.build import build_training_model
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.train import train
 
@@ -101,15 +101,39 @@ def test_cached_fp8_weights_are_not_in_checkpoints(emulated_fp8):
     assert not any("fp8" in name for name in model.state_dict())
 
 
-def kept_by_a_recomputed_block(device: str, **knobs) -> list:
+@pytest.mark.parametrize("cached", [False, True], ids=["fp8", "fp8-cached"])
+@pytest.mark.parametrize("part", ["norm", "ffn", "qkv", "attention", "block"])
+def test_every_recompute_part_runs_the_converted_linears(emulated_fp8, monkeypatch, part, cached):
+    """Each recompute choice composed with each module conversion: every linear multiplies in fp8, cached ones with
+    their cache, in the forward pass and again where recompute reruns it (a conversion after recompute would have
+    been bypassed: the recompute reruns the forward it wrapped)."""
+    calls = []
+    linear = emulated_fp8.fp8_linear
+    monkeypatch.setattr(emulated_fp8, "fp8_linear",
+                        lambda x, w, b=None, cache=(): calls.append(bool(cache)) or linear(x, w, b, cache))
+    plan = cpu_plan(matmul_dtype="fp8", recompute=(part,), cache_fp8_weights=cached)
+    model = build_training_model(plan, torch.device("cpu"))
+    tokens = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    recomputed_linears = {"norm": 0, "attention": 0, "qkv": 1, "ffn": 2, "block": 4}[part]
+    assert len(calls) == len(model.blocks) * (4 + recomputed_linears)
+    assert set(calls) == {cached}
+
+
+def kept_by_a_recomputed_block(device: str, backend: str = "inductor", **knobs) -> list:
     """The shapes and dtypes of what one block with block recompute saves for its backward pass, beyond its inputs
-    and parameters, the random generators' states (uint8) and empty tensors: what it computes and keeps."""
+    and parameters, the random generators' states (uint8) and empty tensors: what it computes and keeps. Compiled
+    blocks compile with `backend`: on a CPU, "aot_eager_decomp_partition" splits forward from backward with the
+    partitioner inductor uses, without generating C++ (seconds instead of half a minute)."""
     from fastml.executor.model.apply import apply_plan
     from fastml.executor.model.transformer import build_model, materialize, rotary_tables
 
     torch._dynamo.reset()
     spec = PRESETS["tiny"]
     model = apply_plan(build_model(spec), Knobs(recompute=("block",), **knobs))
+    if knobs.get("compile") and backend != "inductor":
+        for block in model.blocks:
+            block.compile(backend=backend)
     block = materialize(model, torch.device(device), torch.bfloat16).blocks[0]
     x = torch.randn(2, 64, spec.hidden_size, dtype=torch.bfloat16, device=device, requires_grad=True)
     cos, sin = rotary_tables(spec, 64, x.device, x.dtype)
@@ -128,4 +152,5 @@ def test_a_recomputed_block_keeps_only_its_inputs(emulated_fp8, matmul_dtype, co
     """Block recompute saves a block's inputs and nothing it computes, compiled or not, its linears in fp8 or not: the
     planner's activation memory counts just that. Traced by torch.compile 2.11, the fp8 linears' casts and outputs
     were saved (tests/test_gpu_precision.py checks the real fp8 op on a GPU)."""
-    assert kept_by_a_recomputed_block("cpu", matmul_dtype=matmul_dtype, compile=compiled) == []
+    assert kept_by_a_recomputed_block("cpu", "aot_eager_decomp_partition", matmul_dtype=matmul_dtype,
+                                      compile=compiled) == []

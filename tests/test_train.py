@@ -12,7 +12,7 @@ from fastml import hwprofiles
 from fastml.plan import MEMORY_CATEGORIES, TIME_COMPONENTS, Knobs, Plan, Predicted, Training, describe_knobs
 from fastml.planner.planner import make_plan
 from fastml.spec import PRESETS
-from fastml.executor.model.apply import build_training_model
+from fastml.executor.loop.build import build_training_model
 from fastml.executor.storage.data import TokenData
 from fastml.executor.loop.display import print_summary
 from fastml.executor.loop.meter import peak_flops

@@ -40,13 +40,13 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
     loss (their mean), on the gradient norm (optim.py) and so on skipping the step, and on whether any of them was
     asked to stop (`stop_requested`, the record's "stop")."""
     knobs = plan.knobs
-    offload = optimizer.offload
+    placement = optimizer.placement
     micro_batches = knobs.grad_accum_steps * world.size
     fp8.refresh_weight_caches(model)  # the weights as the last step left them, cast to fp8 once for this one
     losses = []
     for micro in range(knobs.grad_accum_steps):
-        if offload is not None:
-            offload.begin_micro_batch(micro, last=micro == knobs.grad_accum_steps - 1)
+        if placement is not None:
+            placement.begin_micro_batch(micro, last=micro == knobs.grad_accum_steps - 1)
         inputs, targets = next(batches)
         with meter.forward() if meter is not None else contextlib.nullcontext():
             loss = model.loss(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True),

@@ -24,7 +24,7 @@ from fastml.record import TRACE_FILE, Measured, RunMachine, RunRecord, save_reco
 from fastml.executor.loop import display, faults
 from fastml.executor.model import fp8
 from fastml.executor.storage import checkpoints
-from fastml.executor.model.apply import build_training_model
+from fastml.executor.loop.build import build_training_model
 from fastml.executor.parallel.collectives import make_collectives
 from fastml.executor.storage.data import TokenData
 from fastml.executor.loop.device import apply_memory_cap, check_hardware, check_host_memory, training_device
@@ -217,7 +217,7 @@ CHECKPOINT_S = 3600
 def _model_and_optimizer(plan: Plan, device: torch.device, world: World, comm) -> tuple[torch.nn.Module, AdamW]:
     torch.manual_seed(plan.training.seed)
     model = build_training_model(plan, device, world, comm)
-    return model, AdamW(model, plan.training, plan.knobs, model.offload)
+    return model, AdamW(model, plan.training, plan.knobs, model.placement)
 
 
 def memory_tensors(model: torch.nn.Module, optimizer: AdamW) -> dict[str, list[torch.Tensor]]:
@@ -228,11 +228,7 @@ def memory_tensors(model: torch.nn.Module, optimizer: AdamW) -> dict[str, list[t
                "master_weights": [s.get("master") for s in states],
                "gradients": [p.grad for p in params],
                "optimizer_states": [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]}
-    held = model.offload.host_tensors()
-    if model.offload.parallel is not None:
-        for category, on_gpu in model.offload.parallel.gpu_tensors().items():
-            held[category] = held.get(category, []) + on_gpu
-    for category, listed in held.items():
+    for category, listed in model.placement.tensors_by_category().items():
         tensors[category] = tensors.get(category, []) + listed
     return tensors
 

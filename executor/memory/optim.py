@@ -15,6 +15,7 @@ from fastml.executor import native
 from fastml.executor.parallel.collectives import agree
 from fastml.executor.memory.pinned import pinned_empty
 from fastml.executor.parallel.shard import Layout, Piece
+from fastml.executor.model.transformer import layer_groups
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EPS = 1e-8  # torch.optim.AdamW's default
@@ -36,17 +37,17 @@ class AdamW(torch.optim.Optimizer):
     Offload: a group in offload_optimizer keeps m and v in host memory and steps on the CPU (the C++ AdamW of
     csrc/, cpu_adam.py), writing its bf16 weights straight into their host copy where the weights are streamed; a
     group in offload_master keeps its fp32 masters in host memory, and where it steps on the GPU they cross PCIe
-    both ways. Gradients the offload engine keeps in host memory (`offload.host_grad`) are read there.
+    both ways. Gradients kept in host memory (`placement.host_grad`) are read there.
 
     Sharded (shard_optimizer over several ranks, shard.py): a rank keeps state for, and steps, only its shard of
     each group's flat vector, a part of a parameter (a `Piece`) where the shard boundary cuts one; it reads its
     shard of the summed gradients, and the updated shard is then gathered into every rank's weights.
     """
 
-    def __init__(self, model: nn.Module, training: Training, knobs: Knobs = Knobs(), offload=None):
-        self.offload = offload
-        self.parallel = offload.parallel if offload is not None else None
-        self.device = offload.device if offload is not None else next(model.parameters()).device
+    def __init__(self, model: nn.Module, training: Training, knobs: Knobs = Knobs(), placement=None):
+        self.placement = placement  # memory/placement.py: where gradients and weights are (None: all on the device)
+        self.parallel = placement.parallel if placement is not None else None
+        self.device = placement.device if placement is not None else next(model.parameters()).device
         num_layers = len(model.blocks) if hasattr(model, "blocks") else 0
         cpu_steps = offloaded_groups(knobs, "offload_optimizer", num_layers)
         host_masters = offloaded_groups(knobs, "offload_master", num_layers)
@@ -136,17 +137,17 @@ class AdamW(torch.optim.Optimizer):
             if shard is None:
                 return None, False
             return _as_piece(shard[piece.offset:piece.offset + piece.end - piece.start], p, piece), on_host
-        host = self.offload.host_grad(p) if self.offload is not None else None
+        host = self.placement.host_grad(p) if self.placement is not None else None
         return (host, True) if host is not None else (p.grad, False)
 
     def _finish_backward(self) -> None:
-        if self.offload is not None:
-            self.offload.finish_backward()
+        if self.placement is not None:
+            self.placement.finish_backward()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """torch.nn.utils.clip_grad_norm_'s arithmetic, over gradients wherever they are: the norm of each
-        gradient on the GPU (those in host memory had theirs taken before they left, offload.grad_norms), the norm
+        gradient on the GPU (those in host memory had theirs taken before they left, placement.grad_norms), the norm
         of those norms in parameter order, and the GPU gradients scaled in place. Gradients in host memory are
         scaled by `clip_coef` when they are stepped. Sharded, each rank takes the norm of its shards and the ranks
         add their squares. Returns the norm before clipping."""
@@ -154,8 +155,8 @@ class AdamW(torch.optim.Optimizer):
         grads = {p: g for group in self.param_groups for p in group["params"] if p in self.pieces
                  for g, on_host in [self._grad(group, p)] if g is not None and not on_host}
         norms = dict(zip(grads, torch._foreach_norm(list(grads.values()), 2))) if grads else {}
-        if self.offload is not None:
-            norms.update(self.offload.grad_norms)
+        if self.placement is not None:
+            norms.update(self.placement.grad_norms)
         ordered = [norms[p] for group in self.param_groups for p in group["params"] if p in norms]
         if self.parallel is not None and self.parallel.scatter:
             total = self._sharded_norm(ordered + list(self.parallel.shard_norms.values()))
@@ -190,7 +191,7 @@ class AdamW(torch.optim.Optimizer):
             if self.parallel is not None:
                 if self.staging.stream is not None:  # the CPU step's weights, written back on the side stream
                     torch.cuda.current_stream().wait_stream(self.staging.stream)
-                self.parallel.gather_updated(group["layer"], self.offload.host_flat(group["layer"]))
+                self.parallel.gather_updated(group["layer"], self.placement.host_flat(group["layer"]))
         if self.device.type == "cuda" and self.crosses_pcie:
             torch.cuda.synchronize(self.device)  # copies written without blocking, on any stream, are complete
 
@@ -265,6 +266,7 @@ class AdamW(torch.optim.Optimizer):
             for start in range(0, flat[0].numel(), CPU_STEP_CHUNK):
                 master_s, m_s, v_s, grad_s, weight_s = [t[start:start + CPU_STEP_CHUNK] if t is not None else None
                                                         for t in flat]
+                self.staging.begin_slice()
                 master_here, grad_here = self.staging.fetch(master_s), self.staging.fetch(grad_s)
                 weight_here = self.staging.slot(weight_s) if weight_s is not None else None
                 step = int(state["step"])
@@ -340,12 +342,19 @@ class _Staging:
         self.numel = numel  # the largest slice the step stages
         self.buffers: dict[torch.dtype, list[tuple[torch.Tensor, list]]] = {}
         self.turn: dict[torch.dtype, int] = {}
+        self.taken: dict[torch.dtype, int] = {}  # buffers handed out for the slice being stepped
         self.stream = None
+
+    def begin_slice(self) -> None:
+        self.taken.clear()
 
     def slot(self, like: torch.Tensor) -> torch.Tensor:
         """A host tensor shaped like `like`: `like` itself where it is in host memory, else a free pinned buffer."""
         if like.device.type == "cpu":
             return like
+        self.taken[like.dtype] = self.taken.get(like.dtype, 0) + 1
+        if self.taken[like.dtype] > STAGING_SLOTS:  # the turn would come round to a buffer this slice still uses
+            raise RuntimeError(f"the CPU step stages more than {STAGING_SLOTS} {like.dtype} tensors of one slice")
         slots = self.buffers.setdefault(like.dtype, [])
         if len(slots) < STAGING_SLOTS:
             slots.append((pinned_empty(self.numel, like.dtype, cuda=True), [None]))
@@ -374,22 +383,6 @@ class _Staging:
             there.copy_(here, non_blocking=True)
         done = next(done for buffer, done in self.buffers[here.dtype] if buffer.data_ptr() == here.data_ptr())
         done[0] = self.stream.record_event()
-
-
-def layer_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """The trainable parameters by name, grouped by layer in model order: `embed`, `blocks.0`, `blocks.1`, ...,
-    and `head` for everything else (the final norm and an untied LM head)."""
-    groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            groups.setdefault(layer_of(name), []).append((name, p))
-    return groups
-
-
-def layer_of(name: str) -> str:
-    """The parameter group of the parameter called `name` (`layer_groups`)."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "blocks" else "embed" if parts[0] == "embed" else "head"
 
 
 def lr_at(step: int, training: Training) -> float:

@@ -1,27 +1,20 @@
-"""Turns the plan's knobs into changes of the plain model, one function per concern, applied in torchtitan's order:
-module conversions (fp8 linears, fp8.py), then recompute, then compile (`apply_plan`); then sharding and offload, as
-the model is materialized (`build_training_model`).
-Each keeps what the ones before it did: recompute wraps the forward of the modules a conversion has put in place,
-and compile traces that wrapped forward. The model is still on the meta device throughout; `build_training_model`
-materializes it last, in the plan's parameter dtype."""
+"""Turns the plan's knobs into changes of the plain model, one function per concern, applied in torchtitan's order by
+`apply_plan`: module conversions first (fp8 linears, fp8.py, their weight caches included), then recompute, then
+compile. Every conversion runs before recompute, which wraps the forward of the module as it then is, so no later
+change of class can bypass it (`check_recompute_intact` says so if one ever did); compile traces that wrapped forward.
+The model is still on the meta device throughout; loop/build.py places and materializes it."""
 
 from __future__ import annotations
 
 import functools
 import logging
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from fastml.plan import Knobs, Plan, fp8_cached_blocks
-from fastml.executor.model import fp8, fused
-from fastml.executor import native
-from fastml.executor.model.transformer import Transformer, build_model, materialize
-from fastml.executor.memory.offload import HostOffload
-from fastml.executor.memory.optim import DTYPES, layer_groups
-from fastml.executor.parallel.shard import DataParallel
-from fastml.executor.parallel.world import SINGLE, World
+from fastml.plan import Knobs, fp8_cached_blocks
+from fastml.executor.model import fp8
+from fastml.executor.model.transformer import Transformer
 
 # Said once per process for every compiled checkpoint with a policy (`_recompute_everything`), to ask that it hold no
 # in-place ops: the blocks hold none.
@@ -29,42 +22,10 @@ logging.getLogger("torch._higher_order_ops.wrap").addFilter(lambda record: "cont
                                                              record.getMessage())
 
 
-def uses_cuda_ops(knobs: Knobs) -> bool:
-    """Whether a GPU run of these knobs calls fastml's CUDA ops: fp8 casts, or the AdamW of bf16 masters or moments."""
-    return knobs.matmul_dtype == "fp8" or knobs.stochastic_rounding
-
-
-def build_training_model(plan: Plan, device: torch.device, world: World = SINGLE, comm=None) -> Transformer:
-    """Meta model, plan applied, then materialized on `device` in the plan's parameter dtype (the matmuls compute in
-    that dtype too, fp32 with fp32 parameters and bf16 with bf16, but the blocks' fp8 linears), streamed blocks'
-    weights straight into host memory, sharded ones straight into this rank's shard. Its offload engine is
-    `model.offload`, and in a world of several ranks its data-parallel engine `model.offload.parallel` (shard.py,
-    over the collectives `comm`)."""
-    if plan.knobs.matmul_dtype == "fp8":
-        fp8.check_fp8(device)
-    fused.require_triton(device)
-    if device.type == "cuda" and uses_cuda_ops(plan.knobs):
-        native.load_cuda()  # built now, before training starts (and before compile traces the ops)
-    model = apply_plan(build_model(plan.model), plan.knobs)
-    dtype = DTYPES[plan.knobs.param_dtype]
-    parallel = None
-    if world.distributed:
-        shapes = {layer: {name: p.shape for name, p in named} for layer, named in layer_groups(model).items()}
-        parallel = DataParallel(plan, world, device, comm, shapes, dtype)
-    offload = HostOffload(model, plan, device, parallel)
-    materialize(model, device, dtype, seed=plan.training.seed,
-                keep=offload.keep if offload.places_parameters else None)
-    offload.install(model, dtype)
-    model.offload = offload
-    fp8.cache_weights(model, fp8_cached_blocks(plan.knobs, plan.model.num_layers, world.size))
-    return model
-
-
-def apply_plan(model: Transformer, knobs: Knobs) -> Transformer:
-    # Module conversions come first, so that recompute wraps the converted forward and not one a conversion would
-    # then replace.
+def apply_plan(model: Transformer, knobs: Knobs, num_gpus: int = 1) -> Transformer:
+    """The knobs that change the model's modules, on a meta model of a job of `num_gpus` ranks."""
     if knobs.matmul_dtype == "fp8":
-        fp8.convert_to_fp8(model)
+        fp8.convert_to_fp8(model, fp8_cached_blocks(knobs, len(model.blocks), num_gpus))
     apply_recompute(model, knobs.recompute, compiled=knobs.compile)
     if knobs.compile:
         apply_compile(model)
@@ -91,8 +52,9 @@ def apply_recompute(model: Transformer, parts: tuple[str, ...], *, compiled: boo
 
 
 def _checkpoint_forward(module: nn.Module, compiled: bool) -> None:
-    # Replacing the bound forward keeps parameter names (and so checkpoints) unchanged, unlike a wrapper module, and
-    # survives what wraps the module's call later (compile, hooks of sharding): they all call `module.forward`.
+    # The module's forward is wrapped where it is (not in a wrapper module), so parameter names, and with them
+    # checkpoints, offload and sharding, are unchanged, and what wraps the module's call later (compile, the placement's
+    # hooks) wraps the recomputed forward.
     forward = module.forward
     # Traced by torch.compile (2.11), a plain checkpoint tags for recompute the ops it sees itself but not those inside
     # an autograd.Function (fp8.FP8Matmul): the partitioner then saved the fp8 linears' casts and GEMM outputs, 14 GiB
@@ -104,7 +66,18 @@ def _checkpoint_forward(module: nn.Module, compiled: bool) -> None:
     def recomputed(*args):
         return checkpoint(forward, *args, use_reentrant=False, **context)
 
+    recomputed.recomputes = type(module)  # the class whose forward it recomputes: check_recompute_intact
     module.forward = recomputed
+
+
+def check_recompute_intact(model: nn.Module) -> None:
+    """Every recomputed module still is of the class whose forward its recompute wraps: a change of class after
+    recompute (a conversion out of apply_plan's order) would run the old forward, silently."""
+    for name, module in model.named_modules():
+        wrapped = getattr(module.__dict__.get("forward"), "recomputes", None)
+        if wrapped is not None and wrapped is not type(module):
+            raise RuntimeError(f"{name or 'the model'} became a {type(module).__name__} after its recompute wrapped a "
+                               f"{wrapped.__name__}: conversions must come before recompute (apply_plan)")
 
 
 def _recompute_everything():

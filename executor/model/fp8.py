@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from fastml.config import fail
+from fastml.plan import block_group
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+FP8_MAX = {dtype: torch.finfo(dtype).max for dtype in (E4M3, E5M2)}  # the CUDA cast reads the same types' limits
 MIN_CAPABILITY = (8, 9)
 """fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) or later."""
 
@@ -105,7 +106,7 @@ class FP8Linear(nn.Linear):
 
 
 class CachedFP8Linear(FP8Linear):
-    """An fp8 linear that keeps its weight cast to fp8, row-major and transposed, in buffers (`cache_weights`) that
+    """An fp8 linear that keeps its weight cast to fp8, row-major and transposed, in buffers (`convert_to_fp8`) that
     `refresh_weight_caches` casts anew once per optimizer step: every micro-batch's passes use them."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,23 +117,17 @@ def block_linears(block: nn.Module) -> list[nn.Linear]:
     return [block.attn.qkv, block.attn.out, block.ffn.gate_up, block.ffn.down]
 
 
-def convert_to_fp8(model: nn.Module) -> None:
-    """Makes every block's linear layers multiply in fp8. One class for all of them, not a forward per module: the
-    compiled blocks (apply.py) then share one graph instead of recompiling for each block's own function."""
-    for block in model.blocks:
-        for linear in block_linears(block):
-            linear.__class__ = FP8Linear
-
-
-def cache_weights(model: nn.Module, blocks: frozenset[str]) -> None:
-    """Gives the fp8 linears of `blocks` ("blocks.N", fastml.plan.fp8_cached_blocks) buffers holding their weights
-    cast to fp8, on the weights' device, and makes them use them. Non-persistent: checkpoints hold the weights alone."""
+def convert_to_fp8(model: nn.Module, cached: frozenset[str] = frozenset()) -> None:
+    """Makes every block's linear layers multiply in fp8; those of the blocks `cached` names (`fastml.plan.block_group`
+    names, fastml.plan.fp8_cached_blocks) also keep their weights cast to fp8, in buffers that `refresh_weight_caches`
+    fills (non-persistent: checkpoints hold the weights alone). One class for all of them, not a forward per module:
+    the compiled blocks (apply.py) then share one graph instead of recompiling for each block's own function."""
     for i, block in enumerate(model.blocks):
-        if f"blocks.{i}" in blocks:
-            for linear in block_linears(block):
-                for name, tensor in zip(CACHE_BUFFERS, _cast_both(linear.weight)):
-                    linear.register_buffer(name, tensor, persistent=False)
-                linear.__class__ = CachedFP8Linear
+        for linear in block_linears(block):
+            linear.__class__ = CachedFP8Linear if block_group(i) in cached else FP8Linear
+            if block_group(i) in cached:
+                for name in CACHE_BUFFERS:
+                    linear.register_buffer(name, None, persistent=False)
 
 
 CACHE_BUFFERS = ("weight_fp8", "weight_fp8_t", "weight_fp8_inv")

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastml.executor.model import fused
+from fastml.plan import layer_of
 from fastml.spec import ModelSpec, RopeScaling
 
 
@@ -110,13 +111,9 @@ class Transformer(nn.Module):
         """Final hidden states (B, T, h) of token ids (B, T)."""
         x = self.embed(tokens)
         cos, sin = rotary_tables(self.spec, tokens.shape[1], x.device, x.dtype)
-        for index in range(len(self.blocks)):
-            x = self.run_block(index, x, cos, sin)
+        for block in self.blocks:
+            x = block(x, cos, sin)
         return self.norm(x)
-
-    def run_block(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Block `index` over x; offload (executor/memory/offload.py) replaces it to move weights and inputs around it."""
-        return self.blocks[index](x, cos, sin)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.linear(self(tokens), self.lm_head_weight)  # (B, T, V)
@@ -183,6 +180,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def layer_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """The trainable parameters by name, grouped as `fastml.plan.layer_of` groups them, in model order: `embed`, the
+    blocks, then `head`."""
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault(layer_of(name), []).append((name, p))
+    return groups
 
 
 def build_model(spec: ModelSpec) -> Transformer:

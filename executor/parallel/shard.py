@@ -13,12 +13,12 @@ so that rank r owns the contiguous shard [r*S, (r+1)*S) (`Layout`), and one coll
 - shard_gradients (ZeRO-2): the reduce-scatter runs after every micro-batch's backward pass of a group and the full
   gradients are freed at once; the rank's shard sums the micro-batches.
 - shard_weights (ZeRO-3): a block's weights exist whole only while it computes: a rank keeps its shard, and the
-  block is gathered one block ahead, in the forward pass and again in the backward pass (offload.py schedules it
-  like a streamed block); with cache_weights_on_host the forward pass's gathered copy goes to host memory and the
+  block is gathered one block ahead, in the forward pass and again in the backward pass (memory/placement.py
+  schedules it like a streamed block); with cache_weights_on_host the forward pass's gathered copy goes to host memory and the
   backward pass fetches it from there instead of gathering again. The optimizer updates the shard in place.
 
-Collectives run asynchronously; at most IN_FLIGHT reductions are in flight, each holding one group's flat
-gradients, which the planner counts as comm buffers (planner/memory.py), beside the group being reduced.
+Collectives run asynchronously; at most REDUCTIONS_IN_FLIGHT (fastml.plan) reductions are in flight, each holding one
+group's flat gradients, which the planner counts as comm buffers (planner/memory.py), beside the group being reduced.
 """
 
 from __future__ import annotations
@@ -31,12 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastml.plan import Plan, offloaded_groups, weights_sharded
+from fastml.plan import REDUCTIONS_IN_FLIGHT, Plan, offloaded_groups, weights_sharded
 from fastml.executor.memory.pinned import pinned_empty
-
-IN_FLIGHT = 2
-"""Reductions in flight at once (planner/memory.py's STREAM_BUFFER_LAYERS)."""
-
+from fastml.executor.memory.streams import Copier, CopyDone
 
 @dataclass(frozen=True)
 class Piece:
@@ -99,17 +96,20 @@ class Layout:
 
 class DataParallel:
     """The collectives of a job of several ranks over a model's parameter groups (see the module's docstring).
-    offload.py's HostOffload calls it: `keep` places each parameter as it is initialized, `gather` brings a sharded
-    block's weights, `grads_ready` reduces a group's gradients, `finish` completes the step's reductions, and
-    `gather_updated` spreads a group's updated shard after the optimizer step."""
+    memory/placement.py calls it: `keep` places each parameter as it is initialized, `fetch` brings a sharded
+    block's weights whole and `homes` gives what they point at between uses, `grads_ready` reduces a group's
+    gradients, `finish` completes the step's reductions, and `gather_updated` spreads a group's updated shard after the
+    optimizer step. `copier`: the copy streams it shares with the host offload."""
 
     def __init__(self, plan: Plan, world, device: torch.device, comm, shapes: dict[str, dict[str, torch.Size]],
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, copier: Copier):
         knobs = plan.knobs
-        self.world, self.device, self.comm, self.dtype = world, device, comm, dtype
+        self.world, self.device, self.comm, self.dtype, self.copier = world, device, comm, dtype, copier
         self.layouts = {group: Layout.of(s, world.size) for group, s in shapes.items()}
         self.shapes = shapes
         self.sharded = frozenset(g for g in shapes if weights_sharded(knobs, g))
+        # A streamed block's shard lives in host memory and comes up before each gather.
+        self.host_shards_of_weights = self.sharded & offloaded_groups(knobs, "offload_weights", plan.model.num_layers)
         self.scatter = knobs.shard_optimizer
         self.every_micro_batch = knobs.shard_gradients
         # With sharded gradients, offload_gradients keeps these blocks' shards in host memory, summed there.
@@ -127,31 +127,29 @@ class DataParallel:
         self.cached: dict[str, object] = {}  # the blocks whose copy there is this micro-batch's: its copy's event
         self.grad_shards: dict[str, torch.Tensor] = {}
         self.in_flight: deque = deque()
-        self.copier = None  # HostOffload's copy streams, set by it
 
     # --- placement ------------------------------------------------------------------------------------------
 
     def range(self, group: str) -> tuple[int, int]:
         return self.layouts[group].range_of(self.world.rank)
 
-    def keep(self, group: str, name: str, p: torch.Tensor, host: bool) -> torch.Tensor:
+    def keep(self, group: str, name: str, p: torch.Tensor) -> torch.Tensor:
         """Where an initialized parameter lives: a sharded block keeps its part of this rank's shard (in host memory
         where the block is streamed) and the parameter points at a placeholder without storage; a replicated group
-        keeps its padded flat vector (whose host form, for a streamed block, offload.py holds: `host`)."""
+        (but a streamed one, whose host copy memory/offload.py holds) keeps its padded flat vector."""
         layout = self.layouts[group]
         offset = layout.offsets()[layout.names.index(name)]
         if group in self.sharded:
             shard = self.shards.get(group)
             if shard is None:
-                shard = self.shards[group] = _empty(layout.shard_numel, p.dtype, self.device, on_host=host)
+                shard = self.shards[group] = _empty(layout.shard_numel, p.dtype, self.device,
+                                                    on_host=group in self.host_shards_of_weights)
                 self.placeholders[group] = _without_storage(self.shapes[group], p.dtype, self.device)
             start, end = self.range(group)
             lo, hi = max(start, offset), min(end, offset + p.numel())
             if lo < hi:
                 shard[lo - start:hi - start].copy_(p.detach().view(-1)[lo - offset:hi - offset])
             return self.placeholders[group][layout.names.index(name)]
-        if host:
-            return p.data  # offload.py's host copy already
         flat = self.flats.get(group)
         if flat is None:
             flat = self.flats[group] = torch.zeros(layout.padded_numel, dtype=p.dtype, device=self.device)
@@ -161,9 +159,10 @@ class DataParallel:
 
     # --- sharded weights ----------------------------------------------------------------------------------------
 
-    def gather(self, group: str, backward: bool):
-        """Starts bringing a sharded block's weights whole onto the GPU; returns (its parameters' tensors, work to
-        wait for). In the backward pass with cache_weights_on_host they come from the forward pass's host copy."""
+    def fetch(self, group: str, backward: bool = False):
+        """Starts bringing a sharded block's weights whole onto the GPU, gathered from the ranks' shards; returns (its
+        parameters' tensors, work to wait for). In the backward pass with cache_weights_on_host they come from the
+        forward pass's host copy."""
         layout = self.layouts[group]
         full = torch.empty(layout.padded_numel, dtype=self.dtype, device=self.device)
         views = [full[o:o + n] for o, n in zip(layout.offsets(), layout.numels)]
@@ -196,11 +195,11 @@ class DataParallel:
             pairs.append((host[at:at + n], t.view(-1)))
             at += n
         self.cached[group] = self.copier.copy(self.copier.d2h, pairs)
-        if self.copier.cuda:
-            for t in tensors:
-                t.record_stream(self.copier.d2h)
+        for t in tensors:
+            self.copier.keep_until_copied(t, self.copier.d2h)
 
-    def placeholder_views(self, group: str) -> list[torch.Tensor]:
+    def homes(self, group: str) -> list[torch.Tensor]:
+        """What a sharded block's parameters point at between uses: placeholders without storage."""
         return self.placeholders[group]
 
     # --- gradients ----------------------------------------------------------------------------------------------
@@ -232,7 +231,7 @@ class DataParallel:
             self.in_flight.append((work, group, None, flat, last_micro_batch))
 
     def _make_room(self) -> None:
-        while len(self.in_flight) >= IN_FLIGHT:
+        while len(self.in_flight) >= REDUCTIONS_IN_FLIGHT:
             self._complete(*self.in_flight.popleft())
 
     def _complete(self, work, group: str, out: torch.Tensor | None, flat: torch.Tensor, last: bool = True) -> None:
@@ -259,8 +258,7 @@ class DataParallel:
         if last:
             self.shard_norms[group] = torch.linalg.vector_norm(out, 2)
         self.host_events[group] = self.copier.copy(self.copier.d2h, [(host, out)])
-        if self.copier.cuda:
-            out.record_stream(self.copier.d2h)
+        self.copier.keep_until_copied(out, self.copier.d2h)
 
     def finish(self) -> None:
         """Completes the step's reductions: every gradient (or shard) is final, host shards included."""
@@ -307,7 +305,7 @@ class DataParallel:
     @torch.no_grad()
     def full_weights(self, group: str) -> dict[str, torch.Tensor]:
         """A sharded block's weights whole, gathered (every rank must call it, in the same order)."""
-        tensors, work = self.gather(group, backward=False)
+        tensors, work = self.fetch(group)
         work.wait()
         return {name: t.view(self.shapes[group][name]) for name, t in zip(self.layouts[group].names, tensors)}
 
@@ -330,16 +328,6 @@ class DataParallel:
     def gpu_tensors(self) -> dict[str, list[torch.Tensor]]:
         return {"weights": [s for s in self.shards.values() if s.device.type != "cpu"],
                 "gradients": list(self.grad_shards.values())}
-
-
-class CopyDone:
-    """A copy's end, to wait for as for a collective's (offload.py's Copier makes the event)."""
-
-    def __init__(self, copier, event):
-        self.copier, self.event = copier, event
-
-    def wait(self) -> None:
-        self.copier.wait(self.event)
 
 
 def _empty(numel: int, dtype: torch.dtype, device: torch.device, on_host: bool) -> torch.Tensor:

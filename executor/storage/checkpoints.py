@@ -30,11 +30,10 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from fastml.config import UserError, fail, show
-from fastml.plan import KNOBS, Hardware, Plan
+from fastml.plan import KNOBS, Hardware, Plan, layer_of
 from fastml.executor.loop import faults
 from fastml.executor.storage.files import remove_dir
 from fastml.executor.model.transformer import Transformer
-from fastml.executor.memory.optim import layer_of
 from fastml.executor.storage.tensordir import (MODEL_FILE, TrainingState, check_state_dict, load_tensor_file,
                                        read_manifest, save_checkpoint, verify_checkpoint, write_files)
 from fastml.executor.parallel.world import SINGLE, World
@@ -306,7 +305,7 @@ def _model_state(model: Transformer, world: World) -> dict[str, torch.Tensor]:
     """The model's weights by name, whole, on rank 0 (empty elsewhere): a sharded group's gathered from the ranks
     one group at a time and moved to host memory (a collective: every rank calls this)."""
     state = model.state_dict() if world.main else {}
-    parallel = getattr(getattr(model, "offload", None), "parallel", None)
+    parallel = model.placement.parallel if hasattr(model, "placement") else None
     for group in parallel.layouts if parallel is not None else ():  # in model order, the same on every rank
         if group in parallel.sharded:
             gathered = parallel.full_weights(group)
@@ -319,7 +318,7 @@ def _model_state(model: Transformer, world: World) -> dict[str, torch.Tensor]:
 def _load_model(model: Transformer, path: Path, spec) -> None:
     """The checkpoint's weights into the model, a tensor at a time (every rank reads the file; none holds it whole):
     into this rank's shard of a sharded group."""
-    parallel = getattr(getattr(model, "offload", None), "parallel", None)
+    parallel = model.placement.parallel if hasattr(model, "placement") else None
     sharded = parallel.sharded if parallel is not None else frozenset()
     with safe_open(path / MODEL_FILE, framework="pt") as saved:
         shapes = {name: torch.empty(saved.get_slice(name).get_shape(), device="meta") for name in saved.keys()}
