@@ -63,6 +63,10 @@ def checkpoints(path, name):
     return sorted(p.name for p in (Path(path) / f"ck-{name}").iterdir() if not p.name.startswith("."))
 
 
+def hidden(path, name):
+    return sorted(p.name for p in (Path(path) / f"ck-{name}").iterdir() if p.name.startswith("."))
+
+
 @pytest.mark.parametrize("fault, survivors", [("kill-mid-step@5", ["step-00000002", "step-00000004"]),
                                                ("kill-mid-checkpoint@4", ["step-00000002"])])
 def test_resume_after_sigkill_repeats_the_same_losses(workdir, fault, survivors):
@@ -70,8 +74,12 @@ def test_resume_after_sigkill_repeats_the_same_losses(workdir, fault, survivors)
     killed = run(workdir, name, faults=fault)
     assert killed.returncode == -signal.SIGKILL
     assert checkpoints(workdir, name) == survivors  # a checkpoint being written is never visible half-done
+    leftovers = hidden(workdir, name)
+    assert len(leftovers) == (name == "kill-mid-checkpoint")  # its hidden temporary directory
     resumed = run(workdir, name, "--resume")
     assert resumed.returncode == 0, resumed.stderr
+    said = resumed.stderr.replace("\n", "")  # the console wraps long lines
+    assert hidden(workdir, name) == [] and all("removed" in said and leftover in said for leftover in leftovers)
     assert f"resumed from {Path('ck-' + name) / survivors[-1]}" in resumed.stderr.replace("\n", "")
     assert losses(workdir, name) == losses(workdir, "reference")
 

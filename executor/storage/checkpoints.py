@@ -9,7 +9,8 @@ data order needs no state of its own: it follows from the seed and the position 
 A checkpoint directory holds one run. A fresh start into a directory that holds checkpoints is refused unless the
 user says --start-over, which moves them aside (into `old-run-TIME/` inside the directory; nothing is deleted). A
 resumed run keeps its run id, and continues only under a plan that computes the same thing (`resume_changes`).
-Pruning keeps the newest `keep` intact checkpoints of this run and touches no other run's.
+Pruning keeps the newest `keep` intact checkpoints of this run and touches no other run's. A run starts by removing
+what killed processes left in the directory (half-written checkpoints in hidden siblings: files.remove_leftovers).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from safetensors import safe_open
 from fastml.config import UserError, fail, show
 from fastml.plan import KNOBS, Hardware, Plan
 from fastml.executor.loop import faults
-from fastml.executor.storage.files import remove_dir
+from fastml.executor.loop.display import size_text
+from fastml.executor.storage.files import remove_dir, remove_leftovers
 from fastml.executor.model.transformer import Transformer
 from fastml.executor.memory.optim import layer_of
 from fastml.executor.storage.tensordir import (MODEL_FILE, TrainingState, check_state_dict, load_tensor_file,
@@ -193,6 +195,10 @@ def _open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say
     if not root and (resume or start_over):
         fail("--resume" if resume else "--start-over",
              "needs a checkpoint directory: --checkpoint-dir DIR or training.checkpoint_dir")
+    if root:
+        for path, num_bytes in remove_leftovers(Path(root)):
+            say(f"removed {path} ({size_text(num_bytes)}), left behind by a process killed while it wrote or removed "
+                f"a checkpoint")
     found = checkpoints(root) if root else []
     if resume:
         if found:
