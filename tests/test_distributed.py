@@ -193,6 +193,76 @@ def check_collectives(device: str, ranks: int, env=None) -> int:
 def test_memcpy_collectives_equal_the_sums_in_rank_order(ranks):
     assert check_collectives("cpu", ranks) == ranks
 
+@pytest.fixture
+def one_rank_group(tmp_path, monkeypatch):
+    """A process group of this process alone, and the memcpy collectives' shared memory in a directory of the test."""
+    import torch.distributed as dist
+
+    from fastml.executor.parallel import hostcomm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    monkeypatch.setattr(hostcomm, "SHARED_DIR", tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    yield tmp_path / "shm"
+    dist.destroy_process_group()
+
+
+def test_the_shared_memory_is_removed_when_a_rank_fails_before_all_mapped_it(one_rank_group, monkeypatch):
+    from fastml.executor.parallel import hostcomm
+    from fastml.executor.parallel.world import SINGLE
+
+    def another_rank_is_gone():
+        raise RuntimeError("rank 1 is gone")
+    monkeypatch.setattr(hostcomm.dist, "barrier", another_rank_is_gone)
+    with pytest.raises(RuntimeError, match="rank 1 is gone"):
+        hostcomm._shared_memory(SINGLE, 4096)
+    assert list(one_rank_group.iterdir()) == []
+
+
+def test_the_shared_memory_is_a_new_file_of_this_user_alone(one_rank_group, monkeypatch):
+    """Created exclusively (a file or link already at its name is refused: it could be another user's, readable by
+    them), mode 0600 whatever the umask."""
+    import torch
+
+    from fastml.executor.parallel import hostcomm
+    from fastml.executor.parallel.world import SINGLE
+
+    modes = []
+    from_file = torch.from_file
+    monkeypatch.setattr(torch, "from_file", lambda path, **kw: modes.append(os.stat(path).st_mode & 0o777)
+                        or from_file(path, **kw))
+    umask = os.umask(0)
+    try:
+        shared = hostcomm._shared_memory(SINGLE, 4096)
+    finally:
+        os.umask(umask)
+    assert modes == [0o600] and shared.numel() == 4096 and not shared.any()
+    assert list(one_rank_group.iterdir()) == []
+
+    class Token:
+        hex = "0123456789abcdef"
+    monkeypatch.setattr(hostcomm.uuid, "uuid4", Token)
+    victim = one_rank_group.parent / "victim"
+    victim.write_text("theirs")
+    (one_rank_group / f"fastml-memcpy-{os.getpid()}-0123456789ab").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        hostcomm._shared_memory(SINGLE, 4096)
+    assert victim.read_text() == "theirs"
+
+
+def test_a_killed_jobs_shared_memory_is_removed_by_the_next(one_rank_group):
+    """Named after the pid of the rank 0 that created it: a dead one's file goes, a running one's stays."""
+    from fastml.executor.parallel import hostcomm
+    from fastml.executor.parallel.world import SINGLE
+    from test_files import reaped_pid
+
+    dead, running = (one_rank_group / f"fastml-memcpy-{pid}-0123456789ab" for pid in (reaped_pid(), os.getpid()))
+    dead.write_bytes(b"x")
+    running.write_bytes(b"x")
+    hostcomm._shared_memory(SINGLE, 4096)
+    assert list(one_rank_group.iterdir()) == [running]
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_each_step_reads_the_sequences_of_one_process_once(ranks):
     data = TokenData.open("default", SEQ_LEN, PRESETS["tiny"].vocab_size)
