@@ -12,6 +12,7 @@ in rank order (the memcpy collectives, and gloo at these sizes), the order is th
 import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -72,8 +73,9 @@ def free_port() -> int:
 
 
 def torchrun(tmp_path: Path, runs: list[dict], ranks: int, nodes: int = 1, env=None,
-             timeout_s: float = 600) -> list[subprocess.CompletedProcess]:
-    """Runs tests/run_plans.py over `runs` as a job of `ranks` processes on `nodes` torchrun agents (nodes)."""
+             timeout_s: float = 600, cwds: list[Path] | None = None) -> list[subprocess.CompletedProcess]:
+    """Runs tests/run_plans.py over `runs` as a job of `ranks` processes on `nodes` torchrun agents (nodes), each
+    agent in its working directory of `cwds` where given."""
     spec = tmp_path / f"spec-{ranks}x{nodes}.json"
     spec.write_text(json.dumps({"runs": [{**run, "plan": to_dict(run["plan"]), "log": str(run["log"])}
                                          for run in runs]}))
@@ -85,7 +87,8 @@ def torchrun(tmp_path: Path, runs: list[dict], ranks: int, nodes: int = 1, env=N
     command = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(ranks // nodes),
                str(ROOT / "tests" / "run_plans.py"), str(spec)]
     agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **(env or {})}) for _ in range(nodes)]
+                               env={**os.environ, **(env or {})}, cwd=cwds[node] if cwds else None)
+              for node in range(nodes)]
     done = []
     for agent in agents:
         out, err = agent.communicate(timeout=timeout_s)
@@ -176,6 +179,24 @@ def test_four_ranks_and_two_nodes_train_as_one_process(tmp_path, ranks, nodes):
         assert got == pytest.approx(alone, rel=1e-3 if p.knobs.param_dtype == "bf16" else 1e-5), name
         if name == "zero0-memcpy":  # one micro-batch per rank, summed in rank order
             assert got == alone
+
+
+def test_nodes_that_see_different_checkpoint_directories_are_refused(tmp_path):
+    """2 nodes x 2 ranks on one machine, each torchrun agent in a working directory of its own: a relative checkpoint
+    directory names another directory on each node, as a disk of each node's would. Every rank refuses it before
+    training; a directory both see (an absolute path here) passes the same check and trains."""
+    cwds = [tmp_path / "agent-a", tmp_path / "agent-b"]
+    for cwd in cwds:
+        cwd.mkdir()
+    runs = [{"plan": with_checkpoints(plan(4, 2, steps=1), tmp_path / "shared"), "log": tmp_path / "shared.jsonl"},
+            {"plan": with_checkpoints(plan(4, 2, steps=1), Path("ck")), "log": tmp_path / "per-node.jsonl"}]
+    agents = torchrun(tmp_path, runs, 4, 2, cwds=cwds)
+    assert (tmp_path / "shared" / "step-00000001").is_dir() and len(records(tmp_path / "shared.jsonl")) == 1
+    for agent in agents:
+        assert agent.returncode != 0
+        assert re.search(r"ck: is not one directory that every node shares: node 1 \(host [^)]+\) does not see the "
+                         r"file rank 0 wrote into it", agent.stderr), agent.stderr[-3000:]
+    assert not (tmp_path / "per-node.jsonl").exists() and not list(tmp_path.rglob(".fastml-node-check-*"))
 
 
 # --- the collectives, data, NaN, checkpoints, failures -----------------------------------------------------------

@@ -11,6 +11,7 @@ user says --start-over, which moves them aside (into `old-run-TIME/` inside the 
 resumed run keeps its run id, and continues only under a plan that computes the same thing (`resume_changes`).
 Pruning keeps the newest `keep` intact checkpoints of this run and touches no other run's. A run starts by removing
 what killed processes left in the directory (half-written checkpoints in hidden siblings: files.remove_leftovers).
+A run of several nodes first checks that they all see the same directory.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import math
 import os
 import re
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -173,6 +175,8 @@ def open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say,
     With several ranks, rank 0 decides and the others follow."""
     if not world.distributed:
         return _open_run(plan, resume=resume, start_over=start_over, keep=keep, say=say)
+    if world.num_nodes > 1 and plan.training.checkpoint_dir:
+        _check_shared(Path(plan.training.checkpoint_dir), world)
     decided = [None]
     if world.main:
         run = _open_run(plan, resume=resume, start_over=start_over, keep=keep, say=say)
@@ -185,6 +189,33 @@ def open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say,
     saved = read_manifest(restore_from).training if restore_from is not None else None  # rank 0 verified it
     return Run(plan, run_id, keep, say, restore_from=restore_from, saved=saved, damaged=frozenset(damaged),
                world=world)
+
+
+def _check_shared(root: Path, world: World) -> None:
+    """Every node sees the one checkpoint directory: rank 0 writes a token into it and every rank reads it back (a
+    node that sees another directory would fail only at the first checkpoint, its files missing from rank 0's)."""
+    token = [uuid.uuid4().hex if world.main else None]
+    if world.main:
+        if root.exists() and not root.is_dir():
+            fail(str(root), "exists and is not a directory; give --checkpoint-dir a directory")
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f".fastml-node-check-{token[0]}").write_text(token[0])
+    dist.broadcast_object_list(token, src=0)
+    probe = root / f".fastml-node-check-{token[0]}"
+    try:
+        seen = probe.read_text() == token[0]
+    except OSError:
+        seen = False
+    views = [None] * world.size
+    dist.all_gather_object(views, (seen, world.node, socket.gethostname()))
+    if world.main:
+        probe.unlink()
+    blind = [(node, host) for saw, node, host in views if not saw]
+    if blind:
+        fail(str(root), f"is not one directory that every node shares: node {blind[0][0]} (host {blind[0][1]}) does "
+                        f"not see the file rank 0 wrote into it; give every node the same shared directory (a "
+                        f"network filesystem mounted at one absolute path: a relative path is relative to each "
+                        f"node's working directory)")
 
 
 def _open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say) -> Run:
