@@ -24,6 +24,7 @@ from fastml.config import UserError
 from fastml.planner.planner import make_plan
 from fastml.executor.storage import checkpoints as run_checkpoints
 from fastml.executor import train
+from fastml.executor.loop import faults
 from fastml.executor.model.transformer import build_model, materialize
 from fastml.executor.memory.optim import lr_at
 from fastml.executor.storage.tensordir import read_manifest
@@ -221,6 +222,25 @@ def run_ids(root) -> set[str]:
 
 def snapshot_of(root) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def test_hooks_set(monkeypatch):
+    monkeypatch.setenv("FASTML_FAULTS", "nan-loss@99")
+    monkeypatch.setenv("FASTML_TEST_ONE_GPU", "1")
+    faults._planned.cache_clear()
+    yield
+    faults._planned.cache_clear()
+
+
+def test_a_test_hook_set_by_accident_is_said_first(tmp_path, test_hooks_set):
+    """FASTML_FAULTS and FASTML_TEST_ONE_GPU change a run: whoever sets one by accident reads it before anything.
+    (Unset or empty, nothing is said: test_a_new_run_into_a_used_checkpoint_dir_is_refused_in_one_line.)"""
+    said = train_quietly(tiny_plan(tmp_path / "ck", 1))
+    assert said.startswith(
+        "warning: FASTML_FAULTS=nan-loss@99 is set: a hook of fastml's tests that injects faults (kills, NaN losses, "
+        "hangs) into this run; unset it unless you are testing fastml warning: FASTML_TEST_ONE_GPU=1 is set: a hook "
+        "of fastml's tests that puts every rank of a node on GPU 0; unset it unless you are testing fastml ")
 
 
 def test_a_fresh_run_refuses_a_directory_holding_checkpoints(tmp_path):

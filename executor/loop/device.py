@@ -16,8 +16,9 @@ from fastml.executor.parallel.world import SINGLE, World
 
 
 ONE_GPU_ENV = "FASTML_TEST_ONE_GPU"
-"""Tests only: set to 1, every rank of a node trains on GPU 0, so that a machine with one GPU runs the sharding engine
-and the memcpy collectives on CUDA (NCCL refuses two ranks on one GPU; tests/test_gpu_distributed.py)."""
+"""Tests only: set (to anything), every rank of a node trains on GPU 0, so that a machine with one GPU runs the
+sharding engine and the memcpy collectives on CUDA (NCCL refuses two ranks on one GPU; tests/test_gpu_distributed.py).
+Every run under it says so (train.py)."""
 
 
 def training_device(plan: Plan, world: World = SINGLE) -> torch.device:
@@ -29,7 +30,7 @@ def training_device(plan: Plan, world: World = SINGLE) -> torch.device:
         check_gpus(plan)
         if not world.distributed:
             return torch.device("cuda")
-        return torch.device("cuda", 0 if os.environ.get(ONE_GPU_ENV) == "1" else world.local_rank)
+        return torch.device("cuda", 0 if os.environ.get(ONE_GPU_ENV) else world.local_rank)
     if world.distributed:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_size))
     return torch.device("cpu")
@@ -41,7 +42,7 @@ def check_gpus(plan: Plan) -> None:
         fail("hardware.device", "the plan is for a GPU but none is available here; plan again on this machine "
                                 "(`fastml plan`)")
     present = torch.cuda.device_count()
-    if plan.hardware.gpus_per_node > present and os.environ.get(ONE_GPU_ENV) != "1":
+    if plan.hardware.gpus_per_node > present and not os.environ.get(ONE_GPU_ENV):
         fail("hardware.gpus_per_node", f"the plan is for {plan.hardware.gpus_per_node} GPUs per node but this one "
                                        f"has {present}; plan again on this machine (`fastml plan`)")
 
