@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from fastml.config import to_dict
 from fastml.plan import Hardware, Knobs, Plan, Training, load_plan, save_plan
@@ -329,6 +331,9 @@ def test_a_sharded_checkpoint_resumes_at_one_and_at_four_ranks(tmp_path):
     step2 = tmp_path / "ck" / "step-00000002"
     assert sorted(p.name for p in step2.iterdir() if p.name.startswith("optimizer")) == [
         "optimizer-00000.safetensors", "optimizer-00001.safetensors"]
+    # Each rank's RNG states, its own: seeded from training.seed + rank.
+    rng = [load_file(step2 / name)["cpu"] for name in ("rng.safetensors", "rng-00001.safetensors")]
+    assert not torch.equal(*rng)
     assert read_manifest(step2).training.world_size == 2
     for ranks, knobs in ((1, {}), (4, ZERO[3])):
         root = tmp_path / f"resumed-{ranks}"

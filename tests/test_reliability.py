@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from fastml.config import UserError
 from fastml.planner.planner import make_plan
@@ -27,6 +27,7 @@ from fastml.executor import train
 from fastml.executor.loop import faults
 from fastml.executor.model.transformer import build_model, materialize
 from fastml.executor.memory.optim import lr_at
+from fastml.executor.parallel.world import World
 from fastml.executor.storage.tensordir import read_manifest
 
 STEPS = 8
@@ -349,12 +350,37 @@ def test_pruning_never_touches_another_runs_checkpoints(tmp_path):
         train_quietly(plan, resume=True)
 
 
+def test_each_rank_restores_its_own_rng_state(tmp_path):
+    """Rank r's states are in rng-RRRRR.safetensors (rank 0's in rng.safetensors): rank 1 resumes its own, not rank
+    0's; a rank the checkpoint has none for (written by fewer ranks) starts them as a new run does, from
+    training.seed + rank. (tests/test_distributed.py: 2 ranks write their own.)"""
+    plan = tiny_plan(tmp_path / "ck", 2)
+    train_quietly(plan)
+    path = tmp_path / "ck" / "step-00000002"
+    torch.manual_seed(123)
+    save_file({"cpu": torch.get_rng_state()}, path / "rng-00001.safetensors")
+    expected = {1: torch.rand(4)}
+    torch.manual_seed(plan.training.seed + 2)
+    expected[2] = torch.rand(4)
+    model = materialize(build_model(plan.model), "cpu", torch.float32, seed=0)
+    for rank in (1, 2):
+        torch.manual_seed(7)
+        run_checkpoints.Run(plan, "r", 1, say=lambda message: None, restore_from=path,
+                            saved=read_manifest(path).training,
+                            world=World(rank=rank, size=3, local_rank=rank, local_size=3)).restore(
+            model, NoOptimizerState())
+        assert torch.equal(torch.rand(4), expected[rank]), rank
+
+
 class NoOptimizerState:
     def state_tensors(self):
         return {"step/none": torch.zeros(1)}
 
     def state_ranges(self):
         return {}
+
+    def load_state(self, read):
+        pass
 
 
 def flip_a_byte(path: Path) -> None:

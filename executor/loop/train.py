@@ -231,7 +231,7 @@ CHECKPOINT_S = 3600
 
 
 def _model_and_optimizer(plan: Plan, device: torch.device, world: World, comm) -> tuple[torch.nn.Module, AdamW]:
-    torch.manual_seed(plan.training.seed)
+    checkpoints.seed_rng(plan.training.seed, world.rank)
     model = build_training_model(plan, device, world, comm)
     return model, AdamW(model, plan.training, plan.knobs, model.offload)
 

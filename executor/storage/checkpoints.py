@@ -12,6 +12,9 @@ resumed run keeps its run id, and continues only under a plan that computes the 
 Pruning keeps the newest `keep` intact checkpoints of this run and touches no other run's. A run starts by removing
 what killed processes left in the directory (half-written checkpoints in hidden siblings: files.remove_leftovers).
 A run of several nodes first checks that they all see the same directory.
+
+Each rank's random generators start from the training seed plus its rank (`seed_rng`); each rank saves its own states
+and restores them, and a rank the checkpoint has none for (one written by fewer ranks) starts them as a new run would.
 """
 
 from __future__ import annotations
@@ -103,8 +106,10 @@ class Run:
         _load_model(model, path, self.plan.model)
         with _SavedOptimizer(path) as saved_optimizer:
             optimizer.load_state(saved_optimizer.read)
-        _set_rng(load_tensor_file(path, RNG_FILE))
+        _restore_rng(path, self.world.rank, self.plan.training.seed)
         ranks = f", written by {saved.world_size} ranks" if saved.world_size != self.world.size else ""
+        if saved.world_size < self.world.size:
+            ranks += f"; ranks {saved.world_size} and above start their RNG as a new run does, from the seed + rank"
         self.say(f"resumed from {path} (step {saved.step}{ranks})")
         return path, Position(saved.step, saved.sequences)
 
@@ -125,14 +130,15 @@ class Run:
         sharded = parallel is not None and parallel.scatter
         optimizer_file = f"optimizer-{self.world.rank:05d}.safetensors" if sharded else OPTIMIZER_FILE
         optimizer_files = {optimizer_file: optimizer.state_tensors()} if self.world.main or sharded else {}
+        rank_files = {**optimizer_files, _rng_file(self.world.rank): _rng_tensors()}
         metadata = {optimizer_file: {"ranges": json.dumps(optimizer.state_ranges())}} if sharded else None
         after_each_file = lambda: faults.kill_if_due("kill-mid-checkpoint", position.step)  # noqa: E731
         if self.world.main:
             save_checkpoint(path, self.plan.model, model_state, training=state, metadata=metadata,
-                            tensor_files={**optimizer_files, RNG_FILE: _rng_tensors()}, after_each_file=after_each_file,
+                            tensor_files=rank_files, after_each_file=after_each_file,
                             others=_other_ranks_files if self.world.distributed else None)
         else:
-            _write_rank_files(optimizer_files, metadata, after_each_file)
+            _write_rank_files(rank_files, metadata, after_each_file)
         if self.world.distributed:
             dist.barrier()  # the checkpoint is in place: no rank goes on before it is
         self.intact.add(path)
@@ -427,6 +433,26 @@ class _SavedOptimizer:
             fail(str(self.files[0].parent), f"its optimizer files hold {value.numel()} of the elements "
                                            f"[{start}, {end}) of {key}")
         return value
+
+
+def _rng_file(rank: int) -> str:
+    """Each rank's RNG states are a file of its own; rank 0's has the name of a one-process checkpoint's."""
+    return RNG_FILE if rank == 0 else f"rng-{rank:05d}.safetensors"
+
+
+def seed_rng(seed: int, rank: int) -> None:
+    """Starts this rank's random generators (CPU and GPU) as a new run does: the ranks draw differently, and the same
+    in every run of the plan. (The model's weights are drawn from a generator of their own, the same on every rank.)"""
+    torch.manual_seed(seed + rank)
+
+
+def _restore_rng(path: Path, rank: int, seed: int) -> None:
+    """This rank's RNG states from the checkpoint at `path`; where it has none (written by fewer ranks), as a new run
+    starts them."""
+    if (path / _rng_file(rank)).is_file():
+        _set_rng(load_tensor_file(path, _rng_file(rank)))
+    else:
+        seed_rng(seed, rank)
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:
