@@ -24,10 +24,12 @@ from safetensors.torch import load_file
 
 from fastml.config import to_dict
 from fastml.plan import Hardware, Knobs, Plan, Training, load_plan, save_plan
+from fastml.record import load_record
 from fastml.spec import PRESETS
 from fastml.executor.storage.data import TokenData
 from fastml.executor.storage.tensordir import read_manifest
 from fastml.executor.loop.train import train
+from fastml.executor.parallel.world import World
 
 pytestmark = pytest.mark.slow
 
@@ -99,8 +101,10 @@ def torchrun(tmp_path: Path, runs: list[dict], ranks: int, nodes: int = 1, env=N
 
 
 def job(tmp_path: Path, plans: dict[str, Plan], ranks: int, nodes: int = 1) -> dict[str, list[dict]]:
-    """Each plan trained by one job of `ranks` processes (started once for all of them): its records by name."""
-    runs = [{"plan": p, "log": tmp_path / f"{name}.jsonl"} for name, p in plans.items()]
+    """Each plan trained by one job of `ranks` processes (started once for all of them): its records by name (and
+    its run record in tmp_path/name)."""
+    runs = [{"plan": p, "log": tmp_path / f"{name}.jsonl", "run_dir": str(tmp_path / name)}
+            for name, p in plans.items()]
     for agent in torchrun(tmp_path, runs, ranks, nodes):
         assert agent.returncode == 0, agent.stderr[-3000:]
     return {name: records(tmp_path / f"{name}.jsonl") for name in plans}
@@ -127,8 +131,15 @@ def two_rank_plans() -> dict[str, Plan]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return job(tmp_path_factory.mktemp("two-ranks"), two_rank_plans(), ranks=2)
+def two_ranks_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("two-ranks")
+    job(path, two_rank_plans(), ranks=2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_ranks_dir):
+    return {name: records(two_ranks_dir / f"{name}.jsonl") for name in two_rank_plans()}
 
 
 @pytest.mark.parametrize("name", [f"zero{stage}-{comm}" for stage in ZERO for comm in ("nccl", "memcpy")])
@@ -158,6 +169,31 @@ def test_sharding_with_offload_trains_as_one_process_with_that_offload(tmp_path,
     got = [r["loss"] for r in two_ranks[name]]
     assert got[0] == alone[0]
     assert got == pytest.approx(alone, rel=1e-3)
+
+
+def test_each_rank_works_on_its_share_of_the_cores_under_torchrun(two_ranks_dir):
+    """torchrun sets OMP_NUM_THREADS=1 in each rank; each still takes its share of the cores, and the record says so."""
+    record = load_record(two_ranks_dir / "zero1-cpu-step" / "record.json")
+    assert record.machine.cpu_threads == max(1, os.cpu_count() // 2)
+
+
+def test_gpu_ranks_take_their_share_of_the_cores_whatever_the_launcher_left_them(monkeypatch):
+    """The C++ AdamW of a GPU rank runs on torch's threads: under torchrun each had one, under torch's elastic
+    launcher (`fastml run`) each had all the cores; both now take cpu_count // ranks of the node."""
+    from fastml.executor.loop import device
+
+    gpus = dataclasses.replace(plan(4), hardware=Hardware(device="cuda", num_gpus=4, gpus_per_node=4))
+    monkeypatch.setattr(device, "check_gpus", lambda plan: None)
+    monkeypatch.setattr(device.os, "cpu_count", lambda: 24)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    threads = torch.get_num_threads()
+    try:
+        for before in (1, 24):
+            torch.set_num_threads(before)
+            got = device.training_device(gpus, World(rank=1, size=4, local_rank=1, local_size=4))
+            assert (got, torch.get_num_threads()) == (torch.device("cuda", 1), 6)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --- 4 ranks, and 2 nodes of 2 ---------------------------------------------------------------------------------

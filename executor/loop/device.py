@@ -22,7 +22,10 @@ Every run under it says so (train.py)."""
 
 
 def training_device(plan: Plan, world: World = SINGLE) -> torch.device:
-    """This rank's device: the GPU of its local rank, or the CPU, whose cores the node's ranks share."""
+    """This rank's device: the GPU of its local rank, or the CPU. The ranks of a node share its cores for their CPU
+    work (a CPU job's steps, a GPU job's C++ AdamW), each with `rank_cpu_threads` of torch's threads."""
+    if world.distributed:
+        torch.set_num_threads(rank_cpu_threads(world.local_size))
     if plan.hardware.device == "cuda":
         # Segments that grow in place leave less memory stranded between differently sized blocks (read by the
         # allocator at its first use, so set before anything is allocated).
@@ -31,9 +34,14 @@ def training_device(plan: Plan, world: World = SINGLE) -> torch.device:
         if not world.distributed:
             return torch.device("cuda")
         return torch.device("cuda", 0 if os.environ.get(ONE_GPU_ENV) else world.local_rank)
-    if world.distributed:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_size))
     return torch.device("cpu")
+
+
+def rank_cpu_threads(ranks_on_node: int) -> int:
+    """The threads of each of `ranks_on_node` ranks that work on the node's CPU at once: its share of the cores, what
+    the planner prices it at (planner/costs.py, cpu_adam_rate), whatever launched it (torchrun sets OMP_NUM_THREADS=1,
+    torch's elastic launcher leaves each rank all the cores)."""
+    return max(1, (os.cpu_count() or 1) // ranks_on_node)
 
 
 def check_gpus(plan: Plan) -> None:

@@ -137,7 +137,7 @@ def _write_run(run_dir: Path, plan: Plan, summary: dict, device: torch.device, c
     save_plan(plan, run_dir / "plan.json")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else hwprofiles.cpu_model()
     machine = RunMachine(device=device.type, device_name=name, num_devices=plan.hardware.num_gpus,
-                         host=socket.gethostname())
+                         host=socket.gethostname(), cpu_threads=torch.get_num_threads())
     measured = Measured(step_time_s=summary["step_time_s"], tokens_per_s=summary["tokens_per_s"], mfu=summary["mfu"],
                         peak_memory_bytes=summary["peak_gpu_memory_bytes"], memory_bytes=summary["memory_bytes"],
                         host_memory_bytes=summary["host_memory_bytes"])
