@@ -27,6 +27,9 @@ class RunMachine:
     num_devices: int
     """GPUs (or CPU processes) that trained together."""
     host: str
+    cpu_threads: int | None = None
+    """torch's threads of each rank for its CPU work (a CPU job's steps, a GPU job's C++ AdamW): its share of the
+    node's cores where several ranks share them. None in records of fastml before it was recorded."""
 
 
 @dataclass(frozen=True, kw_only=True)

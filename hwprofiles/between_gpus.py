@@ -45,13 +45,14 @@ def _worker(device_type: str, sizes: tuple[int, ...], repeats: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from fastml.executor.loop.device import rank_cpu_threads
     from fastml.executor.parallel.collectives import TorchCollectives
     from fastml.executor.parallel.hostcomm import HostCollectives
     from fastml.executor.parallel.world import launched
 
     world = launched()
     if device_type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_size))
+        torch.set_num_threads(rank_cpu_threads(world.local_size))
     device = torch.device(device_type, world.local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

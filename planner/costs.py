@@ -95,7 +95,8 @@ class Collective:
 
 def cpu_adam_rate(machine: Machine) -> float:
     """Parameters per second one rank's CPU AdamW steps: the node's rate (measured by `fastml profile` over all its
-    cores) shared by the ranks of the node, which step at once, each on its share of the cores (executor/loop/device.py).
+    cores) shared by the ranks of the node, which step at once, each on its share of the cores (cpu_count // ranks
+    threads: executor/loop/device.py, rank_cpu_threads).
     One rate for every state dtype: bf16 moments stepped alone ran 10-16% faster than fp32 state on the H200 host,
     but not in training (benchmarks/NOTES.md)."""
     return machine.node.cpu_adam_params_per_s / machine.gpus_per_node

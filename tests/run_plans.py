@@ -3,9 +3,10 @@ several comparisons (tests/test_distributed.py, tests/test_gpu_distributed.py).
 
     torchrun --standalone --nproc-per-node N tests/run_plans.py SPEC.json
 
-SPEC is {"runs": [{"plan": PLAN, "log": FILE, "resume": false, "deterministic": false}, ...]}; rank 0 writes each
-run's JSON-lines log. "deterministic" runs attention through PyTorch's math kernels and torch's deterministic
-algorithms elsewhere, so that two runs of the same sums on a GPU agree bit for bit.
+SPEC is {"runs": [{"plan": PLAN, "log": FILE, "resume": false, "deterministic": false, "run_dir": null}, ...]}; rank 0
+writes each run's JSON-lines log (and its record into "run_dir", where given). "deterministic" runs attention through
+PyTorch's math kernels and torch's deterministic algorithms elsewhere, so that two runs of the same sums on a GPU agree
+bit for bit.
 """
 
 import contextlib
@@ -19,4 +20,4 @@ from test_gpu import deterministic  # beside this file, on the path of a script 
 for run in json.loads(open(sys.argv[1]).read())["runs"]:
     with deterministic() if run.get("deterministic") else contextlib.nullcontext():
         train(plan_from_dict(run["plan"]), log_json=run["log"], show_progress=False, resume=run.get("resume", False),
-              timeout_s=run.get("timeout_s", 120))
+              timeout_s=run.get("timeout_s", 120), run_dir=run.get("run_dir"))

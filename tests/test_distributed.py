@@ -12,19 +12,24 @@ in rank order (the memcpy collectives, and gloo at these sizes), the order is th
 import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from fastml.config import to_dict
 from fastml.plan import Hardware, Knobs, Plan, Training, load_plan, save_plan
+from fastml.record import load_record
 from fastml.spec import PRESETS
 from fastml.executor.storage.data import TokenData
 from fastml.executor.storage.tensordir import read_manifest
 from fastml.executor.loop.train import train
+from fastml.executor.parallel.world import World
 
 pytestmark = pytest.mark.slow
 
@@ -72,8 +77,9 @@ def free_port() -> int:
 
 
 def torchrun(tmp_path: Path, runs: list[dict], ranks: int, nodes: int = 1, env=None,
-             timeout_s: float = 600) -> list[subprocess.CompletedProcess]:
-    """Runs tests/run_plans.py over `runs` as a job of `ranks` processes on `nodes` torchrun agents (nodes)."""
+             timeout_s: float = 600, cwds: list[Path] | None = None) -> list[subprocess.CompletedProcess]:
+    """Runs tests/run_plans.py over `runs` as a job of `ranks` processes on `nodes` torchrun agents (nodes), each
+    agent in its working directory of `cwds` where given."""
     spec = tmp_path / f"spec-{ranks}x{nodes}.json"
     spec.write_text(json.dumps({"runs": [{**run, "plan": to_dict(run["plan"]), "log": str(run["log"])}
                                          for run in runs]}))
@@ -85,7 +91,8 @@ def torchrun(tmp_path: Path, runs: list[dict], ranks: int, nodes: int = 1, env=N
     command = [sys.executable, "-m", "torch.distributed.run", *where, "--nproc-per-node", str(ranks // nodes),
                str(ROOT / "tests" / "run_plans.py"), str(spec)]
     agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, **(env or {})}) for _ in range(nodes)]
+                               env={**os.environ, **(env or {})}, cwd=cwds[node] if cwds else None)
+              for node in range(nodes)]
     done = []
     for agent in agents:
         out, err = agent.communicate(timeout=timeout_s)
@@ -94,8 +101,10 @@ def torchrun(tmp_path: Path, runs: list[dict], ranks: int, nodes: int = 1, env=N
 
 
 def job(tmp_path: Path, plans: dict[str, Plan], ranks: int, nodes: int = 1) -> dict[str, list[dict]]:
-    """Each plan trained by one job of `ranks` processes (started once for all of them): its records by name."""
-    runs = [{"plan": p, "log": tmp_path / f"{name}.jsonl"} for name, p in plans.items()]
+    """Each plan trained by one job of `ranks` processes (started once for all of them): its records by name (and
+    its run record in tmp_path/name)."""
+    runs = [{"plan": p, "log": tmp_path / f"{name}.jsonl", "run_dir": str(tmp_path / name)}
+            for name, p in plans.items()]
     for agent in torchrun(tmp_path, runs, ranks, nodes):
         assert agent.returncode == 0, agent.stderr[-3000:]
     return {name: records(tmp_path / f"{name}.jsonl") for name in plans}
@@ -122,8 +131,15 @@ def two_rank_plans() -> dict[str, Plan]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return job(tmp_path_factory.mktemp("two-ranks"), two_rank_plans(), ranks=2)
+def two_ranks_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("two-ranks")
+    job(path, two_rank_plans(), ranks=2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_ranks_dir):
+    return {name: records(two_ranks_dir / f"{name}.jsonl") for name in two_rank_plans()}
 
 
 @pytest.mark.parametrize("name", [f"zero{stage}-{comm}" for stage in ZERO for comm in ("nccl", "memcpy")])
@@ -155,6 +171,31 @@ def test_sharding_with_offload_trains_as_one_process_with_that_offload(tmp_path,
     assert got == pytest.approx(alone, rel=1e-3)
 
 
+def test_each_rank_works_on_its_share_of_the_cores_under_torchrun(two_ranks_dir):
+    """torchrun sets OMP_NUM_THREADS=1 in each rank; each still takes its share of the cores, and the record says so."""
+    record = load_record(two_ranks_dir / "zero1-cpu-step" / "record.json")
+    assert record.machine.cpu_threads == max(1, os.cpu_count() // 2)
+
+
+def test_gpu_ranks_take_their_share_of_the_cores_whatever_the_launcher_left_them(monkeypatch):
+    """The C++ AdamW of a GPU rank runs on torch's threads: under torchrun each had one, under torch's elastic
+    launcher (`fastml run`) each had all the cores; both now take cpu_count // ranks of the node."""
+    from fastml.executor.loop import device
+
+    gpus = dataclasses.replace(plan(4), hardware=Hardware(device="cuda", num_gpus=4, gpus_per_node=4))
+    monkeypatch.setattr(device, "check_gpus", lambda plan: None)
+    monkeypatch.setattr(device.os, "cpu_count", lambda: 24)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    threads = torch.get_num_threads()
+    try:
+        for before in (1, 24):
+            torch.set_num_threads(before)
+            got = device.training_device(gpus, World(rank=1, size=4, local_rank=1, local_size=4))
+            assert (got, torch.get_num_threads()) == (torch.device("cuda", 1), 6)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # --- 4 ranks, and 2 nodes of 2 ---------------------------------------------------------------------------------
 
 def wider_plans(ranks: int, nodes: int) -> dict[str, Plan]:
@@ -178,6 +219,24 @@ def test_four_ranks_and_two_nodes_train_as_one_process(tmp_path, ranks, nodes):
             assert got == alone
 
 
+def test_nodes_that_see_different_checkpoint_directories_are_refused(tmp_path):
+    """2 nodes x 2 ranks on one machine, each torchrun agent in a working directory of its own: a relative checkpoint
+    directory names another directory on each node, as a disk of each node's would. Every rank refuses it before
+    training; a directory both see (an absolute path here) passes the same check and trains."""
+    cwds = [tmp_path / "agent-a", tmp_path / "agent-b"]
+    for cwd in cwds:
+        cwd.mkdir()
+    runs = [{"plan": with_checkpoints(plan(4, 2, steps=1), tmp_path / "shared"), "log": tmp_path / "shared.jsonl"},
+            {"plan": with_checkpoints(plan(4, 2, steps=1), Path("ck")), "log": tmp_path / "per-node.jsonl"}]
+    agents = torchrun(tmp_path, runs, 4, 2, cwds=cwds)
+    assert (tmp_path / "shared" / "step-00000001").is_dir() and len(records(tmp_path / "shared.jsonl")) == 1
+    for agent in agents:
+        assert agent.returncode != 0
+        assert re.search(r"ck: is not one directory that every node shares: node 1 \(host [^)]+\) does not see the "
+                         r"file rank 0 wrote into it", agent.stderr), agent.stderr[-3000:]
+    assert not (tmp_path / "per-node.jsonl").exists() and not list(tmp_path.rglob(".fastml-node-check-*"))
+
+
 # --- the collectives, data, NaN, checkpoints, failures -----------------------------------------------------------
 
 def check_collectives(device: str, ranks: int, env=None) -> int:
@@ -192,6 +251,76 @@ def check_collectives(device: str, ranks: int, env=None) -> int:
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_memcpy_collectives_equal_the_sums_in_rank_order(ranks):
     assert check_collectives("cpu", ranks) == ranks
+
+@pytest.fixture
+def one_rank_group(tmp_path, monkeypatch):
+    """A process group of this process alone, and the memcpy collectives' shared memory in a directory of the test."""
+    import torch.distributed as dist
+
+    from fastml.executor.parallel import hostcomm
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    monkeypatch.setattr(hostcomm, "SHARED_DIR", tmp_path / "shm")
+    (tmp_path / "shm").mkdir()
+    yield tmp_path / "shm"
+    dist.destroy_process_group()
+
+
+def test_the_shared_memory_is_removed_when_a_rank_fails_before_all_mapped_it(one_rank_group, monkeypatch):
+    from fastml.executor.parallel import hostcomm
+    from fastml.executor.parallel.world import SINGLE
+
+    def another_rank_is_gone():
+        raise RuntimeError("rank 1 is gone")
+    monkeypatch.setattr(hostcomm.dist, "barrier", another_rank_is_gone)
+    with pytest.raises(RuntimeError, match="rank 1 is gone"):
+        hostcomm._shared_memory(SINGLE, 4096)
+    assert list(one_rank_group.iterdir()) == []
+
+
+def test_the_shared_memory_is_a_new_file_of_this_user_alone(one_rank_group, monkeypatch):
+    """Created exclusively (a file or link already at its name is refused: it could be another user's, readable by
+    them), mode 0600 whatever the umask."""
+    import torch
+
+    from fastml.executor.parallel import hostcomm
+    from fastml.executor.parallel.world import SINGLE
+
+    modes = []
+    from_file = torch.from_file
+    monkeypatch.setattr(torch, "from_file", lambda path, **kw: modes.append(os.stat(path).st_mode & 0o777)
+                        or from_file(path, **kw))
+    umask = os.umask(0)
+    try:
+        shared = hostcomm._shared_memory(SINGLE, 4096)
+    finally:
+        os.umask(umask)
+    assert modes == [0o600] and shared.numel() == 4096 and not shared.any()
+    assert list(one_rank_group.iterdir()) == []
+
+    class Token:
+        hex = "0123456789abcdef"
+    monkeypatch.setattr(hostcomm.uuid, "uuid4", Token)
+    victim = one_rank_group.parent / "victim"
+    victim.write_text("theirs")
+    (one_rank_group / f"fastml-memcpy-{os.getpid()}-0123456789ab").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        hostcomm._shared_memory(SINGLE, 4096)
+    assert victim.read_text() == "theirs"
+
+
+def test_a_killed_jobs_shared_memory_is_removed_by_the_next(one_rank_group):
+    """Named after the pid of the rank 0 that created it: a dead one's file goes, a running one's stays."""
+    from fastml.executor.parallel import hostcomm
+    from fastml.executor.parallel.world import SINGLE
+    from test_files import reaped_pid
+
+    dead, running = (one_rank_group / f"fastml-memcpy-{pid}-0123456789ab" for pid in (reaped_pid(), os.getpid()))
+    dead.write_bytes(b"x")
+    running.write_bytes(b"x")
+    hostcomm._shared_memory(SINGLE, 4096)
+    assert list(one_rank_group.iterdir()) == [running]
+
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_each_step_reads_the_sequences_of_one_process_once(ranks):
@@ -238,6 +367,9 @@ def test_a_sharded_checkpoint_resumes_at_one_and_at_four_ranks(tmp_path):
     step2 = tmp_path / "ck" / "step-00000002"
     assert sorted(p.name for p in step2.iterdir() if p.name.startswith("optimizer")) == [
         "optimizer-00000.safetensors", "optimizer-00001.safetensors"]
+    # Each rank's RNG states, its own: seeded from training.seed + rank.
+    rng = [load_file(step2 / name)["cpu"] for name in ("rng.safetensors", "rng-00001.safetensors")]
+    assert not torch.equal(*rng)
     assert read_manifest(step2).training.world_size == 2
     for ranks, knobs in ((1, {}), (4, ZERO[3])):
         root = tmp_path / f"resumed-{ranks}"

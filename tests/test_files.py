@@ -1,12 +1,15 @@
 """Tests of executor/storage/files.py: atomic directory replacement, its races and fsyncs, and JSON reading."""
 
+import os
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from fastml.config import UserError
 from fastml.executor.storage import files
-from fastml.executor.storage.files import read_json_object, write_dir_atomically
+from fastml.executor.storage.files import read_json_object, remove_leftovers, write_dir_atomically
 
 
 def is_ours(directory: Path) -> bool:
@@ -63,3 +66,36 @@ def test_read_json_object_errors_are_one_line(tmp_path):
         assert "\n" not in str(error.value)
     (tmp_path / "x.json").write_text('{"a": 1}')
     assert read_json_object(tmp_path / "x.json") == {"a": 1}
+
+
+def reaped_pid() -> int:
+    """The pid of a process that has ended and been reaped: pids are handed out in turn, so none reuses it soon."""
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def test_leftovers_of_dead_processes_of_this_host_are_removed(tmp_path):
+    """What a SIGKILL mid-checkpoint leaves: a hidden sibling named after the writer's host and pid. Only a dead
+    process's of this host goes; a running one's (another run writing now), another host's, and anything not of
+    that form stay."""
+    host, dead = socket.gethostname(), reaped_pid()
+    names = {"dead": f".step-00000004.tmp-{host}-{dead}-0123abcd",
+             "dead-old": f".step-00000004.old-{host}-{dead}-4567cdef",
+             "running": f".step-00000006.tmp-{host}-{os.getpid()}-89abcdef",
+             "elsewhere": f".step-00000006.deleted-other-{host}-{dead}-0123abcd",
+             "other": f".notes.tmp-{dead}-0123abcd", "checkpoint": "step-00000002"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x" * 1000)
+    removed = remove_leftovers(tmp_path)
+    assert sorted(removed) == sorted([(tmp_path / names["dead"], 1000), (tmp_path / names["dead-old"], 1000)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for k, n in names.items() if not k.startswith("dead"))
+    assert remove_leftovers(tmp_path / "missing") == []
+
+
+def test_a_sibling_is_named_after_its_host_and_pid(tmp_path):
+    """So that remove_leftovers can tell whose it is."""
+    seen = []
+    write_dir_atomically(tmp_path / "out", lambda tmp: seen.append(tmp.name), is_ours, "ours")
+    assert seen[0].startswith(f".out.tmp-{socket.gethostname()}-{os.getpid()}-")

@@ -4,12 +4,14 @@ and the sharding engine on CUDA streams over them, trained against one process. 
 same code with each rank on its own GPU (benchmarks/multi_gpu.py measures it)."""
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from fastml.plan import Hardware, Knobs, Plan, Training
+from fastml.record import load_record
 from fastml.spec import PRESETS
 from test_distributed import ZERO, check_collectives, records, torchrun
 from test_gpu import deterministic
@@ -40,13 +42,24 @@ SHARED_GPU_PLANS = {
 
 
 @pytest.fixture(scope="module")
-def shared_gpu(tmp_path_factory):
+def shared_gpu_dir(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("shared-gpu")
-    runs = [{"plan": p, "log": tmp_path / f"{name}.jsonl", "deterministic": True}
+    runs = [{"plan": p, "log": tmp_path / f"{name}.jsonl", "deterministic": True, "run_dir": str(tmp_path / name)}
             for name, p in SHARED_GPU_PLANS.items()]
     for agent in torchrun(tmp_path, runs, 2, env=ONE_GPU):
         assert agent.returncode == 0, agent.stderr[-3000:]
-    return {name: records(tmp_path / f"{name}.jsonl") for name in SHARED_GPU_PLANS}
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def shared_gpu(shared_gpu_dir):
+    return {name: records(shared_gpu_dir / f"{name}.jsonl") for name in SHARED_GPU_PLANS}
+
+
+def test_each_gpu_rank_steps_on_the_cpu_with_its_share_of_the_cores(shared_gpu_dir):
+    """torchrun gives each rank OMP_NUM_THREADS=1; the C++ AdamW of each still runs on its share of the cores."""
+    record = load_record(shared_gpu_dir / "zero1-cpu-step" / "record.json")
+    assert record.machine.cpu_threads == max(1, os.cpu_count() // 2)
 
 
 def alone(tmp_path: Path, p: Plan) -> list[float]:

@@ -18,14 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 from rich.console import Console
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from fastml.config import UserError
 from fastml.planner.planner import make_plan
 from fastml.executor.storage import checkpoints as run_checkpoints
 from fastml.executor import train
+from fastml.executor.loop import faults
 from fastml.executor.model.transformer import build_model, materialize
 from fastml.executor.memory.optim import lr_at
+from fastml.executor.parallel.world import World
 from fastml.executor.storage.tensordir import read_manifest
 
 STEPS = 8
@@ -63,6 +65,10 @@ def checkpoints(path, name):
     return sorted(p.name for p in (Path(path) / f"ck-{name}").iterdir() if not p.name.startswith("."))
 
 
+def hidden(path, name):
+    return sorted(p.name for p in (Path(path) / f"ck-{name}").iterdir() if p.name.startswith("."))
+
+
 @pytest.mark.parametrize("fault, survivors", [("kill-mid-step@5", ["step-00000002", "step-00000004"]),
                                                ("kill-mid-checkpoint@4", ["step-00000002"])])
 def test_resume_after_sigkill_repeats_the_same_losses(workdir, fault, survivors):
@@ -70,8 +76,12 @@ def test_resume_after_sigkill_repeats_the_same_losses(workdir, fault, survivors)
     killed = run(workdir, name, faults=fault)
     assert killed.returncode == -signal.SIGKILL
     assert checkpoints(workdir, name) == survivors  # a checkpoint being written is never visible half-done
+    leftovers = hidden(workdir, name)
+    assert len(leftovers) == (name == "kill-mid-checkpoint")  # its hidden temporary directory
     resumed = run(workdir, name, "--resume")
     assert resumed.returncode == 0, resumed.stderr
+    said = resumed.stderr.replace("\n", "")  # the console wraps long lines
+    assert hidden(workdir, name) == [] and all("removed" in said and leftover in said for leftover in leftovers)
     assert f"resumed from {Path('ck-' + name) / survivors[-1]}" in resumed.stderr.replace("\n", "")
     assert losses(workdir, name) == losses(workdir, "reference")
 
@@ -215,6 +225,25 @@ def snapshot_of(root) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
 
 
+@pytest.fixture
+def test_hooks_set(monkeypatch):
+    monkeypatch.setenv("FASTML_FAULTS", "nan-loss@99")
+    monkeypatch.setenv("FASTML_TEST_ONE_GPU", "1")
+    faults._planned.cache_clear()
+    yield
+    faults._planned.cache_clear()
+
+
+def test_a_test_hook_set_by_accident_is_said_first(tmp_path, test_hooks_set):
+    """FASTML_FAULTS and FASTML_TEST_ONE_GPU change a run: whoever sets one by accident reads it before anything.
+    (Unset or empty, nothing is said: test_a_new_run_into_a_used_checkpoint_dir_is_refused_in_one_line.)"""
+    said = train_quietly(tiny_plan(tmp_path / "ck", 1))
+    assert said.startswith(
+        "warning: FASTML_FAULTS=nan-loss@99 is set: a hook of fastml's tests that injects faults (kills, NaN losses, "
+        "hangs) into this run; unset it unless you are testing fastml warning: FASTML_TEST_ONE_GPU=1 is set: a hook "
+        "of fastml's tests that puts every rank of a node on GPU 0; unset it unless you are testing fastml ")
+
+
 def test_a_fresh_run_refuses_a_directory_holding_checkpoints(tmp_path):
     train_quietly(tiny_plan(tmp_path / "ck", 4))
     before = snapshot_of(tmp_path / "ck")
@@ -321,12 +350,37 @@ def test_pruning_never_touches_another_runs_checkpoints(tmp_path):
         train_quietly(plan, resume=True)
 
 
+def test_each_rank_restores_its_own_rng_state(tmp_path):
+    """Rank r's states are in rng-RRRRR.safetensors (rank 0's in rng.safetensors): rank 1 resumes its own, not rank
+    0's; a rank the checkpoint has none for (written by fewer ranks) starts them as a new run does, from
+    training.seed + rank. (tests/test_distributed.py: 2 ranks write their own.)"""
+    plan = tiny_plan(tmp_path / "ck", 2)
+    train_quietly(plan)
+    path = tmp_path / "ck" / "step-00000002"
+    torch.manual_seed(123)
+    save_file({"cpu": torch.get_rng_state()}, path / "rng-00001.safetensors")
+    expected = {1: torch.rand(4)}
+    torch.manual_seed(plan.training.seed + 2)
+    expected[2] = torch.rand(4)
+    model = materialize(build_model(plan.model), "cpu", torch.float32, seed=0)
+    for rank in (1, 2):
+        torch.manual_seed(7)
+        run_checkpoints.Run(plan, "r", 1, say=lambda message: None, restore_from=path,
+                            saved=read_manifest(path).training,
+                            world=World(rank=rank, size=3, local_rank=rank, local_size=3)).restore(
+            model, NoOptimizerState())
+        assert torch.equal(torch.rand(4), expected[rank]), rank
+
+
 class NoOptimizerState:
     def state_tensors(self):
         return {"step/none": torch.zeros(1)}
 
     def state_ranges(self):
         return {}
+
+    def load_state(self, read):
+        pass
 
 
 def flip_a_byte(path: Path) -> None:

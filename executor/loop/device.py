@@ -16,12 +16,16 @@ from fastml.executor.parallel.world import SINGLE, World
 
 
 ONE_GPU_ENV = "FASTML_TEST_ONE_GPU"
-"""Tests only: set to 1, every rank of a node trains on GPU 0, so that a machine with one GPU runs the sharding engine
-and the memcpy collectives on CUDA (NCCL refuses two ranks on one GPU; tests/test_gpu_distributed.py)."""
+"""Tests only: set (to anything), every rank of a node trains on GPU 0, so that a machine with one GPU runs the
+sharding engine and the memcpy collectives on CUDA (NCCL refuses two ranks on one GPU; tests/test_gpu_distributed.py).
+Every run under it says so (train.py)."""
 
 
 def training_device(plan: Plan, world: World = SINGLE) -> torch.device:
-    """This rank's device: the GPU of its local rank, or the CPU, whose cores the node's ranks share."""
+    """This rank's device: the GPU of its local rank, or the CPU. The ranks of a node share its cores for their CPU
+    work (a CPU job's steps, a GPU job's C++ AdamW), each with `rank_cpu_threads` of torch's threads."""
+    if world.distributed:
+        torch.set_num_threads(rank_cpu_threads(world.local_size))
     if plan.hardware.device == "cuda":
         # Segments that grow in place leave less memory stranded between differently sized blocks (read by the
         # allocator at its first use, so set before anything is allocated).
@@ -29,10 +33,15 @@ def training_device(plan: Plan, world: World = SINGLE) -> torch.device:
         check_gpus(plan)
         if not world.distributed:
             return torch.device("cuda")
-        return torch.device("cuda", 0 if os.environ.get(ONE_GPU_ENV) == "1" else world.local_rank)
-    if world.distributed:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_size))
+        return torch.device("cuda", 0 if os.environ.get(ONE_GPU_ENV) else world.local_rank)
     return torch.device("cpu")
+
+
+def rank_cpu_threads(ranks_on_node: int) -> int:
+    """The threads of each of `ranks_on_node` ranks that work on the node's CPU at once: its share of the cores, what
+    the planner prices it at (planner/costs.py, cpu_adam_rate), whatever launched it (torchrun sets OMP_NUM_THREADS=1,
+    torch's elastic launcher leaves each rank all the cores)."""
+    return max(1, (os.cpu_count() or 1) // ranks_on_node)
 
 
 def check_gpus(plan: Plan) -> None:
@@ -41,7 +50,7 @@ def check_gpus(plan: Plan) -> None:
         fail("hardware.device", "the plan is for a GPU but none is available here; plan again on this machine "
                                 "(`fastml plan`)")
     present = torch.cuda.device_count()
-    if plan.hardware.gpus_per_node > present and os.environ.get(ONE_GPU_ENV) != "1":
+    if plan.hardware.gpus_per_node > present and not os.environ.get(ONE_GPU_ENV):
         fail("hardware.gpus_per_node", f"the plan is for {plan.hardware.gpus_per_node} GPUs per node but this one "
                                        f"has {present}; plan again on this machine (`fastml plan`)")
 

@@ -78,7 +78,7 @@ def memory_table(plan: Plan, summary: dict) -> Table:
     for title, _ in columns:
         table.add_column(title, justify="right")
     for name in MEMORY_CATEGORIES:
-        table.add_row(name, *("-" if values is None else _size(values[name]) for _, values in columns))
+        table.add_row(name, *("-" if values is None else size_text(values[name]) for _, values in columns))
     return table
 
 
@@ -92,7 +92,7 @@ def _percent(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1%}"
 
 
-def _size(num_bytes: int | None) -> str:
+def size_text(num_bytes: int | None) -> str:
     """Bytes in GiB, or MiB below one GiB (a small model's figures), "n/a" where not measured."""
     if num_bytes is None:
         return "n/a"

@@ -6,7 +6,7 @@ Kinds: `kill-mid-step` (SIGKILL after the first micro-batch's backward pass), `k
 the first file of the step's checkpoint is written), `nan-loss` (the step's loss becomes NaN), `hang` (sleeps for
 ever after the first micro-batch's backward pass: a rank that makes no progress). Steps count from 1.
 The step takes the first and last as hooks (`step_hooks`), the checkpoint writer calls `kill_if_due`. Unset,
-nothing here does anything.
+nothing here does anything; set, every run says so first (train.py), so that no one runs under it unknowingly.
 """
 
 from __future__ import annotations

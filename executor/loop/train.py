@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import signal
 import socket
 import threading
@@ -27,7 +28,8 @@ from fastml.executor.storage import checkpoints
 from fastml.executor.loop.build import build_training_model
 from fastml.executor.parallel.collectives import make_collectives
 from fastml.executor.storage.data import TokenData
-from fastml.executor.loop.device import apply_memory_cap, check_hardware, check_host_memory, training_device
+from fastml.executor.loop.device import (ONE_GPU_ENV, apply_memory_cap, check_hardware, check_host_memory,
+                                         training_device)
 from fastml.executor.loop.meter import Meter
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.step import train_step
@@ -95,6 +97,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     world = world or SINGLE
     check_world(plan, world)
     console = console or Console(stderr=True, quiet=not world.main)
+    _say_test_hooks(console)
     cpu_threads = torch.get_num_threads()  # before the ranks of a CPU job share them
     device = training_device(plan, world)
     check_hardware(plan, device, strict, console)
@@ -116,12 +119,25 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     return summary
 
 
+TEST_HOOKS = {faults.ENV: "injects faults (kills, NaN losses, hangs) into this run",
+              ONE_GPU_ENV: "puts every rank of a node on GPU 0"}
+"""The environment variables of fastml's tests that change a run, and what each does when set."""
+
+
+def _say_test_hooks(console: Console) -> None:
+    """One set by accident would change the run unseen: each run under one says so, first."""
+    for name, effect in TEST_HOOKS.items():
+        if os.environ.get(name):
+            console.print(f"[yellow]warning:[/] {name}={os.environ[name]} is set: a hook of fastml's tests that "
+                          f"{effect}; unset it unless you are testing fastml", highlight=False)
+
+
 def _write_run(run_dir: Path, plan: Plan, summary: dict, device: torch.device, console: Console) -> None:
     """The run's plan and record (fastml.record) into its directory."""
     save_plan(plan, run_dir / "plan.json")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else hwprofiles.cpu_model()
     machine = RunMachine(device=device.type, device_name=name, num_devices=plan.hardware.num_gpus,
-                         host=socket.gethostname())
+                         host=socket.gethostname(), cpu_threads=torch.get_num_threads())
     measured = Measured(step_time_s=summary["step_time_s"], tokens_per_s=summary["tokens_per_s"], mfu=summary["mfu"],
                         peak_memory_bytes=summary["peak_gpu_memory_bytes"], memory_bytes=summary["memory_bytes"],
                         host_memory_bytes=summary["host_memory_bytes"])
@@ -215,7 +231,7 @@ CHECKPOINT_S = 3600
 
 
 def _model_and_optimizer(plan: Plan, device: torch.device, world: World, comm) -> tuple[torch.nn.Module, AdamW]:
-    torch.manual_seed(plan.training.seed)
+    checkpoints.seed_rng(plan.training.seed, world.rank)
     model = build_training_model(plan, device, world, comm)
     return model, AdamW(model, plan.training, plan.knobs, model.placement)
 

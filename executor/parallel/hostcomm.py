@@ -21,7 +21,10 @@ how CI tests the same rounds.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
+import re
 import tempfile
 import threading
 import uuid
@@ -33,10 +36,13 @@ import torch.distributed as dist
 from fastml.plan import MEMCPY_ROW_BYTES, MEMCPY_SLOTS
 from fastml.executor import native
 from fastml.executor.memory.pinned import pin
+from fastml.executor.storage.files import is_running
 
 FLAG_BYTES = 4096
 """The barrier's flags at the start of the shared memory: an int64 per rank, a 64-byte cache line apart."""
 SHARED_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+SHARED_PREFIX = "fastml-memcpy-"
+"""The shared memory's file is SHARED_DIR/fastml-memcpy-PID-TOKEN, PID that of the rank 0 that created it."""
 
 
 class HostCollectives:
@@ -223,17 +229,40 @@ class _nothing:
 
 
 def _shared_memory(world, num_bytes: int) -> torch.Tensor:
-    """Zeroed host memory that every rank of this node maps: a file in /dev/shm, created by local rank 0 and removed
-    as soon as all have mapped it, so that nothing is left behind whatever happens to the job."""
-    token = [uuid.uuid4().hex[:12] if world.main else None]
-    dist.broadcast_object_list(token, src=0)
-    path = SHARED_DIR / f"fastml-{token[0]}-node{world.node}"
-    shared = torch.from_file(str(path), shared=True, size=num_bytes, dtype=torch.uint8) if world.local_rank == 0 \
-        else None
-    dist.barrier()
-    if shared is None:
+    """Zeroed host memory that every rank of this node maps: a file in SHARED_DIR that rank 0 creates afresh, for this
+    user alone (never a file or link that was there before), and removes once all have mapped it or one has failed,
+    so that nothing is left behind. Its name holds rank 0's pid: should rank 0 be killed in between, the next job on
+    this node removes it (`_remove_stale`). Memcpy collectives run within one node, so rank 0 is this node's."""
+    name = [f"{SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}" if world.main else None]
+    if world.main:
+        _remove_stale()
+    dist.broadcast_object_list(name, src=0)
+    path = SHARED_DIR / name[0]
+    try:
+        if world.main:
+            _create_file(path, num_bytes)
+        dist.barrier()
         shared = torch.from_file(str(path), shared=True, size=num_bytes, dtype=torch.uint8)
-    dist.barrier()
-    if world.local_rank == 0:
-        path.unlink()
+        dist.barrier()
+    finally:
+        if world.main:
+            path.unlink(missing_ok=True)
     return shared
+
+
+def _create_file(path: Path, num_bytes: int) -> None:
+    """A new file of `num_bytes` zeros that only this user may open; an existing file or link at `path` is an error."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, num_bytes)
+    finally:
+        os.close(fd)
+
+
+def _remove_stale() -> None:
+    """Removes the shared-memory files of jobs whose rank 0 has died (killed between creating and removing one)."""
+    for path in SHARED_DIR.glob(f"{SHARED_PREFIX}*"):
+        match = re.fullmatch(rf"{SHARED_PREFIX}(\d+)-[0-9a-f]{{12}}", path.name)
+        if match and not is_running(int(match[1])):
+            with contextlib.suppress(OSError):  # another user's (SHARED_DIR is sticky), or removed meanwhile
+                path.unlink()

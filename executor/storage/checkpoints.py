@@ -9,7 +9,12 @@ data order needs no state of its own: it follows from the seed and the position 
 A checkpoint directory holds one run. A fresh start into a directory that holds checkpoints is refused unless the
 user says --start-over, which moves them aside (into `old-run-TIME/` inside the directory; nothing is deleted). A
 resumed run keeps its run id, and continues only under a plan that computes the same thing (`resume_changes`).
-Pruning keeps the newest `keep` intact checkpoints of this run and touches no other run's.
+Pruning keeps the newest `keep` intact checkpoints of this run and touches no other run's. A run starts by removing
+what killed processes left in the directory (half-written checkpoints in hidden siblings: files.remove_leftovers).
+A run of several nodes first checks that they all see the same directory.
+
+Each rank's random generators start from the training seed plus its rank (`seed_rng`); each rank saves its own states
+and restores them, and a rank the checkpoint has none for (one written by fewer ranks) starts them as a new run would.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import math
 import os
 import re
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -32,7 +38,8 @@ from safetensors import safe_open
 from fastml.config import UserError, fail, show
 from fastml.plan import KNOBS, Hardware, Plan, layer_of
 from fastml.executor.loop import faults
-from fastml.executor.storage.files import remove_dir
+from fastml.executor.loop.display import size_text
+from fastml.executor.storage.files import remove_dir, remove_leftovers
 from fastml.executor.model.transformer import Transformer
 from fastml.executor.storage.tensordir import (MODEL_FILE, TrainingState, check_state_dict, load_tensor_file,
                                        read_manifest, save_checkpoint, verify_checkpoint, write_files)
@@ -98,8 +105,10 @@ class Run:
         _load_model(model, path, self.plan.model)
         with _SavedOptimizer(path) as saved_optimizer:
             optimizer.load_state(saved_optimizer.read)
-        _set_rng(load_tensor_file(path, RNG_FILE))
+        _restore_rng(path, self.world.rank, self.plan.training.seed)
         ranks = f", written by {saved.world_size} ranks" if saved.world_size != self.world.size else ""
+        if saved.world_size < self.world.size:
+            ranks += f"; ranks {saved.world_size} and above start their RNG as a new run does, from the seed + rank"
         self.say(f"resumed from {path} (step {saved.step}{ranks})")
         return path, Position(saved.step, saved.sequences)
 
@@ -120,14 +129,15 @@ class Run:
         sharded = parallel is not None and parallel.scatter
         optimizer_file = f"optimizer-{self.world.rank:05d}.safetensors" if sharded else OPTIMIZER_FILE
         optimizer_files = {optimizer_file: optimizer.state_tensors()} if self.world.main or sharded else {}
+        rank_files = {**optimizer_files, _rng_file(self.world.rank): _rng_tensors()}
         metadata = {optimizer_file: {"ranges": json.dumps(optimizer.state_ranges())}} if sharded else None
         after_each_file = lambda: faults.kill_if_due("kill-mid-checkpoint", position.step)  # noqa: E731
         if self.world.main:
             save_checkpoint(path, self.plan.model, model_state, training=state, metadata=metadata,
-                            tensor_files={**optimizer_files, RNG_FILE: _rng_tensors()}, after_each_file=after_each_file,
+                            tensor_files=rank_files, after_each_file=after_each_file,
                             others=_other_ranks_files if self.world.distributed else None)
         else:
-            _write_rank_files(optimizer_files, metadata, after_each_file)
+            _write_rank_files(rank_files, metadata, after_each_file)
         if self.world.distributed:
             dist.barrier()  # the checkpoint is in place: no rank goes on before it is
         self.intact.add(path)
@@ -170,6 +180,8 @@ def open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say,
     With several ranks, rank 0 decides and the others follow."""
     if not world.distributed:
         return _open_run(plan, resume=resume, start_over=start_over, keep=keep, say=say)
+    if world.num_nodes > 1 and plan.training.checkpoint_dir:
+        _check_shared(Path(plan.training.checkpoint_dir), world)
     decided = [None]
     if world.main:
         run = _open_run(plan, resume=resume, start_over=start_over, keep=keep, say=say)
@@ -184,6 +196,33 @@ def open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say,
                world=world)
 
 
+def _check_shared(root: Path, world: World) -> None:
+    """Every node sees the one checkpoint directory: rank 0 writes a token into it and every rank reads it back (a
+    node that sees another directory would fail only at the first checkpoint, its files missing from rank 0's)."""
+    token = [uuid.uuid4().hex if world.main else None]
+    if world.main:
+        if root.exists() and not root.is_dir():
+            fail(str(root), "exists and is not a directory; give --checkpoint-dir a directory")
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f".fastml-node-check-{token[0]}").write_text(token[0])
+    dist.broadcast_object_list(token, src=0)
+    probe = root / f".fastml-node-check-{token[0]}"
+    try:
+        seen = probe.read_text() == token[0]
+    except OSError:
+        seen = False
+    views = [None] * world.size
+    dist.all_gather_object(views, (seen, world.node, socket.gethostname()))
+    if world.main:
+        probe.unlink()
+    blind = [(node, host) for saw, node, host in views if not saw]
+    if blind:
+        fail(str(root), f"is not one directory that every node shares: node {blind[0][0]} (host {blind[0][1]}) does "
+                        f"not see the file rank 0 wrote into it; give every node the same shared directory (a "
+                        f"network filesystem mounted at one absolute path: a relative path is relative to each "
+                        f"node's working directory)")
+
+
 def _open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say) -> Run:
     root = plan.training.checkpoint_dir
     if resume and start_over:
@@ -192,6 +231,10 @@ def _open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say
     if not root and (resume or start_over):
         fail("--resume" if resume else "--start-over",
              "needs a checkpoint directory: --checkpoint-dir DIR or training.checkpoint_dir")
+    if root:
+        for path, num_bytes in remove_leftovers(Path(root)):
+            say(f"removed {path} ({size_text(num_bytes)}), left behind by a process killed while it wrote or removed "
+                f"a checkpoint")
     found = checkpoints(root) if root else []
     if resume:
         if found:
@@ -389,6 +432,26 @@ class _SavedOptimizer:
             fail(str(self.files[0].parent), f"its optimizer files hold {value.numel()} of the elements "
                                            f"[{start}, {end}) of {key}")
         return value
+
+
+def _rng_file(rank: int) -> str:
+    """Each rank's RNG states are a file of its own; rank 0's has the name of a one-process checkpoint's."""
+    return RNG_FILE if rank == 0 else f"rng-{rank:05d}.safetensors"
+
+
+def seed_rng(seed: int, rank: int) -> None:
+    """Starts this rank's random generators (CPU and GPU) as a new run does: the ranks draw differently, and the same
+    in every run of the plan. (The model's weights are drawn from a generator of their own, the same on every rank.)"""
+    torch.manual_seed(seed + rank)
+
+
+def _restore_rng(path: Path, rank: int, seed: int) -> None:
+    """This rank's RNG states from the checkpoint at `path`; where it has none (written by fewer ranks), as a new run
+    starts them."""
+    if (path / _rng_file(rank)).is_file():
+        _set_rng(load_tensor_file(path, _rng_file(rank)))
+    else:
+        seed_rng(seed, rank)
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Files of datasets and checkpoints. Directories appear under their name complete or not at all, so a crash never
 leaves half a dataset or checkpoint behind: written into a hidden sibling (same filesystem, so the rename is atomic),
-fsynced, renamed; and they disappear the same way. Tensors are read and written as safetensors only: a pickle can
+fsynced, renamed; and they disappear the same way. A process killed midway leaves its hidden sibling behind, named
+after its host and pid, for `remove_leftovers` to find once that process is gone. Tensors are read and written as safetensors only: a pickle can
 run arbitrary code when loaded."""
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -82,8 +85,44 @@ def remove_dir(directory: Path) -> None:
 
 
 def _sibling(directory: Path, kind: str) -> Path:
-    # The pid tells which process left it behind, should one crash.
-    return directory.with_name(f".{directory.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    # The host and pid tell which process left it behind, should one crash (remove_leftovers).
+    return directory.with_name(f".{directory.name}.{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|old|deleted)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}")
+
+
+def remove_leftovers(parent: Path) -> list[tuple[Path, int]]:
+    """Removes the hidden siblings in `parent` that `write_dir_atomically` and `remove_dir` left behind in processes
+    of this host that are no longer running (killed midway); returns each with its size in bytes. A running
+    process's (another run writing a checkpoint) stay, and so do those of other hosts sharing the directory: their
+    processes cannot be seen from here, and a run on that host removes them."""
+    removed = []
+    for path in sorted(parent.iterdir()) if parent.is_dir() else ():
+        match = _LEFTOVER.fullmatch(path.name)
+        if match and match["host"] == socket.gethostname() and not is_running(int(match["pid"])):
+            num_bytes = _tree_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append((path, num_bytes))
+    return removed
+
+
+def is_running(pid: int) -> bool:
+    """Whether a process of this host (of this PID namespace) has the id `pid`."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
+def _tree_bytes(path: Path) -> int:
+    """The bytes of the files under `path` (the path itself, if a file)."""
+    if not path.is_dir():
+        return path.lstat().st_size
+    return sum(Path(d, name).lstat().st_size for d, _, names in os.walk(path) for name in names)
 
 
 def fsync(path: Path) -> None:
