@@ -179,12 +179,13 @@ def test_each_rank_works_on_its_share_of_the_cores_under_torchrun(two_ranks_dir)
 
 def test_gpu_ranks_take_their_share_of_the_cores_whatever_the_launcher_left_them(monkeypatch):
     """The C++ AdamW of a GPU rank runs on torch's threads: under torchrun each had one, under torch's elastic
-    launcher (`fastml run`) each had all the cores; both now take cpu_count // ranks of the node."""
+    launcher (`fastml run`) each had all the cores; both now take the cores this process may use // ranks of the
+    node."""
     from fastml.executor.loop import device
 
     gpus = dataclasses.replace(plan(4), hardware=Hardware(device="cuda", num_gpus=4, gpus_per_node=4))
     monkeypatch.setattr(device, "check_gpus", lambda plan: None)
-    monkeypatch.setattr(device.os, "cpu_count", lambda: 24)
+    monkeypatch.setattr(device.os, "sched_getaffinity", lambda pid: set(range(24)))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
     threads = torch.get_num_threads()
     try:

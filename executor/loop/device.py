@@ -40,8 +40,9 @@ def training_device(plan: Plan, world: World = SINGLE) -> torch.device:
 def rank_cpu_threads(ranks_on_node: int) -> int:
     """The threads of each of `ranks_on_node` ranks that work on the node's CPU at once: its share of the cores, what
     the planner prices it at (planner/costs.py, cpu_adam_rate), whatever launched it (torchrun sets OMP_NUM_THREADS=1,
-    torch's elastic launcher leaves each rank all the cores)."""
-    return max(1, (os.cpu_count() or 1) // ranks_on_node)
+    torch's elastic launcher leaves each rank all the cores). The cores are those this process may run on (a job
+    scheduler's or container's limit), not all the machine's."""
+    return max(1, len(os.sched_getaffinity(0)) // ranks_on_node)
 
 
 def check_gpus(plan: Plan) -> None:
