@@ -54,14 +54,16 @@ def spec_of_weights(directory: str | Path, field: str) -> ModelSpec:
         return resolve_model(str(path / HF_MODEL_CONFIG))  # a file path, so never mistaken for a preset name
     if not path.is_dir():
         fail(field, f"{path} is not a directory")
+    if hint := name_a_checkpoint(path):
+        fail(field, f"{path} is a run's checkpoint directory, not a checkpoint: {hint}")
     fail(field, f"{path} holds no model weights: it is neither a fastml checkpoint (no {MANIFEST_FILE}) nor an HF "
-                f"model directory (no {HF_MODEL_CONFIG}){checkpoints_inside(path)}")
+                f"model directory (no {HF_MODEL_CONFIG})")
 
 
-def checkpoints_inside(path: Path) -> str:
-    """Where `path` is a run's checkpoint directory, a clause that names its newest training checkpoint; else ""."""
+def name_a_checkpoint(path: Path) -> str | None:
+    """Where `path` is a run's checkpoint directory, the advice to name one of its checkpoints, the newest for one."""
     found = training_checkpoints(path)
-    return f"; it holds a run's training checkpoints: name one of them, e.g. the newest, {found[0]}" if found else ""
+    return f"name one of its training checkpoints, e.g. the newest, {found[0]}" if found else None
 
 
 def check_same_model(held: ModelSpec, planned: ModelSpec, where: str, field: str) -> None:

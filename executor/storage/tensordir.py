@@ -19,7 +19,7 @@ import torch
 from fastml.config import UserError, fail, from_dict, to_dict
 from fastml.plan import Plan
 from fastml.spec import ModelSpec
-from fastml.weights import MANIFEST_FILE, checkpoints_inside
+from fastml.weights import MANIFEST_FILE, name_a_checkpoint
 from fastml.executor.storage.files import (read_json_object, read_safetensors, sha256, write_dir_atomically, write_json,
                                    write_safetensors)
 from fastml.executor.model.transformer import build_model
@@ -161,7 +161,9 @@ def read_manifest(directory) -> Manifest:
     directory = Path(directory)
     path = directory / MANIFEST_FILE
     if not path.is_file():
-        fail(str(directory), f"not a fastml checkpoint (no {MANIFEST_FILE}){checkpoints_inside(directory)}")
+        hint = name_a_checkpoint(directory)
+        fail(str(directory), f"not a fastml checkpoint (no {MANIFEST_FILE})" + (
+            f" but a run's checkpoint directory: {hint}" if hint else ""))
     try:
         return from_dict(Manifest, read_json_object(path))
     except UserError as e:
