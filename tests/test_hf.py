@@ -315,12 +315,13 @@ fresh model's: its loss is about 8, a fresh model's ln(320) = 5.8."""
 FT_SEQ, FT_SEQUENCES, FT_STEPS = 32, 4, 2
 FP32_LOSS_TOLERANCE = 1e-5
 """fp32 on the CPU, the same math as transformers in another order (q, k, v in one GEMM, SDPA against eager
-attention): each op rounds to 2^-24 relative, and a few dozen of them in a row keep the loss within a few 1e-7
-relative; 1e-5 leaves a factor 20, and is 5 orders of magnitude below the gap to a model that did not load."""
+attention): each op rounds to 2^-24 = 6e-8 relative, and a few dozen of them in a row keep the loss within about
+5e-7 relative (measured: 1e-7); 1e-5 leaves a factor 20, and is four orders of magnitude below the 30% gap to a model
+that did not load."""
 BF16_LOSS_TOLERANCE = 1e-2
 """bf16 weights and activations against fp32 transformers: each weight and stored activation rounds to 2^-9 = 0.2%
-relative, and the loss, a mean over tokens, keeps a few of those roundings (measured 0.14% here); 1% is still 40
-times below the gap to a model that did not load."""
+relative, and the loss, a mean over tokens, keeps a few of those roundings (measured 0.04% here, 0.14% with the tiny
+preset's shapes); 1% is still 30 times below the gap to a model that did not load."""
 
 
 def small_hf_model(seed=0):
@@ -336,7 +337,7 @@ def small_hf_model(seed=0):
 
 @pytest.fixture(scope="module")
 def finetune(tmp_path_factory):
-    """A tiny HF model saved with safetensors, a byte-level dataset, and `fastml plan --model HF_DIR` of them: fp32
+    """A small HF model saved with safetensors, a byte-level dataset, and `fastml plan --model HF_DIR` of them: fp32
     on this CPU, lr 0 (the step after the first then runs on the weights the optimizer wrote back from its masters)."""
     path = tmp_path_factory.mktemp("finetune")
     hf = small_hf_model()
