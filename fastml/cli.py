@@ -24,15 +24,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from rich.console import Console
     from fastml.plan import save_plan
     from fastml.planner import report
-    from fastml.planner.planner import NoFeasiblePlan, make_plan
+    from fastml.planner.planner import NoFeasiblePlan, make_plan, requested_model
     from fastml.planner.request import PlanRequest
-    from fastml.spec import resolve_model
 
     console = Console(stderr=args.json)
     renamed = {"seq_len": "seq", "overrides": "set"}  # request field: argparse dest
     request = PlanRequest(**{f.name: getattr(args, renamed.get(f.name, f.name))
                              for f in dataclasses.fields(PlanRequest)})
-    spec = resolve_model(request.model)
+    spec, _ = requested_model(request)
     check_data(request.data, request.seq_len_for(spec.name), spec.vocab_size)  # before a search that may be long
     hardware = args.hw.split(",") if args.hw else [None]
     results = []
@@ -338,11 +337,15 @@ def _one_line(message: str) -> str:
 
 def _add_plan_command(sub) -> None:
     from fastml import hwprofiles
-    from fastml.planner.request import DEFAULT_SEQ_LEN, TINY_SEQ_LEN, PlanRequest
+    from fastml.planner.request import DEFAULT_MODEL, DEFAULT_SEQ_LEN, TINY_SEQ_LEN, PlanRequest
 
     plan = sub.add_parser("plan", help="search the fastest plan that fits and write it")
-    plan.add_argument("--model", default=PlanRequest.model,
-                      help=f"a preset name or an HF model directory (default: {PlanRequest.model})")
+    plan.add_argument("--model", help=f"a preset name, or an HF model directory, whose weights the run then starts "
+                                      f"from (default: the model of --init-from, else {DEFAULT_MODEL})")
+    plan.add_argument("--init-from", metavar="DIR",
+                      help="start the run from these weights: a fastml checkpoint (`fastml convert --from-hf` "
+                           "output, or a training checkpoint DIR/step-N of an earlier run) or an HF model directory; "
+                           "'' for random weights (default: those of an HF --model, else random)")
     plan.add_argument("--seq", type=int,
                       help=f"sequence length (default: {TINY_SEQ_LEN} for tiny, else {DEFAULT_SEQ_LEN})")
     plan.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step, over all GPUs "
@@ -393,7 +396,8 @@ def _add_run_command(sub) -> None:
     run.add_argument("--keep-checkpoints", type=int, default=3,
                      help="keep the newest K intact checkpoints of the run (default: 3)")
     run.add_argument("--resume", action="store_true",
-                     help="continue from the newest intact checkpoint in the checkpoint directory")
+                     help="continue from the newest intact checkpoint in the checkpoint directory (an error where it "
+                          "holds none)")
     run.add_argument("--start-over", action="store_true",
                      help="start a new run in a checkpoint directory that holds an earlier run's checkpoints, moving "
                           "them into its old-run-TIME/ directory")
@@ -448,7 +452,8 @@ def parser() -> argparse.ArgumentParser:
     prep.set_defaults(func=cmd_prepare)
 
     conv = sub.add_parser("convert", help="convert between HF safetensors models and fastml checkpoints")
-    conv.add_argument("checkpoint", nargs="?", help="a fastml checkpoint directory (with --to-hf)")
+    conv.add_argument("checkpoint", nargs="?", help="a fastml checkpoint directory (with --to-hf): `--from-hf` output, "
+                                                   "or a training checkpoint CHECKPOINT_DIR/step-N")
     conv.add_argument("--from-hf", metavar="DIR", help="an HF model directory to import")
     conv.add_argument("--to-hf", metavar="DIR", help="write the checkpoint as an HF model directory")
     conv.add_argument("-o", "--output", help="output checkpoint directory (with --from-hf)")

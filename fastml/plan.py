@@ -16,6 +16,7 @@ from typing import Literal
 
 from fastml.config import UserError, check_range, fail, from_dict, read_json, show, to_dict
 from fastml.spec import MAX_SEQ_LEN, ModelSpec
+from fastml.weights import check_same_model, spec_of_weights
 
 PLAN_VERSION = 1
 RECOMPUTE_CHOICES = ("norm", "ffn", "qkv", "attention", "block")
@@ -54,6 +55,10 @@ class Training:
     checkpoint_dir: str | None = None
     checkpoint_interval: int = 0
     """Steps between checkpoints; 0 writes one only at the end (when checkpoint_dir is set)."""
+    init_from: str = ""
+    """The weights a run starts from: an HF model directory, or a fastml checkpoint (what `fastml convert --from-hf`
+    writes, or a training checkpoint `step-N` of an earlier run); "" for random weights from the seed. A resumed run
+    continues from its checkpoint instead. Checked by `check_init_from`."""
 
     def __post_init__(self) -> None:
         check_range("training.seq_len", self.seq_len, 1, MAX_SEQ_LEN)
@@ -359,6 +364,19 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps(to_dict(self), indent=2) + "\n"
+
+
+def check_init_from(plan: Plan) -> None:
+    """The weights a new run of `plan` starts from are there and are its model's. Checked when a plan is made and when
+    a run starts from them, not whenever a plan is read: a checkpoint's plan outlives the directories it names."""
+    source = plan.training.init_from
+    if source:
+        check_same_model(spec_of_weights(source, "training.init_from"), plan.model, source, "training.init_from")
+
+
+def describe_init(training: Training) -> str:
+    """Where a run's weights come from, in words."""
+    return f"from {training.init_from}" if training.init_from else f"random, from seed {training.seed}"
 
 
 def plan_from_dict(data: object) -> Plan:

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from fastml import hwprofiles
 from fastml.config import UserError, check_range, fail, from_dict
-from fastml.plan import KNOBS, ZERO_STAGES, Hardware, Knobs, Plan, Predicted, Training, parse_assignment, with_overrides
+from fastml.plan import (KNOBS, ZERO_STAGES, Hardware, Knobs, Plan, Predicted, Training, check_init_from,
+                         parse_assignment, with_overrides)
 from fastml.hwprofiles.between_gpus import peer_access
 from fastml.planner.calibrate import stale_calibration
 from fastml.planner.explain import limit
 from fastml.planner.hardware import Machine, check_cpu_options, load_machine, parse_bytes
 from fastml.planner.memory import Memory, memory
 from fastml.hwprofiles.profile import this_cpu_profile
-from fastml.planner.request import SEQUENCES_PER_STEP, PlanRequest
+from fastml.planner.request import DEFAULT_MODEL, SEQUENCES_PER_STEP, PlanRequest
 from fastml.planner.search import (HOST_USABLE_FRACTION, MAX_MICRO_BATCH, Candidate, Problem, evaluate, knob_space,
                                    make_knobs, pin, search, smallest_choice)
-from fastml.spec import ModelSpec, resolve_model
+from fastml.spec import PRESETS, ModelSpec, resolve_model
+from fastml.weights import check_same_model, spec_of_weights
 
 
 class NoFeasiblePlan(UserError):
@@ -44,7 +47,7 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
     """The fastest plan that fits for `request` (or a PlanRequest of `fields`); `on_trial` is called after each
     search trial."""
     r = dataclasses.replace(request or PlanRequest(), **fields)
-    spec = resolve_model(r.model)
+    spec, init_from = requested_model(r)
     seq_len = r.seq_len_for(spec.name)
     check_range("--seq", seq_len, 1)
     here = r.hw is None
@@ -62,10 +65,32 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
                         study_name=_study_name(problem, here, lower))
         feasible = [c for c in ranked if c.feasible]
         if feasible:
-            plans = [_assemble(problem, c, r.steps, r.data) for c in feasible[:4]]
-            return Planned(with_overrides(plans[0], other), plans[1:], lower, limit(problem, feasible[0]),
+            plans = [_assemble(problem, c, r.steps, r.data, init_from) for c in feasible[:4]]
+            plan = with_overrides(plans[0], other)
+            check_init_from(plan)  # against the model as --set left it
+            return Planned(plan, plans[1:], lower, limit(problem, feasible[0]),
                            stale_calibration(machine.calibration, machine.profile))
     raise NoFeasiblePlan(infeasible_message(problem, space))
+
+
+def requested_model(r: PlanRequest) -> tuple[ModelSpec, str]:
+    """The model to plan and the weights its run starts from (an absolute path; "" for random ones), checked against
+    each other before any search: those of --init-from (or --set training.init_from), whose model is planned unless
+    --model names one, which must be the same; else an HF model directory's own; else none."""
+    init_from = next((value for section, name, value in map(parse_assignment, reversed(r.overrides))
+                      if (section, name) == ("training", "init_from")), r.init_from)
+    model = r.model or DEFAULT_MODEL
+    if init_from is None:  # --model's own weights, where it names an HF model directory (the spec's name)
+        spec = resolve_model(model)
+        return spec, "" if model in PRESETS else os.path.abspath(spec.name)
+    if not init_from:
+        return resolve_model(model), ""
+    held = spec_of_weights(init_from, "--init-from")
+    if r.model is None:
+        return held, os.path.abspath(init_from)
+    spec = resolve_model(r.model)
+    check_same_model(held, spec, init_from, "--init-from")
+    return spec, os.path.abspath(init_from)
 
 
 def replan(plan: Plan, hw: str | None = None) -> tuple[Candidate, Problem]:
@@ -221,20 +246,21 @@ def _this_cpu_profile(spec: ModelSpec, seq_len: int, sequences: int) -> dict:
     return this_cpu_profile(spec, seq_len, sorted({largest} | {2**i for i in range(7) if 2**i <= largest}))
 
 
-def _assemble(problem: Problem, candidate: Candidate, steps: int, data: str) -> Plan:
+def _assemble(problem: Problem, candidate: Candidate, steps: int, data: str, init_from: str) -> Plan:
     m = problem.machine
     cpu = m.shares_host_memory
     hardware = Hardware(profile=m.profile, fingerprint=m.fingerprint, device=m.device, num_gpus=m.num_gpus,
                         gpus_per_node=m.gpus_per_node, gpu_memory_bytes=0 if cpu else m.gpu.memory_bytes,
                         host_memory_bytes=m.node.host_memory_bytes)
     return Plan(model=problem.spec, hardware=hardware, knobs=candidate.knobs,
-                training=_training(problem.spec, problem.seq_len, problem.global_batch_tokens, steps, data),
+                training=_training(problem.spec, problem.seq_len, problem.global_batch_tokens, steps, data, init_from),
                 predicted=predicted(problem, candidate))
 
 
-def _training(spec: ModelSpec, seq_len: int, global_batch_tokens: int, steps: int, data: str) -> Training:
+def _training(spec: ModelSpec, seq_len: int, global_batch_tokens: int, steps: int, data: str,
+              init_from: str) -> Training:
     return Training(seq_len=seq_len, global_batch_tokens=global_batch_tokens, steps=steps, data=data,
-                    lr=1e-3 if spec.name == "tiny" else 3e-4, warmup_steps=min(10, steps))
+                    lr=1e-3 if spec.name == "tiny" else 3e-4, warmup_steps=min(10, steps), init_from=init_from)
 
 
 def _check_batch(global_batch_tokens: int, seq_len: int, num_gpus: int) -> int:
@@ -252,7 +278,7 @@ def _split_overrides(overrides, sequences_per_gpu: int) -> tuple[dict, list[str]
         section, name, value = parse_assignment(assignment)
         if section == "knobs":
             pins[name] = value
-        else:
+        elif (section, name) != ("training", "init_from"):  # requested_model's, made absolute
             other.append(assignment)
     if "grad_accum_steps" in pins:
         fail("knobs.grad_accum_steps", "follows from the batch and micro_batch_size; pin micro_batch_size instead")

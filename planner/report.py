@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fastml.config import to_dict
-from fastml.plan import Plan, describe_knobs
+from fastml.plan import Plan, describe_init, describe_knobs
 from fastml.planner.explain import knob_differences, percent, versus
 
 GIB = 2**30
@@ -22,6 +22,7 @@ def print_plan(console: Console, plan: Plan, runners_up: list[Plan] = (), limit:
     console.print(f"[bold]{plan.model.name}[/] ({human_count(plan.model.num_params())} parameters), seq "
                   f"{plan.training.seq_len}, {plan.training.global_batch_tokens:,} tokens/step on {h.num_gpus} x "
                   f"{h.profile or h.device}")
+    console.print(f"weights: {describe_init(plan.training)}", highlight=False)
     console.print(f"knobs: {describe_knobs(plan.knobs)}")
     if plan.predicted is None:  # a plan written by hand; `fastml explain` simulates it
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_MODEL = "tiny"
 TINY_SEQ_LEN = 256
 DEFAULT_SEQ_LEN = 2048
 SEQUENCES_PER_STEP = 16
@@ -15,8 +16,11 @@ DEFAULT_TRIALS = 300
 class PlanRequest:
     """What `fastml plan` is asked: each field is one of its options, with the option's default."""
 
-    model: str = "tiny"
-    """A preset name or an HF model directory."""
+    model: str | None = None
+    """A preset name or an HF model directory; None: the model of `init_from`, else DEFAULT_MODEL."""
+    init_from: str | None = None
+    """The weights the run starts from (training.init_from): an HF model directory or a fastml checkpoint; None: an
+    HF model directory's own weights where `model` names one, else random ones."""
     seq_len: int | None = None
     """Default: TINY_SEQ_LEN for tiny, else DEFAULT_SEQ_LEN."""
     global_batch_tokens: int | None = None

@@ -158,8 +158,8 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
            strict: bool, start_over: bool, timeout_s: float, trace_step: int | None, trace: Path | None) -> dict:
     run = checkpoints.open_run(plan, resume=resume, start_over=start_over, keep=keep_checkpoints,
                             say=lambda message: console.print(message, markup=False), world=world)
-    model, optimizer = _model_and_optimizer(plan, device, world, comm)
-    data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
+    data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)  # before the weights load
+    model, optimizer = _model_and_optimizer(plan, device, world, comm, run)
     checkpoint, position = run.restore(model, optimizer)
     if position.step >= plan.training.steps:
         console.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
@@ -230,9 +230,11 @@ CHECKPOINT_S = 3600
 """How much longer than --timeout the ranks may wait for each other while a checkpoint is written."""
 
 
-def _model_and_optimizer(plan: Plan, device: torch.device, world: World, comm) -> tuple[torch.nn.Module, AdamW]:
+def _model_and_optimizer(plan: Plan, device: torch.device, world: World, comm,
+                         run: checkpoints.Run) -> tuple[torch.nn.Module, AdamW]:
     checkpoints.seed_rng(plan.training.seed, world.rank)
     model = build_training_model(plan, device, world, comm)
+    run.start(model)  # the weights a new run starts from, before the optimizer copies them into its masters
     return model, AdamW(model, plan.training, plan.knobs, model.placement)
 
 

@@ -19,11 +19,11 @@ and restores them, and a rank the checkpoint has none for (one written by fewer 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
-import re
 import socket
 import time
 import uuid
@@ -36,10 +36,12 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from fastml.config import UserError, fail, show
-from fastml.plan import KNOBS, Hardware, Plan, layer_of
+from fastml.plan import KNOBS, Hardware, Plan, check_init_from, layer_of
+from fastml.weights import checkpoint_step, is_fastml_checkpoint, is_hf_model, training_checkpoints
 from fastml.executor.loop import faults
 from fastml.executor.loop.display import size_text
 from fastml.executor.storage.files import remove_dir, remove_leftovers
+from fastml.executor.storage.hf import hf_weights
 from fastml.executor.model.transformer import Transformer
 from fastml.executor.storage.tensordir import (MODEL_FILE, TrainingState, check_state_dict, load_tensor_file,
                                        read_manifest, save_checkpoint, verify_checkpoint, write_files)
@@ -47,7 +49,6 @@ from fastml.executor.parallel.world import SINGLE, World
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
-_NAME = re.compile(r"step-(\d+)")
 _ASIDE_PREFIX = "old-run-"
 
 # What a resumed run may change. Everything else in model, training, hardware and knobs is refused: it changes the
@@ -56,6 +57,8 @@ SCHEDULE_FIELDS = ("training.steps", "training.lr", "training.min_lr_ratio", "tr
 """Applied from the resumed step on, and said (the cosine decay follows training.steps too)."""
 FREE_FIELDS = frozenset(
     ["model.name", "training.checkpoint_dir", "training.checkpoint_interval"]
+    # The weights a run started from are in its checkpoints, changed by every step since.
+    + ["training.init_from"]
     # Other hardware runs the same math (it breaks bit-exactness, as any other machine does), and so do more or
     # fewer GPUs: each step takes the same sequences (the global batch is fixed), summed in another order.
     + [f"hardware.{f.name}" for f in dataclasses.fields(Hardware)]
@@ -96,13 +99,25 @@ class Run:
         self.intact: set[Path] = {restore_from} if restore_from else set()
         self.damaged: set[Path] = set(damaged)
 
+    def start(self, model: Transformer) -> None:
+        """Loads the weights a new run starts from, the plan's training.init_from, into `model`, cast to its dtype,
+        each rank its part: called before the optimizer makes its masters of the weights. A resumed run's come from
+        its checkpoint (`restore`), and without init_from the model keeps its random weights from the seed."""
+        source = self.plan.training.init_from
+        if self.restore_from is not None or not source:
+            return
+        with _weights_at(Path(source), self.plan.model) as read:
+            _load_model(model, read)
+        self.say(f"starting from the weights of {source}")
+
     def restore(self, model: Transformer, optimizer) -> tuple[Path | None, Position]:
         """Loads the checkpoint `open_run` chose into `model` and `optimizer` and sets the RNG states; returns it
         and its position, or (None, step 0) for a fresh start."""
         if self.restore_from is None:
             return None, Position(0, 0)
         path, saved = self.restore_from, self.saved
-        _load_model(model, path, self.plan.model)
+        with _checkpoint_weights(path, self.plan.model) as read:
+            _load_model(model, read)
         with _SavedOptimizer(path) as saved_optimizer:
             optimizer.load_state(saved_optimizer.read)
         _restore_rng(path, self.world.rank, self.plan.training.seed)
@@ -151,7 +166,7 @@ class Run:
         """Keeps the newest `keep` intact checkpoints of this run; removes its older and its damaged ones. Another
         run's, and any whose manifest is unreadable (its run unknown), are left alone."""
         kept = 0
-        for path in checkpoints(self.root):
+        for path in training_checkpoints(self.root):
             if _run_of(path) != self.run_id:
                 continue
             if kept < self.keep and self._is_intact(path):
@@ -235,18 +250,47 @@ def _open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say
         for path, num_bytes in remove_leftovers(Path(root)):
             say(f"removed {path} ({size_text(num_bytes)}), left behind by a process killed while it wrote or removed "
                 f"a checkpoint")
-    found = checkpoints(root) if root else []
+    found = training_checkpoints(root) if root else []
     if resume:
         if found:
             return _resume(plan, found, keep, say)
-        say(f"no checkpoint in {root} yet: starting from step 0")
-    elif found:
+        fail("--resume", _nothing_to_resume(Path(root)))
+    _check_init_from(plan)
+    if found:
         if not start_over:
             fail(root, f"holds {_describe(found)} of an earlier run; continue that run with --resume, or start a new "
                        f"one with --start-over (which moves them into a new directory "
                        f"{Path(root) / _ASIDE_PREFIX}TIME)")
         _move_aside(Path(root), found, say)
     return Run(plan, _new_run_id(), keep, say)
+
+
+def _nothing_to_resume(root: Path) -> str:
+    """Why `root` holds no run to resume, and what to do instead."""
+    start = "start a run from its weights: `fastml plan"
+    if is_fastml_checkpoint(root):
+        training = read_manifest(root).training
+        if training is not None:
+            return (f"{root} is a training checkpoint itself: resume its run with --checkpoint-dir {root.parent}, or "
+                    f"{start} --init-from {root}`")
+        return (f"{root} is a fastml checkpoint of a model, not of a run (as `fastml convert --from-hf` writes): "
+                f"{start} --init-from {root}`, then `fastml run` without --resume")
+    if is_hf_model(root):
+        return f"{root} is an HF model directory: {start} --model {root}`, then `fastml run` without --resume"
+    return f"{root} holds no training checkpoint (step-N) to resume: start the run without --resume"
+
+
+def _check_init_from(plan: Plan) -> None:
+    """The weights a new run starts from are its model's, and whole: before any work (rank 0, for all ranks)."""
+    check_init_from(plan)
+    source = plan.training.init_from
+    if source and is_fastml_checkpoint(source):
+        verify_checkpoint(source, [MODEL_FILE])  # a training checkpoint's optimizer state is not read
+    elif source:
+        try:
+            hf_weights(source, plan.model)  # reads its safetensors headers and checks the names
+        except UserError as e:
+            raise UserError(f"training.init_from: {e} (for random weights instead, plan with --init-from '')") from None
 
 
 def _resume(plan: Plan, found: list[Path], keep: int, say: Say) -> Run:
@@ -298,16 +342,6 @@ def _say_changes(changes: list[tuple[str, object, object]], step: int, say: Say)
         say(f"resuming with changes that leave the math and the data order as they were: {', '.join(other)}")
 
 
-def checkpoints(root: str | Path) -> list[Path]:
-    """The checkpoint directories `step-N` under `root`, newest first (hidden temporary siblings are not among
-    them, nor runs moved aside)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()]
-    return sorted(found, key=lambda p: int(_NAME.fullmatch(p.name)[1]), reverse=True)
-
-
 def _run_of(path: Path) -> str | None:
     """The run that wrote the checkpoint at `path`; None when its manifest cannot tell."""
     try:
@@ -323,7 +357,7 @@ def _new_run_id() -> str:
 
 
 def _describe(found: list[Path]) -> str:
-    steps = sorted(int(_NAME.fullmatch(p.name)[1]) for p in found)
+    steps = sorted(map(checkpoint_step, found))
     if len(steps) == 1:
         return f"1 checkpoint (step {steps[0]})"
     listed = ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]} to {steps[-1]}"
@@ -358,20 +392,37 @@ def _model_state(model: Transformer, world: World) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def _load_model(model: Transformer, path: Path, spec) -> None:
-    """The checkpoint's weights into the model, a tensor at a time (every rank reads the file; none holds it whole):
-    into this rank's shard of a sharded group."""
+def _load_model(model: Transformer, read: Callable[[str], torch.Tensor]) -> None:
+    """The weights `read(name)` gives into the model, a tensor at a time (every rank reads them; none holds them
+    whole), cast to the model's dtype: into this rank's shard of a sharded group, into the host copy of a streamed
+    one."""
     parallel = model.placement.parallel if hasattr(model, "placement") else None
     sharded = parallel.sharded if parallel is not None else frozenset()
+    for name, tensor in model.state_dict().items():
+        group = layer_of(name)
+        if group in sharded:
+            parallel.load_weights(group, name, read(name))
+        else:
+            tensor.copy_(read(name))
+
+
+@contextlib.contextmanager
+def _checkpoint_weights(path: Path, spec):
+    """`read(name)` of the weights in the fastml checkpoint at `path`, checked against `spec`."""
     with safe_open(path / MODEL_FILE, framework="pt") as saved:
         shapes = {name: torch.empty(saved.get_slice(name).get_shape(), device="meta") for name in saved.keys()}
         check_state_dict(spec, shapes, str(path / MODEL_FILE))
-        for name, tensor in model.state_dict().items():
-            group = layer_of(name)
-            if group in sharded:
-                parallel.load_weights(group, name, saved.get_tensor(name))
-            else:
-                tensor.copy_(saved.get_tensor(name))
+        yield saved.get_tensor
+
+
+@contextlib.contextmanager
+def _weights_at(path: Path, spec):
+    """`read(name)` of the weights a run starts from: a fastml checkpoint's, or an HF model directory's."""
+    if is_fastml_checkpoint(path):
+        with _checkpoint_weights(path, spec) as read:
+            yield read
+    else:
+        yield hf_weights(path, spec)
 
 
 def _other_ranks_files(tmp: Path):

@@ -8,6 +8,7 @@ turns an HF model directory into a fastml checkpoint (tensordir.py) and back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,16 +71,28 @@ def hf_to_fastml(spec: ModelSpec, hf_tensors: dict) -> dict:
 
 def _take_hf(spec: ModelSpec, tensors: dict) -> dict:
     """`hf_to_fastml` that pops what it uses from `tensors`: each original can be freed once it is fused."""
+    fuse = _hf_fuser(spec, tensors, f"HF checkpoint {spec.name}")
+    return {name: fuse(name) for name in model_shapes(spec)}
+
+
+def _hf_fuser(spec: ModelSpec, tensors: dict, where: str) -> Callable[[str], torch.Tensor]:
+    """Checks the names of the HF `tensors` against `spec`, then returns the function that makes our tensor `name` of
+    its HF parts, popping them from `tensors`: taken one name at a time, one fused tensor exists at a time. `where`
+    names the checkpoint in errors."""
     for name in [n for n in tensors if n.endswith(_IGNORED_HF_SUFFIX)]:
         del tensors[name]
-    where = f"HF checkpoint {spec.name}"
     if spec.tied_embeddings:
         _drop_tied_head(tensors, where)
     shapes = model_shapes(spec)
     if mismatch := name_mismatch(tensors, [h for name in shapes for h in _hf_parts(name)]):
         fail(where, mismatch)
-    return {name: _fuse(spec, name, [(h, tensors.pop(h)) for h in _hf_parts(name)], shape, where)
-            for name, shape in shapes.items()}
+    return lambda name: _fuse(spec, name, [(h, tensors.pop(h)) for h in _hf_parts(name)], shapes[name], where)
+
+
+def hf_weights(directory, spec: ModelSpec) -> Callable[[str], torch.Tensor]:
+    """Our tensor `name` of the weights of an HF model directory whose config describes `spec`, one at a time: its
+    files are memory-mapped (safetensors), so only the tensor being fused takes memory of its own."""
+    return _hf_fuser(spec, read_hf_tensors(directory), f"HF checkpoint {directory}")
 
 
 def _drop_tied_head(tensors: dict, where: str) -> None:

@@ -19,6 +19,7 @@ import torch
 from fastml.config import UserError, fail, from_dict, to_dict
 from fastml.plan import Plan
 from fastml.spec import ModelSpec
+from fastml.weights import MANIFEST_FILE, name_a_checkpoint
 from fastml.executor.storage.files import (read_json_object, read_safetensors, sha256, write_dir_atomically, write_json,
                                    write_safetensors)
 from fastml.executor.model.transformer import build_model
@@ -27,7 +28,6 @@ FORMAT = "fastml-checkpoint"
 VERSION = 2
 """2: the run id in `training`; the HF config in a file of its own."""
 MODEL_FILE = "model.safetensors"
-META_FILE = "fastml.json"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +62,7 @@ class Manifest:
         if self.version != VERSION:
             fail("version", f"{self.version} is not supported; this fastml reads version {VERSION}")
         for name in self.files:
-            if Path(name).name != name or name in ("", ".", "..", META_FILE):
+            if Path(name).name != name or name in ("", ".", "..", MANIFEST_FILE):
                 fail(f"files[{name!r}]", "must name a file of the checkpoint directory")
 
 
@@ -107,10 +107,10 @@ def save_checkpoint(directory, spec: ModelSpec, state_dict: dict, *, training: T
     check_state_dict(spec, state_dict, "state_dict")
     tensor_files, json_files = {MODEL_FILE: state_dict, **(tensor_files or {})}, json_files or {}
     bad = [n for n in tensor_files if not n.endswith(".safetensors")] + [
-        n for n in json_files if not n.endswith(".json") or n == META_FILE]
+        n for n in json_files if not n.endswith(".json") or n == MANIFEST_FILE]
     if bad:
         fail("save_checkpoint", f"file {bad[0]!r}: tensors go in .safetensors files, other data in .json files "
-                                f"(not {META_FILE})")
+                                f"(not {MANIFEST_FILE})")
     json.dumps(json_files)  # before any file is written: a value that is not JSON fails here
 
     def write(tmp: Path) -> None:
@@ -118,7 +118,7 @@ def save_checkpoint(directory, spec: ModelSpec, state_dict: dict, *, training: T
         checksums = write_files(tmp, tensor_files, json_files, metadata, after_each_file)
         checksums |= others_written()
         manifest = Manifest(format=FORMAT, version=VERSION, model=spec, files=checksums, training=training)
-        write_json(tmp / META_FILE, to_dict(manifest))
+        write_json(tmp / MANIFEST_FILE, to_dict(manifest))
 
     write_dir_atomically(directory, write, _is_checkpoint, "a fastml checkpoint")
 
@@ -149,7 +149,7 @@ def _is_checkpoint(directory: Path) -> bool:
 
 def _has_our_manifest(directory: Path) -> bool:
     try:
-        return read_json_object(directory / META_FILE).get("format") == FORMAT
+        return read_json_object(directory / MANIFEST_FILE).get("format") == FORMAT
     except (UserError, OSError):
         return False
 
@@ -159,26 +159,31 @@ def _has_our_manifest(directory: Path) -> bool:
 def read_manifest(directory) -> Manifest:
     """The validated fastml.json of a checkpoint (its files are not checked: see `verify_checkpoint`)."""
     directory = Path(directory)
-    path = directory / META_FILE
+    path = directory / MANIFEST_FILE
     if not path.is_file():
-        fail(str(directory), f"not a fastml checkpoint (no {META_FILE})")
+        hint = name_a_checkpoint(directory)
+        fail(str(directory), f"not a fastml checkpoint (no {MANIFEST_FILE})" + (
+            f" but a run's checkpoint directory: {hint}" if hint else ""))
     try:
         return from_dict(Manifest, read_json_object(path))
     except UserError as e:
         raise UserError(f"{path}: {e}") from None
 
 
-def verify_checkpoint(directory) -> Manifest:
-    """The manifest, after checking that every file it lists is there, whole and unchanged."""
+def verify_checkpoint(directory, names: list[str] | None = None) -> Manifest:
+    """The manifest, after checking that every file it lists (or those of `names` it lists) is there, whole and
+    unchanged."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     for name, digest in manifest.files.items():
+        if names is not None and name not in names:
+            continue
         if not (directory / name).is_file():
             fail(str(directory / name), "missing from the checkpoint")
         if sha256(directory / name) != digest:
             fail(str(directory / name), "checksum mismatch: the file was truncated or changed after it was written")
     if MODEL_FILE not in manifest.files:
-        fail(str(directory / META_FILE), f"lists no {MODEL_FILE}")
+        fail(str(directory / MANIFEST_FILE), f"lists no {MODEL_FILE}")
     return manifest
 
 
