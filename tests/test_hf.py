@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers")
 from fastml import plan as plan_module
 from fastml.config import UserError
 from fastml.executor.loop.train import train
-from fastml.executor.storage.data import TokenData, prepare
+from fastml.executor.storage.data import TokenData
+from fastml.executor.storage.prepare import prepare
 from fastml.executor.storage.hf import (convert_from_hf, convert_to_hf, fastml_to_hf, hf_to_fastml, load_pretrained,
                                 read_hf_tensors, save_hf)
 from fastml.executor.storage.tensordir import load_checkpoint, load_json_file, load_tensor_file, save_checkpoint
