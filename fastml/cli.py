@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from fastml.config import UserError, check_range, fail, show
+from fastml.config import UserError, check_range, fail, say_on_stderr, show
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -232,7 +232,7 @@ def cmd_run(args: argparse.Namespace) -> None:
               summary_json=args.summary_json, run_dir=args.run_dir or _new_run_dir(), trace_step=args.trace_step)
     except (TrainingStopped, WorkersFailed) as e:
         if world is None or world.main:  # every rank stops alike; rank 0 says why
-            print(f"fastml: {e}", file=sys.stderr)
+            say_on_stderr(f"fastml: {e}")
         sys.exit(e.exit_code)
     except Exception as e:
         import torch.distributed as dist
@@ -241,7 +241,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         lost = isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo" in str(e))
         if world is None or not world.distributed or not lost:
             raise
-        print(f"fastml: rank {world.rank}: lost contact with the other ranks ({_backend_says(e)})", file=sys.stderr)
+        say_on_stderr(f"fastml: rank {world.rank}: lost contact with the other ranks ({_backend_says(e)})")
         sys.exit(EXIT_OTHER_RANK)
 
 
@@ -462,14 +462,14 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         args.func(args)
     except UserError as e:
-        print(f"fastml: {_rank_prefix()}error: {_one_line(str(e))}", file=sys.stderr)
+        say_on_stderr(f"fastml: {_rank_prefix()}error: {_one_line(str(e))}")
         return 2
     except OSError as e:  # a path the user gave: a missing directory for -o, no permission, a full disk
         where = f"{e.filename}: " if e.filename else ""
-        print(f"fastml: error: {_one_line(where + (e.strerror or str(e)))}", file=sys.stderr)
+        say_on_stderr(f"fastml: {_rank_prefix()}error: {_one_line(where + (e.strerror or str(e)))}")
         return 2
     except KeyboardInterrupt:
-        print("fastml: interrupted", file=sys.stderr)
+        say_on_stderr(f"fastml: {_rank_prefix()}interrupted")
         return 130
     return 0
 

@@ -23,6 +23,19 @@ def fail(where: str, message: str) -> typing.NoReturn:
     raise UserError(f"{where}: {message}" if where else message)
 
 
+def say_on_stderr(line: str) -> None:
+    """`line` on stderr, on a line of its own: a worker of a job but rank 0 (its launcher set RANK) writing to a
+    terminal starts it after a line break, since rank 0 may be drawing its progress line there, or have died drawing
+    it, and the message would end that line."""
+    import os
+    import sys
+
+    from rich.console import Console
+
+    fresh = os.environ.get("RANK", "0") != "0" and Console(stderr=True).is_terminal
+    print("\n" * fresh + line, file=sys.stderr, flush=True)
+
+
 def check_choice(where: str, value: Any, allowed: typing.Iterable[Any]) -> None:
     allowed = list(allowed)
     if value not in allowed:

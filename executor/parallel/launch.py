@@ -65,6 +65,8 @@ def train_in_workers(plan: Plan, console: Console, *, log_json, show_progress: b
         try:
             elastic_launch(_launch_config(n), sys.executable)(*args)
         except ChildFailedError as e:
+            if show_progress and console.is_terminal and _killed(e, rank=0):
+                console.line()  # rank 0 died drawing its progress line: the message starts a line of its own
             raise _failure(e) from None
         except SignalException as e:
             raise WorkersFailed(f"stopped by {e.sigval.name}: the workers finished their step and stopped (see "
@@ -102,6 +104,10 @@ def _launch_config(num_workers: int):
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=num_workers, run_id=f"fastml-{uuid.uuid4().hex[:8]}",
                         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
                         start_method="spawn", **extra)
+
+
+def _killed(error, rank: int) -> bool:
+    return rank in error.failures and error.failures[rank].exitcode < 0
 
 
 def _failure(error) -> WorkersFailed:
