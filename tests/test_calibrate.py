@@ -153,7 +153,7 @@ def test_every_run_writes_a_record_that_calibrate_reads(tmp_path):
     for name in ("a", "b"):
         ran = fastml("run", "p.json", "--steps", "4", "--no-progress", "--run-dir", name, cwd=tmp_path)
         assert ran.returncode == 0, ran.stderr
-        assert f"run record: {name}/record.json" in ran.stderr
+        assert f"run record: {name}/record.json" in ran.stdout
     record = load_record(tmp_path / "a" / "record.json")
     log = [json.loads(line) for line in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
     assert record.steps == len(log) == 4 and record.machine.device == "cpu"

@@ -278,7 +278,7 @@ def test_the_main_job_on_two_cpu_processes_trains_as_one(tmp_path):
     ran = fastml("run", "p.json", "--steps", "3", "--log-json", "log.jsonl", "--summary-json", "summary.json",
                  cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
-    assert ran.stderr.count("fastml run: tiny, 3 steps") == 1 and "starting 2 CPU workers" in ran.stderr
+    assert ran.stdout.count("fastml run: tiny, 3 steps") == 1 and "starting 2 CPU workers" in ran.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
     alone = trained_alone(tmp_path, dataclasses.replace(one_process(p), training=dataclasses.replace(
         p.training, steps=3)), "alone")

@@ -109,7 +109,7 @@ def test_a_nan_step_is_skipped_and_leaves_the_state_untouched(workdir):
     for file in ("model.safetensors", "optimizer.safetensors"):
         a, b = load_file(before / file), load_file(after / file)
         assert all((a[k] == b[k]).all() for k in a), file
-    assert re.search(r"steps skipped \(loss or gradient not finite\)\s*│\s*1\s*│", result.stderr)
+    assert re.search(r"steps skipped \(loss or gradient not finite\)\s*│\s*1\s*│", result.stdout)
 
 
 def test_too_many_nan_steps_in_a_row_stop_the_run(workdir):
@@ -165,7 +165,7 @@ def test_a_training_checkpoint_exports_to_hf(workdir):
 def test_resuming_a_finished_run_trains_nothing(workdir):
     result = run(workdir, "reference", "--resume")
     assert result.returncode == 0, result.stderr
-    assert f"already at step {STEPS} of {STEPS}: nothing to train" in result.stderr.replace("\n", " ")
+    assert f"already at step {STEPS} of {STEPS}: nothing to train" in result.stdout.replace("\n", " ")
 
 
 def test_a_new_run_into_a_used_checkpoint_dir_is_refused_in_one_line(workdir):

@@ -187,6 +187,25 @@ def test_the_run_shows_its_knobs_and_host_memory_beside_the_prediction(tmp_path)
     assert f"{summary['peak_host_memory_bytes'] / gib:.2f} GiB" in row and "4.00 GiB" in row  # host 1 + "GPU" 3
 
 
+def test_progress_off_a_terminal_is_a_plain_line_every_few_seconds():
+    """In a pipe or a log, where rich would draw its progress bar once the run has ended (then showing the last step's
+    figures as if they were the run's, and on a CPU "mem n/a" where the plan predicts a peak): a plain line every 5 s
+    with the time so far, as `fastml plan`'s search."""
+    from fastml.executor.loop import display
+
+    out = io.StringIO()
+    seconds = iter([0.0, 2.0, 5.5, 7.0, 11.0])
+    record = dict(loss=5.25, tokens_per_s=1234.0, mfu=None, peak_gpu_memory_bytes=None, peak_host_memory_bytes=2**29)
+    with display.progress(Console(file=out, width=80), True, total=10, done=2, clock=lambda: next(seconds)) as show:
+        for _ in range(4):
+            show(record)
+    assert out.getvalue().splitlines() == [
+        "training: step 4/10, loss 5.2500  1,234 tok/s  MFU n/a  mem 0.5 GiB (6 s)",
+        "training: step 6/10, loss 5.2500  1,234 tok/s  MFU n/a  mem 0.5 GiB (11 s)"]
+    # On a CPU the memory shown is the process's, the figure the plan predicts there; on a GPU the GPU's.
+    assert display.status(record | {"peak_gpu_memory_bytes": 3 * 2**30}).endswith("mem 3.0 GiB")
+
+
 @pytest.mark.parametrize("dtype, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_parameters_take_the_plans_dtype_not_the_devices(dtype, expected):
     plan = Plan(model=PRESETS["tiny"], training=Training(seq_len=64, global_batch_tokens=64 * 4, steps=1),

@@ -54,10 +54,12 @@ class Meter:
         step_time_s, self.last = now - self.last, now
         tokens_per_s = self.plan.training.global_batch_tokens / step_time_s
         on_gpu = self.device.type == "cuda"
-        gpu_memory, host_memory = self.memory_by_category(peak_host_memory_bytes())
+        peak_rss = peak_host_memory_bytes()
+        gpu_memory, host_memory = self.memory_by_category(peak_rss)
         record.update(
             step_time_s=step_time_s, tokens_per_s=tokens_per_s, mfu=self._mfu(tokens_per_s),
             peak_gpu_memory_bytes=torch.cuda.max_memory_allocated(self.device) if on_gpu else None,
+            peak_host_memory_bytes=peak_rss,
             # By category, as measured so far (the run's peaks): the log carries what the closing table shows.
             memory_bytes=gpu_memory if on_gpu else None, host_memory_bytes=host_memory)
         self.records.append(record)

@@ -11,6 +11,7 @@ import json
 import math
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -66,7 +67,10 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     `run_dir` receives the run's log (`log.jsonl`, unless `log_json` names another file), its plan and its record
     (`record.json`: fastml.record, what `fastml calibrate` reads); with `trace_step`, also `trace.json`, rank 0's
     step of that number as torch's profiler saw it (`fastml explain RUN_DIR --trace` sets it beside the simulated
-    one)."""
+    one).
+
+    Rank 0 prints its report (what is in effect, the closing tables, where the record went) on stdout and its
+    progress, notes and warnings on stderr; `console` receives both instead."""
     world = launched()
     run_dir = Path(run_dir) if run_dir is not None and (world is None or world.main) else None  # rank 0's alone
     if run_dir is not None:
@@ -94,25 +98,27 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         return summary
     world = world or SINGLE
     check_world(plan, world)
-    console = console or Console(stderr=True, quiet=not world.main)
+    err = console or Console(stderr=True, quiet=not world.main)
+    # On one terminal the report goes through the console that draws the progress line, which keeps them apart.
+    out = console or (err if err.is_terminal and sys.stdout.isatty() else Console(quiet=not world.main))
     cpu_threads = torch.get_num_threads()  # before the ranks of a CPU job share them
     device = training_device(plan, world)
-    check_hardware(plan, device, strict, console)
+    check_hardware(plan, device, strict, err)
     check_host_memory(plan)
-    apply_memory_cap(plan, device, console)
+    apply_memory_cap(plan, device, out)
     join(plan, world, device, timeout_s, CHECKPOINT_S)
     with Watchdog(world, timeout_s) as watchdog:
         comm = make_collectives(plan.knobs.comm, world, device, watchdog) if world.distributed else None
         try:
             trace = run_dir / TRACE_FILE if run_dir is not None and world.main and trace_step else None
-            summary = _train(plan, world, device, comm, watchdog, console, cpu_threads, trace=trace, **options)
+            summary = _train(plan, world, device, comm, watchdog, out, err, cpu_threads, trace=trace, **options)
         finally:
             if comm is not None:
                 comm.close()
     if world.main:
         _write_summary(summary, summary_json)
         if run_dir is not None and summary.get("steps"):
-            _write_run(run_dir, plan, summary, device, console)
+            _write_run(run_dir, plan, summary, device, out)
     return summary
 
 
@@ -136,17 +142,18 @@ def _write_summary(summary: dict, path: str | Path | None) -> None:
         Path(path).write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, console: Console,
+def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, out: Console, err: Console,
            cpu_threads: int, *,
            log_json, show_progress: bool, resume: bool, keep_checkpoints: int, max_nonfinite_steps: int,
            strict: bool, start_over: bool, timeout_s: float, trace_step: int | None, trace: Path | None) -> dict:
+    """The loop of one rank; `out` gets the report (the knobs, the closing tables), `err` the progress and notes."""
     run = checkpoints.open_run(plan, resume=resume, start_over=start_over, keep=keep_checkpoints,
-                            say=lambda message: console.print(message, markup=False), world=world)
+                               say=lambda message: err.print(message, markup=False), world=world)
     model, optimizer = _model_and_optimizer(plan, device, world, comm)
     data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
     checkpoint, position = run.restore(model, optimizer)
     if position.step >= plan.training.steps:
-        console.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
+        out.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
         return {"steps": 0}
     micro = plan.knobs.micro_batch_size
     # Every valid micro-batch (times the ranks) divides the sequences of a step, so it divides what a checkpoint has
@@ -157,8 +164,8 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
     meter = Meter(plan, device, tensors_by_category=lambda: memory_tensors(model, optimizer), cpu_threads=cpu_threads)
     hooks = faults.step_hooks()
     with _log_file(log_json if world.main else None, position.step if resume else None) as log, \
-            display.progress(console, show_progress and world.main) as progress, _StopSignals() as stop:
-        task = progress.add_task("training", total=plan.training.steps, completed=position.step, status="")
+            display.progress(err, show_progress and world.main, plan.training.steps, position.step) as show_step, \
+            _StopSignals() as stop:
         bad_in_a_row = 0
         first_step = position.step
         for step in range(first_step, plan.training.steps):
@@ -172,11 +179,11 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
                 meter.restart_clock()
             stopping = record.pop("stop")
             if step == first_step:  # after the first batch was read: bad data is one line alone, never after it
-                display.print_knobs(console, plan)
+                display.print_knobs(out, plan)
             position = checkpoints.Position(step + 1, position.sequences + sequences_per_step)
             bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0
             _log(record, log)
-            progress.update(task, advance=1, status=display.status(record))
+            show_step(record)
             if bad_in_a_row >= max_nonfinite_steps:
                 raise TrainingStopped(
                     f"step {step + 1}: loss or gradient norm not finite {bad_in_a_row} steps in a row; stopped. "
@@ -188,7 +195,7 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
                 signum = stop.signal or signal.SIGTERM  # another rank's: this one was not signalled (yet)
                 raise TrainingStopped(_stopped_message(plan, step + 1, signum, checkpoint), 128 + signum)
     summary = meter.summary()
-    display.print_summary(console, plan, summary)
+    display.print_summary(out, plan, summary)
     return summary
 
 
