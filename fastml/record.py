@@ -12,6 +12,8 @@ from fastml.config import fail, from_dict, read_json, to_dict
 from fastml.plan import Plan
 
 RECORD_VERSION = 1
+RECORD_FILE = "record.json"
+"""A run's record in its directory (`fastml run --run-dir`)."""
 TRACE_FILE = "trace.json"
 """In a run's directory beside its record: a step as torch's profiler saw it (`fastml run --trace-step N`)."""
 

@@ -19,9 +19,9 @@ import torch
 from rich.console import Console
 
 from fastml import hwprofiles
-from fastml.config import check_range, fail
+from fastml.config import check_output_dir, check_output_file, check_range, fail
 from fastml.plan import Plan, save_plan
-from fastml.record import TRACE_FILE, Measured, RunMachine, RunRecord, save_record
+from fastml.record import RECORD_FILE, TRACE_FILE, Measured, RunMachine, RunRecord, save_record
 from fastml.executor.loop import display, faults
 from fastml.executor.model import fp8
 from fastml.executor.storage import checkpoints
@@ -43,6 +43,8 @@ class TrainingStopped(Exception):
         self.exit_code = exit_code
 
 
+LOG_FILE = "log.jsonl"
+"""In a run's directory: its per-step log, unless --log-json names another file."""
 DEFAULT_TIMEOUT_S = 600
 """How long the ranks of a job wait for each other before it is stopped (`--timeout`); a first step that compiles
 the model can take minutes."""
@@ -73,11 +75,19 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     progress, notes and warnings on stderr; `console` receives both instead."""
     world = launched()
     run_dir = Path(run_dir) if run_dir is not None and (world is None or world.main) else None  # rank 0's alone
+    if plan.training.checkpoint_dir:
+        check_output_dir("--checkpoint-dir", plan.training.checkpoint_dir)
     if run_dir is not None:
+        check_output_dir("--run-dir", run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        log_json = log_json or run_dir / "log.jsonl"
+        for name in ("plan.json", RECORD_FILE, TRACE_FILE, *([] if log_json else [LOG_FILE])):
+            check_output_file("--run-dir", run_dir / name)
+        log_json = log_json or run_dir / LOG_FILE
         if not resume:  # the directory describes this run: an earlier run's trace is not this one's
             (run_dir / TRACE_FILE).unlink(missing_ok=True)
+    for flag, path in (("--log-json", log_json), ("--summary-json", summary_json)):
+        if path and (world is None or world.main):
+            check_output_file(flag, path)
     if steps is not None:
         plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, steps=steps))
     check_range("--keep-checkpoints", keep_checkpoints, 1)
@@ -133,8 +143,8 @@ def _write_run(run_dir: Path, plan: Plan, summary: dict, device: torch.device, c
                         host_memory_bytes=summary["host_memory_bytes"])
     save_record(RunRecord(plan=plan, machine=machine, steps=summary["steps"], measured=measured,
                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")),
-                run_dir / "record.json")
-    console.print(f"run record: {run_dir / 'record.json'} (for `fastml calibrate`)", highlight=False)
+                run_dir / RECORD_FILE)
+    console.print(f"run record: {run_dir / RECORD_FILE} (for `fastml calibrate`)", highlight=False)
 
 
 def _write_summary(summary: dict, path: str | Path | None) -> None:
