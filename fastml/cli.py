@@ -208,7 +208,7 @@ def _trial_progress(console, trials: int, hw: str | None):
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    from fastml.plan import load_plan, with_overrides
+    from fastml.plan import load_plan, parse_assignment, with_overrides
     from fastml.executor.parallel.launch import WorkersFailed
     from fastml.executor.loop.train import TrainingStopped, train
     from fastml.executor.parallel.world import EXIT_OTHER_RANK, launched
@@ -225,11 +225,14 @@ def cmd_run(args: argparse.Namespace) -> None:
 
         plan = with_gpu_memory_cap(plan, parse_bytes(args.gpu_mem, "--gpu-mem"))
     world = launched()
+    # Given here, the interval replaces a resumed run's; else the resumed run keeps its own.
+    interval_given = any(parse_assignment(o)[:2] == ("training", "checkpoint_interval") for o in overrides)
     try:
         train(plan, steps=args.steps, log_json=args.log_json, show_progress=not args.no_progress,
               resume=args.resume, start_over=args.start_over, keep_checkpoints=args.keep_checkpoints,
               max_nonfinite_steps=args.max_nonfinite_steps, strict=args.strict, timeout_s=args.timeout,
-              summary_json=args.summary_json, run_dir=args.run_dir or _new_run_dir(), trace_step=args.trace_step)
+              summary_json=args.summary_json, run_dir=args.run_dir or _new_run_dir(), trace_step=args.trace_step,
+              checkpoint_interval=plan.training.checkpoint_interval if interval_given else None)
     except (TrainingStopped, WorkersFailed) as e:
         if world is None or world.main:  # every rank stops alike; rank 0 says why
             say_on_stderr(f"fastml: {e}")
@@ -389,7 +392,8 @@ def _add_run_command(sub) -> None:
                                        "smaller one (overrides the plan's hardware.gpu_memory_bytes)")
     run.add_argument("--checkpoint-dir", help="write checkpoints here (overrides training.checkpoint_dir)")
     run.add_argument("--checkpoint-interval", type=int,
-                     help="steps between checkpoints; 0: only at the end (overrides training.checkpoint_interval)")
+                     help="steps between checkpoints; 0: only at the end (overrides training.checkpoint_interval; "
+                          "without it, --resume keeps the interval of the run it resumes)")
     run.add_argument("--keep-checkpoints", type=int, default=3,
                      help="keep the newest K intact checkpoints of the run (default: 3)")
     run.add_argument("--resume", action="store_true",

@@ -54,10 +54,12 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
           console: Console | None = None, resume: bool = False, keep_checkpoints: int = 3,
           max_nonfinite_steps: int = 5, strict: bool = False, start_over: bool = False,
           timeout_s: float = DEFAULT_TIMEOUT_S, summary_json: str | Path | None = None,
-          run_dir: str | Path | None = None, trace_step: int | None = None) -> dict:
+          run_dir: str | Path | None = None, trace_step: int | None = None,
+          checkpoint_interval: int | None = None) -> dict:
     """Runs `plan` for `steps` optimizer steps in all (default: the plan's) and returns the summary of the run.
 
-    With `resume`, continues from the newest intact checkpoint in the plan's checkpoint_dir; without it, a directory
+    With `resume`, continues from the newest intact checkpoint in the plan's checkpoint_dir, checkpointing as the run
+    it resumes did unless `checkpoint_interval` is given (which replaces the plan's); without it, a directory
     holding checkpoints is refused unless `start_over` moves them aside (checkpoints.open_run). SIGINT and SIGTERM
     finish the step, write a checkpoint and raise TrainingStopped; so do `max_nonfinite_steps` skipped steps in a
     row (without the checkpoint). `strict` refuses a plan made for other hardware instead of warning.
@@ -90,6 +92,10 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
             check_output_file(flag, path)
     if steps is not None:
         plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, steps=steps))
+    if checkpoint_interval is not None:
+        check_range("--checkpoint-interval", checkpoint_interval, 0)
+        plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training,
+                                                                      checkpoint_interval=checkpoint_interval))
     check_range("--keep-checkpoints", keep_checkpoints, 1)
     check_range("--max-nonfinite-steps", max_nonfinite_steps, 1)
     check_range("--timeout", timeout_s, 1)
@@ -99,7 +105,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
             fail("--trace-step", "the trace is written into the run's directory: give --run-dir")
     options = dict(log_json=log_json, show_progress=show_progress, resume=resume, keep_checkpoints=keep_checkpoints,
                    max_nonfinite_steps=max_nonfinite_steps, strict=strict, start_over=start_over, timeout_s=timeout_s,
-                   trace_step=trace_step)
+                   trace_step=trace_step, checkpoint_interval=checkpoint_interval)
     if world is None and plan.hardware.num_gpus > 1:
         from fastml.executor.parallel.launch import train_in_workers
 
@@ -155,10 +161,13 @@ def _write_summary(summary: dict, path: str | Path | None) -> None:
 def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, out: Console, err: Console,
            cpu_threads: int, *,
            log_json, show_progress: bool, resume: bool, keep_checkpoints: int, max_nonfinite_steps: int,
-           strict: bool, start_over: bool, timeout_s: float, trace_step: int | None, trace: Path | None) -> dict:
+           strict: bool, start_over: bool, timeout_s: float, trace_step: int | None, trace: Path | None,
+           checkpoint_interval: int | None) -> dict:
     """The loop of one rank; `out` gets the report (the knobs, the closing tables), `err` the progress and notes."""
     run = checkpoints.open_run(plan, resume=resume, start_over=start_over, keep=keep_checkpoints,
-                               say=lambda message: err.print(message, markup=False), world=world)
+                               say=lambda message: err.print(message, markup=False), world=world,
+                               new_interval=checkpoint_interval is not None)
+    plan = run.plan  # resumed: with the checkpoint interval of the run resumed
     model, optimizer = _model_and_optimizer(plan, device, world, comm)
     data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)
     checkpoint, position = run.restore(model, optimizer)
