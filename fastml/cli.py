@@ -235,7 +235,7 @@ def cmd_run(args: argparse.Namespace) -> None:
               checkpoint_interval=plan.training.checkpoint_interval if interval_given else None)
     except (TrainingStopped, WorkersFailed) as e:
         if world is None or world.main:  # every rank stops alike; rank 0 says why
-            say_on_stderr(f"fastml: {e}")
+            _say_failure(f"fastml: {e}")
         sys.exit(e.exit_code)
     except Exception as e:
         import torch.distributed as dist
@@ -244,7 +244,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         lost = isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo" in str(e))
         if world is None or not world.distributed or not lost:
             raise
-        say_on_stderr(f"fastml: rank {world.rank}: lost contact with the other ranks ({_backend_says(e)})")
+        _say_failure(f"fastml: rank {world.rank}: lost contact with the other ranks ({_backend_says(e)})")
         sys.exit(EXIT_OTHER_RANK)
 
 
@@ -326,6 +326,18 @@ def _backend_says(error: Exception) -> str:
     """The first sentence of a collective backend's error, without the source file it names first."""
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", _one_line(str(error)))
     return text.split(". ")[0].rstrip(".")[:200]
+
+
+def _say_failure(line: str) -> None:
+    """Why the command failed, in one line on stderr. In a worker of torch's elastic launcher (torchrun, or `fastml
+    run`'s own) also into the error file it gave the worker, in the layout of torch's ErrorHandler, so that the
+    report torchrun prints after its workers have failed shows this line as the root cause, not a link to torch's
+    documentation."""
+    say_on_stderr(line)
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(OSError):  # the line above has said it
+            Path(error_file).write_text(json.dumps({"message": {
+                "message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}))
 
 
 def _rank_prefix() -> str:
@@ -466,11 +478,11 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         args.func(args)
     except UserError as e:
-        say_on_stderr(f"fastml: {_rank_prefix()}error: {_one_line(str(e))}")
+        _say_failure(f"fastml: {_rank_prefix()}error: {_one_line(str(e))}")
         return 2
     except OSError as e:  # a path the user gave: a missing directory for -o, no permission, a full disk
         where = f"{e.filename}: " if e.filename else ""
-        say_on_stderr(f"fastml: {_rank_prefix()}error: {_one_line(where + (e.strerror or str(e)))}")
+        _say_failure(f"fastml: {_rank_prefix()}error: {_one_line(where + (e.strerror or str(e)))}")
         return 2
     except KeyboardInterrupt:
         say_on_stderr(f"fastml: {_rank_prefix()}interrupted")

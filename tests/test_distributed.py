@@ -286,10 +286,17 @@ def test_the_main_job_on_two_cpu_processes_trains_as_one(tmp_path):
 
 
 def test_a_plan_for_more_ranks_than_started_is_one_error(tmp_path):
+    """`torchrun --nproc-per-node 2 -m fastml run` of a plan for 4: the ranks' one line, and torchrun's own report of
+    the failed job, printed after it (which fastml cannot leave out), names the same error as its root cause rather
+    than a link to torch's documentation."""
     save_plan(plan(4), tmp_path / "p.json")
-    agents = torchrun(tmp_path, [{"plan": plan(4), "log": tmp_path / "x.jsonl"}], 2)
-    assert agents[0].returncode != 0
-    assert "the plan is for 4 CPU processes (4 per node) but 2 processes were started" in agents[0].stderr
+    ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "fastml", "run", "p.json"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    error = ("error: hardware.num_gpus: the plan is for 4 CPU processes (4 per node) but 2 processes were started "
+             "(2 per node)")
+    assert ran.returncode != 0 and f"fastml: {error}" in ran.stderr, ran.stderr
+    root_cause = ran.stderr.split("Root Cause (first observed failure):")[-1]
+    assert re.search(r"traceback : fastml: (rank 1: )?" + re.escape(error), root_cause), ran.stderr
 
 
 @pytest.mark.parametrize("comm, killed", [("nccl", 0), ("memcpy", 1)])

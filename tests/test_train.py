@@ -161,11 +161,25 @@ def test_the_step_calls_its_hooks(tmp_path):
 
 
 def test_mfu_uses_the_peak_of_the_plans_matmul_dtype(monkeypatch):
-    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype, threads=None: None)  # no measured CPU profile
+    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype: None)  # no measured CPU profile
     assert peak_flops(torch.device("cpu"), "fp32") == (None, "cpu fp32: its profile has no fp32 peak, MFU n/a")
-    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype, threads=None: {"fp32": 2e12}.get(dtype))
+    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype: {"fp32": 2e12}.get(dtype))
     assert peak_flops(torch.device("cpu"), "fp32") == (2e12, "cpu measured fp32 2 TFLOP/s")
     assert peak_flops(torch.device("cpu"), "bf16")[0] is None
+
+
+def test_mfu_on_a_cpu_is_against_the_whole_cpu_whatever_threads_this_process_has(monkeypatch, tmp_path):
+    """REVIEW: under torchrun, which starts each rank with OMP_NUM_THREADS=1, MFU was n/a: the peak was looked up by
+    the rank's own thread count, which no plan had measured. The peak is the measurement of this CPU with the most
+    threads (another CPU's is not this one's)."""
+    monkeypatch.setenv("FASTML_CACHE", str(tmp_path))
+    threads = torch.get_num_threads()
+    for cpu, more_threads, peak in ((None, 1, 1e11), (None, 2, 2e11), ("another CPU", 3, 9e11)):
+        key = hwprofiles.cpu_key() | {"torch_threads": str(threads + more_threads)} | ({"cpu": cpu} if cpu else {})
+        hwprofiles.save_cpu(hwprofiles.CpuMeasurements(key=key, date="2026-12-02", peak_fp32_flops_per_s=peak,
+                                                       memory_bytes_per_s=1e10))
+    assert hwprofiles.this_cpu() is None  # none was taken with this process's threads
+    assert peak_flops(torch.device("cpu"), "fp32") == (2e11, "cpu measured fp32 0.2 TFLOP/s")
 
 
 def test_the_run_shows_its_knobs_and_host_memory_beside_the_prediction(tmp_path):

@@ -29,16 +29,14 @@ class Meter:
     complete, before the optimizer step (a walk over the tensors `tensors_by_category` lists). The latest of each
     counts; `gpu_memory` and `host_memory` say what each measured figure means."""
 
-    def __init__(self, plan: Plan, device: torch.device, tensors_by_category: TensorsByCategory | None = None,
-                 cpu_threads: int | None = None):
+    def __init__(self, plan: Plan, device: torch.device, tensors_by_category: TensorsByCategory | None = None):
         self.plan = plan
         self.device = device
         self.tensors_by_category = tensors_by_category
         self.forward_kept_bytes: int | None = None
         self.state_bytes: tuple[dict[str, int], dict[str, int]] | None = None  # (GPU, host) by category
-        # MFU is the job's: its tokens/s against all its GPUs' peaks, or the whole CPU's (measured with all its
-        # threads, `cpu_threads`, where the ranks share them).
-        peak, self.peak_name = peak_flops(device, plan.knobs.matmul_dtype, cpu_threads)
+        # MFU is the job's: its tokens/s against all its GPUs' peaks, or the whole CPU's, which the ranks share.
+        peak, self.peak_name = peak_flops(device, plan.knobs.matmul_dtype)
         self.peak_flops = peak * plan.hardware.num_gpus if peak and device.type == "cuda" else peak
         self.flops_per_token = plan.model.flops_per_token(plan.training.seq_len)
         self.records: list[dict] = []
@@ -120,7 +118,7 @@ class Meter:
         return self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops else None
 
 
-def peak_flops(device: torch.device, dtype: str, cpu_threads: int | None = None) -> tuple[float | None, str]:
+def peak_flops(device: torch.device, dtype: str) -> tuple[float | None, str]:
     """The peak of `dtype` matmuls that MFU is measured against (a GPU's dense peak from its shipped profile, a CPU's
     measured peak from its cached profile), and its description: device, dtype, FLOP/s (of one GPU)."""
     if device.type == "cuda":
@@ -128,7 +126,7 @@ def peak_flops(device: torch.device, dtype: str, cpu_threads: int | None = None)
         profile = hwprofiles.for_device_name(name)
     else:
         name = profile = "cpu"
-    peak = hwprofiles.peak_flops(profile, dtype, cpu_threads) if profile else None
+    peak = hwprofiles.peak_flops(profile, dtype) if profile else None
     if peak:
         kind = "dense" if device.type == "cuda" else "measured"
         return peak, f"{name} {kind} {dtype} {peak / 1e12:.3g} TFLOP/s"

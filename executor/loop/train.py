@@ -117,7 +117,6 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     err = console or Console(stderr=True, quiet=not world.main)
     # On one terminal the report goes through the console that draws the progress line, which keeps them apart.
     out = console or (err if err.is_terminal and sys.stdout.isatty() else Console(quiet=not world.main))
-    cpu_threads = torch.get_num_threads()  # before the ranks of a CPU job share them
     device = training_device(plan, world)
     check_hardware(plan, device, strict, err)
     check_host_memory(plan)
@@ -127,7 +126,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         comm = make_collectives(plan.knobs.comm, world, device, watchdog) if world.distributed else None
         try:
             trace = run_dir / TRACE_FILE if run_dir is not None and world.main and trace_step else None
-            summary = _train(plan, world, device, comm, watchdog, out, err, cpu_threads, trace=trace, **options)
+            summary = _train(plan, world, device, comm, watchdog, out, err, trace=trace, **options)
         finally:
             if comm is not None:
                 comm.close()
@@ -158,8 +157,7 @@ def _write_summary(summary: dict, path: str | Path | None) -> None:
         Path(path).write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, out: Console, err: Console,
-           cpu_threads: int, *,
+def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, out: Console, err: Console, *,
            log_json, show_progress: bool, resume: bool, keep_checkpoints: int, max_nonfinite_steps: int,
            strict: bool, start_over: bool, timeout_s: float, trace_step: int | None, trace: Path | None,
            checkpoint_interval: int | None) -> dict:
@@ -180,7 +178,7 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
     batches = data.batches(micro, plan.training.seed, start=position.sequences // (micro * world.size),
                            rank=world.rank, world_size=world.size)
     sequences_per_step = micro * plan.knobs.grad_accum_steps * world.size
-    meter = Meter(plan, device, tensors_by_category=lambda: memory_tensors(model, optimizer), cpu_threads=cpu_threads)
+    meter = Meter(plan, device, tensors_by_category=lambda: memory_tensors(model, optimizer))
     hooks = faults.step_hooks()
     with _log_file(log_json if world.main else None, position.step if resume else None) as log, \
             display.progress(err, show_progress and world.main, plan.training.steps, position.step) as show_step, \
