@@ -168,6 +168,20 @@ def test_mfu_uses_the_peak_of_the_plans_matmul_dtype(monkeypatch):
     assert peak_flops(torch.device("cpu"), "bf16")[0] is None
 
 
+@pytest.mark.parametrize("device, comm, said", [("cpu", "nccl", "gloo collectives"), ("cuda", "nccl", "NCCL collectives"),
+                                               ("cpu", "memcpy", "memcpy collectives (through shared host memory)")])
+def test_the_run_names_the_collectives_that_really_run(device, comm, said):
+    """REVIEW: gloo runs said "nccl collectives" (`comm = "nccl"` means torch.distributed's)."""
+    from fastml.executor.loop.display import print_knobs
+    from fastml.plan import Hardware
+
+    plan = Plan(model=PRESETS["tiny"], training=Training(seq_len=64, global_batch_tokens=64 * 2, steps=1),
+                hardware=Hardware(device=device, num_gpus=2, gpus_per_node=2), knobs=Knobs(comm=comm))
+    console = Console(file=io.StringIO(), width=200)
+    print_knobs(console, plan)
+    assert f"ranks: 2 {'GPUs' if device == 'cuda' else 'CPU processes'}, {said}; rank 0" in console.file.getvalue()
+
+
 def test_mfu_on_a_cpu_is_against_the_whole_cpu_whatever_threads_this_process_has(monkeypatch, tmp_path):
     """REVIEW: under torchrun, which starts each rank with OMP_NUM_THREADS=1, MFU was n/a: the peak was looked up by
     the rank's own thread count, which no plan had measured. The peak is the measurement of this CPU with the most

@@ -19,9 +19,17 @@ def print_knobs(console: Console, plan: Plan) -> None:
     if h.num_gpus > 1:
         units = "GPUs" if h.device == "cuda" else "CPU processes"
         nodes = f" on {h.num_gpus // h.gpus_per_node} nodes" if h.num_gpus > h.gpus_per_node else ""
-        console.print(f"ranks: {h.num_gpus} {units}{nodes}, {plan.knobs.comm} collectives; rank 0 reports, its own "
-                      "memory", highlight=False)
+        console.print(f"ranks: {h.num_gpus} {units}{nodes}, {collectives(plan)}; rank 0 reports, its own memory",
+                      highlight=False)
     console.print(f"knobs: {describe_knobs(plan.knobs)}")
+
+
+def collectives(plan: Plan) -> str:
+    """What carries the plan's collectives: `comm = "nccl"` is torch.distributed's, which is NCCL between GPUs and
+    gloo between CPU processes."""
+    if plan.knobs.comm == "memcpy":
+        return "memcpy collectives (through shared host memory)"
+    return "NCCL collectives" if plan.hardware.device == "cuda" else "gloo collectives"
 
 
 LOG_EVERY_S = 5.0
