@@ -68,4 +68,8 @@ def save_record(record: RunRecord, path: str | Path) -> None:
 
 def load_record(path: str | Path) -> RunRecord:
     """The validated record in the file at `path`; a malformed one is a one-line UserError naming the field."""
-    return from_dict(RunRecord, read_json(path, "a run record"), str(path))
+    data = read_json(path, "a run record")
+    if isinstance(data, dict) and "knobs" in data and "plan" not in data:
+        fail(str(path), "is a plan, not a run record: give a run's directory (`fastml run --run-dir`) or the "
+                        "record.json in it")
+    return from_dict(RunRecord, data, str(path))

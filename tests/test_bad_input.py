@@ -293,6 +293,25 @@ def test_bad_cli_values_are_one_line_naming_the_option(tmp_path, capsys, argv, o
     assert not (tmp_path / "out.json").exists()
 
 
+def test_a_plan_without_a_section_says_which_is_missing():
+    """REVIEW: a plan without its knobs reported a global batch that does not add up (the default knobs')."""
+    for section in ("training", "hardware", "knobs"):
+        data = copy.deepcopy(base_plans()[0])
+        del data[section]
+        with pytest.raises(UserError, match=rf"^{section}: missing: a plan holds model, training, hardware and knobs"):
+            plan_from_dict(data)
+
+
+def test_a_plan_given_to_calibrate_is_named_a_plan(tmp_path, capsys):
+    """REVIEW: `fastml calibrate plan.json` said "unknown key model"."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(base_plans()[0]))
+    assert main(["calibrate", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"fastml: error: {plan}: is a plan, not a run record: give a run's directory (`fastml run " \
+                  "--run-dir`) or the record.json in it\n"
+
+
 def test_cli_output_in_a_missing_directory_is_one_line(tmp_path, capsys):
     assert main(["plan", "--device", "cpu", "-o", str(tmp_path / "no" / "plan.json")]) == 2
     err = capsys.readouterr().err
