@@ -415,7 +415,9 @@ def _add_run_command(sub) -> None:
                           "them into its old-run-TIME/ directory")
     run.add_argument("--max-nonfinite-steps", type=int, default=5,
                      help="stop after this many steps in a row with a NaN or infinite loss or gradient (default: 5)")
-    run.add_argument("--strict", action="store_true", help="refuse a plan made for other hardware (else: warn)")
+    run.add_argument("--strict", action="store_true",
+                     help="refuse a plan made for another GPU than this machine's (else: warn); one this machine "
+                          "cannot run (for a GPU it lacks) is refused either way")
     run.add_argument("--timeout", type=float, default=600,
                      help="with several GPUs: stop the job when its ranks wait this many seconds for one of them "
                           "(default: 600)")
