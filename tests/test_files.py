@@ -1,8 +1,11 @@
 """Tests of executor/storage/files.py: atomic directory replacement, its races and fsyncs, and JSON reading."""
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastml.config import UserError
 from fastml.executor.storage import files
@@ -63,3 +66,19 @@ def test_read_json_object_errors_are_one_line(tmp_path):
         assert "\n" not in str(error.value)
     (tmp_path / "x.json").write_text('{"a": 1}')
     assert read_json_object(tmp_path / "x.json") == {"a": 1}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_safetensors_files_get_a_new_files_mode_as_the_json_beside_them(tmp_path, mask):
+    """REVIEW: checkpoint and HF-export safetensors were mode 0600 (safetensors writes a private temporary file and
+    renames it) while the JSON beside them was 0644."""
+    previous = os.umask(mask)
+    try:
+        assert files.umask() == mask
+        files.write_safetensors({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+        files.write_json(tmp_path / "fastml.json", {})
+    finally:
+        os.umask(previous)
+    modes = {stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("model.safetensors", "fastml.json")}
+    assert modes == {0o666 & ~mask}
+
