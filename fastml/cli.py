@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from fastml.config import UserError, check_range, fail, say_on_stderr, show
+from fastml.config import UserError, check_range, fail, plural, say_on_stderr, show
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -262,8 +262,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     from fastml.executor.storage.data import prepare
 
     header = prepare(args.input, args.output, tokenizer=args.tokenizer, field=args.field)
-    print(f"wrote {args.output}: {header['num_tokens']:,} tokens from {header['num_documents']:,} documents "
-          f"(vocab {header['vocab_size']:,}, {header['dtype']})")
+    print(f"wrote {args.output}: {plural(header['num_tokens'], 'token')} from "
+          f"{plural(header['num_documents'], 'document')} (vocab {header['vocab_size']:,}, {header['dtype']})")
 
 
 def cmd_convert(args: argparse.Namespace) -> None:

@@ -62,6 +62,11 @@ def show(value: Any, max_chars: int = 60) -> str:
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
+def plural(count: int, noun: str) -> str:
+    """"1 step", "2 steps", "1,000 steps": a count and its noun (a regular plural)."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
 def read_json(path: str | Path, what: str, max_bytes: int = 2**24) -> Any:
     """The JSON value in a user's file, which should be `what` ("a plan"): an unreadable, oversized, non-UTF-8,
     malformed or too deeply nested file is a one-line UserError naming the file."""

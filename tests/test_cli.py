@@ -71,6 +71,15 @@ def test_vocab_mismatch_is_refused_when_planning(tmp_path):
                    "vocab size 257", "the model has 128")
 
 
+def test_prepare_counts_one_document_as_one(tmp_path, capsys):
+    """REVIEW: "1 documents"."""
+    from fastml.cli import main
+
+    (tmp_path / "one.txt").write_text("a single document " * 20)
+    assert main(["prepare", "--input", str(tmp_path / "one.txt"), "-o", str(tmp_path / "data")]) == 0
+    assert "361 tokens from 1 document (vocab 257" in capsys.readouterr().out  # 360 bytes and an end of text
+
+
 def test_plan_output_starts_at_once_with_a_readable_parameter_count(tmp_path):
     # A search shorter than SearchProgress.SHOW_AFTER_S prints no progress line before the plan (a longer one on a
     # loaded 2-core machine does, by design, which is not what this test is about).

@@ -3,6 +3,7 @@
 import dataclasses
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -213,6 +214,8 @@ def test_the_run_shows_its_knobs_and_host_memory_beside_the_prediction(tmp_path)
     print_summary(console, dataclasses.replace(plan, predicted=predicted), summary)
     row = next(line for line in console.file.getvalue().splitlines() if "peak host memory" in line)
     assert f"{summary['peak_host_memory_bytes'] / gib:.2f} GiB" in row and "4.00 GiB" in row  # host 1 + "GPU" 3
+    print_summary(console, plan, summary | {"steps": 1})
+    assert re.search(rf"fastml run: {plan.model.name}, 1 step *\n", console.file.getvalue())  # REVIEW: "1 steps"
 
 
 def test_progress_off_a_terminal_is_a_plain_line_every_few_seconds():

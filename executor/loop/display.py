@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from fastml.config import plural
 from fastml.plan import MEMORY_CATEGORIES, Plan, describe_knobs
 from fastml.executor.loop.device import predicted_host_bytes
 
@@ -81,7 +82,7 @@ def loss_text(value: float | None) -> str:
 
 
 def print_summary(console: Console, plan: Plan, summary: dict) -> None:
-    table = Table(title=f"fastml run: {plan.model.name}, {summary['steps']} steps")
+    table = Table(title=f"fastml run: {plan.model.name}, {plural(summary['steps'], 'step')}")
     table.add_column("")
     table.add_column("measured", justify="right")
     table.add_column("predicted", justify="right")
