@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import signal
 import socket
 import sys
@@ -224,6 +225,9 @@ def _profiled(trace: Path | None, device: torch.device):
     if trace is None:
         yield
         return
+    # Kineto, under the profiler, prints a "USDT:" line as it starts and stops, at the top of its log levels: only a
+    # level above them all leaves them out (its own errors too; a level the user sets wins).
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
