@@ -77,20 +77,13 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     Rank 0 prints its report (what is in effect, the closing tables, where the record went) on stdout and its
     progress, notes and warnings on stderr; `console` receives both instead."""
     world = launched()
-    run_dir = Path(run_dir) if run_dir is not None and (world is None or world.main) else None  # rank 0's alone
-    if plan.training.checkpoint_dir:
-        check_output_dir("--checkpoint-dir", plan.training.checkpoint_dir)
+    main = world is None or world.main
+    run_dir = Path(run_dir) if run_dir is not None and main else None  # rank 0's alone
+    _prepare_outputs(plan, run_dir, log_json if main else None, summary_json if main else None)
     if run_dir is not None:
-        check_output_dir("--run-dir", run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("plan.json", RECORD_FILE, TRACE_FILE, *([] if log_json else [LOG_FILE])):
-            check_output_file("--run-dir", run_dir / name)
         log_json = log_json or run_dir / LOG_FILE
         if not resume:  # the directory describes this run: an earlier run's trace is not this one's
             (run_dir / TRACE_FILE).unlink(missing_ok=True)
-    for flag, path in (("--log-json", log_json), ("--summary-json", summary_json)):
-        if path and (world is None or world.main):
-            check_output_file(flag, path)
     if steps is not None:
         plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, steps=steps))
     if checkpoint_interval is not None:
@@ -136,6 +129,21 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         if run_dir is not None and summary.get("steps"):
             _write_run(run_dir, plan, summary, device, out)
     return summary
+
+
+def _prepare_outputs(plan: Plan, run_dir: Path | None, log_json, summary_json) -> None:
+    """Checks that the run can write every file it will, before any work (a checkpoint directory naming a file once
+    failed after the last step), and makes the run's directory."""
+    if plan.training.checkpoint_dir:
+        check_output_dir("--checkpoint-dir", plan.training.checkpoint_dir)
+    files = [("--log-json", log_json), ("--summary-json", summary_json)]
+    if run_dir is not None:
+        check_output_dir("--run-dir", run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        files += [("--run-dir", run_dir / name) for name in ("plan.json", RECORD_FILE, TRACE_FILE, LOG_FILE)]
+    for flag, path in files:
+        if path:
+            check_output_file(flag, path)
 
 
 def _write_run(run_dir: Path, plan: Plan, summary: dict, device: torch.device, console: Console) -> None:
