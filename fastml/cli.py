@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from fastml.config import UserError, check_range, fail, show
+from fastml.config import UserError, check_range, fail, plural, say_on_stderr, show
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -207,7 +207,7 @@ def _trial_progress(console, trials: int, hw: str | None):
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    from fastml.plan import load_plan, with_overrides
+    from fastml.plan import load_plan, parse_assignment, with_overrides
     from fastml.executor.parallel.launch import WorkersFailed
     from fastml.executor.loop.train import TrainingStopped, train
     from fastml.executor.parallel.world import EXIT_OTHER_RANK, launched
@@ -224,14 +224,17 @@ def cmd_run(args: argparse.Namespace) -> None:
 
         plan = with_gpu_memory_cap(plan, parse_bytes(args.gpu_mem, "--gpu-mem"))
     world = launched()
+    # Given here, the interval replaces a resumed run's; else the resumed run keeps its own.
+    interval_given = any(parse_assignment(o)[:2] == ("training", "checkpoint_interval") for o in overrides)
     try:
         train(plan, steps=args.steps, log_json=args.log_json, show_progress=not args.no_progress,
               resume=args.resume, start_over=args.start_over, keep_checkpoints=args.keep_checkpoints,
               max_nonfinite_steps=args.max_nonfinite_steps, strict=args.strict, timeout_s=args.timeout,
-              summary_json=args.summary_json, run_dir=args.run_dir or _new_run_dir(), trace_step=args.trace_step)
+              summary_json=args.summary_json, run_dir=args.run_dir or _new_run_dir(), trace_step=args.trace_step,
+              checkpoint_interval=plan.training.checkpoint_interval if interval_given else None)
     except (TrainingStopped, WorkersFailed) as e:
         if world is None or world.main:  # every rank stops alike; rank 0 says why
-            print(f"fastml: {e}", file=sys.stderr)
+            _say_failure(f"fastml: {e}")
         sys.exit(e.exit_code)
     except Exception as e:
         import torch.distributed as dist
@@ -240,7 +243,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         lost = isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo" in str(e))
         if world is None or not world.distributed or not lost:
             raise
-        print(f"fastml: rank {world.rank}: lost contact with the other ranks ({_backend_says(e)})", file=sys.stderr)
+        _say_failure(f"fastml: rank {world.rank}: lost contact with the other ranks ({_backend_says(e)})")
         sys.exit(EXIT_OTHER_RANK)
 
 
@@ -258,8 +261,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     from fastml.executor.storage.prepare import prepare
 
     header = prepare(args.input, args.output, tokenizer=args.tokenizer, field=args.field)
-    print(f"wrote {args.output}: {header['num_tokens']:,} tokens from {header['num_documents']:,} documents "
-          f"(vocab {header['vocab_size']:,}, {header['dtype']})")
+    print(f"wrote {args.output}: {plural(header['num_tokens'], 'token')} from "
+          f"{plural(header['num_documents'], 'document')} (vocab {header['vocab_size']:,}, {header['dtype']})")
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -322,6 +325,18 @@ def _backend_says(error: Exception) -> str:
     """The first sentence of a collective backend's error, without the source file it names first."""
     text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", _one_line(str(error)))
     return text.split(". ")[0].rstrip(".")[:200]
+
+
+def _say_failure(line: str) -> None:
+    """Why the command failed, in one line on stderr. In a worker of torch's elastic launcher (torchrun, or `fastml
+    run`'s own) also into the error file it gave the worker, in the layout of torch's ErrorHandler, so that the
+    report torchrun prints after its workers have failed shows this line as the root cause, not a link to torch's
+    documentation."""
+    say_on_stderr(line)
+    if error_file := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(OSError):  # the line above has said it
+            Path(error_file).write_text(json.dumps({"message": {
+                "message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}))
 
 
 def _rank_prefix() -> str:
@@ -392,7 +407,8 @@ def _add_run_command(sub) -> None:
                                        "smaller one (overrides the plan's hardware.gpu_memory_bytes)")
     run.add_argument("--checkpoint-dir", help="write checkpoints here (overrides training.checkpoint_dir)")
     run.add_argument("--checkpoint-interval", type=int,
-                     help="steps between checkpoints; 0: only at the end (overrides training.checkpoint_interval)")
+                     help="steps between checkpoints; 0: only at the end (overrides training.checkpoint_interval; "
+                          "without it, --resume keeps the interval of the run it resumes)")
     run.add_argument("--keep-checkpoints", type=int, default=3,
                      help="keep the newest K intact checkpoints of the run (default: 3)")
     run.add_argument("--resume", action="store_true",
@@ -403,7 +419,9 @@ def _add_run_command(sub) -> None:
                           "them into its old-run-TIME/ directory")
     run.add_argument("--max-nonfinite-steps", type=int, default=5,
                      help="stop after this many steps in a row with a NaN or infinite loss or gradient (default: 5)")
-    run.add_argument("--strict", action="store_true", help="refuse a plan made for other hardware (else: warn)")
+    run.add_argument("--strict", action="store_true",
+                     help="refuse a plan made for another GPU than this machine's (else: warn); one this machine "
+                          "cannot run (for a GPU it lacks) is refused either way")
     run.add_argument("--timeout", type=float, default=600,
                      help="with several GPUs: stop the job when its ranks wait this many seconds for one of them "
                           "(default: 600)")
@@ -467,14 +485,14 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         args.func(args)
     except UserError as e:
-        print(f"fastml: {_rank_prefix()}error: {_one_line(str(e))}", file=sys.stderr)
+        _say_failure(f"fastml: {_rank_prefix()}error: {_one_line(str(e))}")
         return 2
     except OSError as e:  # a path the user gave: a missing directory for -o, no permission, a full disk
         where = f"{e.filename}: " if e.filename else ""
-        print(f"fastml: error: {_one_line(where + (e.strerror or str(e)))}", file=sys.stderr)
+        _say_failure(f"fastml: {_rank_prefix()}error: {_one_line(where + (e.strerror or str(e)))}")
         return 2
     except KeyboardInterrupt:
-        print("fastml: interrupted", file=sys.stderr)
+        say_on_stderr(f"fastml: {_rank_prefix()}interrupted")
         return 130
     return 0
 

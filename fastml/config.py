@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -21,6 +22,18 @@ class UserError(ValueError):
 
 def fail(where: str, message: str) -> typing.NoReturn:
     raise UserError(f"{where}: {message}" if where else message)
+
+
+def say_on_stderr(line: str) -> None:
+    """`line` on stderr, on a line of its own: a worker of a job but rank 0 (its launcher set RANK) writing to a
+    terminal starts it after a line break, since rank 0 may be drawing its progress line there, or have died drawing
+    it, and the message would end that line."""
+    import sys
+
+    from rich.console import Console
+
+    fresh = os.environ.get("RANK", "0") != "0" and Console(stderr=True).is_terminal
+    print("\n" * fresh + line, file=sys.stderr, flush=True)
 
 
 def check_choice(where: str, value: Any, allowed: typing.Iterable[Any]) -> None:
@@ -49,6 +62,11 @@ def show(value: Any, max_chars: int = 60) -> str:
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
+def plural(count: int, noun: str) -> str:
+    """"1 step", "2 steps", "1,000 steps": a count and its noun (a regular plural)."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
 def read_json(path: str | Path, what: str, max_bytes: int = 2**24) -> Any:
     """The JSON value in a user's file, which should be `what` ("a plan"): an unreadable, oversized, non-UTF-8,
     malformed or too deeply nested file is a one-line UserError naming the file."""
@@ -71,6 +89,33 @@ def read_json(path: str | Path, what: str, max_bytes: int = 2**24) -> Any:
         fail(str(path), f"not {what}: its JSON is nested too deeply to read")
     except ValueError as e:  # an integer literal longer than Python converts
         fail(str(path), f"not {what} ({first_line(e)})")
+
+
+def check_output_dir(where: str, path: str | Path) -> None:
+    """A directory that a long job will write into can be: it is one, or can be made (checked before the work)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        fail(where, f"{path} exists and is not a directory")
+    _check_writable(where, path)
+
+
+def check_output_file(where: str, path: str | Path) -> None:
+    """A file that a long job will write can be: not a directory, in a directory that exists (checked before the
+    work, which would otherwise be lost when the write fails at its end)."""
+    path = Path(path)
+    if path.is_dir():
+        fail(where, f"{path} is a directory, not a file")
+    if not path.parent.is_dir():
+        fail(where, f"{path}: the directory {path.parent} does not exist")
+    _check_writable(where, path)
+
+
+def _check_writable(where: str, path: Path) -> None:
+    existing = next(p for p in (path, *path.parents) if p.exists())  # what exists of the path, from the end
+    if not existing.is_dir() and existing != path:
+        fail(where, f"{path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK):
+        fail(where, f"{path}: {existing} is not writable")
 
 
 def first_line(error: BaseException) -> str:

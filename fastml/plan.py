@@ -380,6 +380,11 @@ def describe_init(training: Training) -> str:
 
 
 def plan_from_dict(data: object) -> Plan:
+    """The plan a JSON document holds. Its sections must all be there: the defaults of a missing one would make a
+    plan nobody asked for (missing knobs once showed as a global batch that does not add up)."""
+    for section in ("training", "hardware", "knobs"):
+        if isinstance(data, dict) and section not in data:
+            fail(section, "missing: a plan holds model, training, hardware and knobs (`fastml plan` writes them)")
     return from_dict(Plan, data)
 
 

@@ -12,6 +12,8 @@ from fastml.config import fail, from_dict, read_json, to_dict
 from fastml.plan import Plan
 
 RECORD_VERSION = 1
+RECORD_FILE = "record.json"
+"""A run's record in its directory (`fastml run --run-dir`)."""
 TRACE_FILE = "trace.json"
 """In a run's directory beside its record: a step as torch's profiler saw it (`fastml run --trace-step N`)."""
 
@@ -69,4 +71,8 @@ def save_record(record: RunRecord, path: str | Path) -> None:
 
 def load_record(path: str | Path) -> RunRecord:
     """The validated record in the file at `path`; a malformed one is a one-line UserError naming the field."""
-    return from_dict(RunRecord, read_json(path, "a run record"), str(path))
+    data = read_json(path, "a run record")
+    if isinstance(data, dict) and "knobs" in data and "plan" not in data:
+        fail(str(path), "is a plan, not a run record: give a run's directory (`fastml run --run-dir`) or the "
+                        "record.json in it")
+    return from_dict(RunRecord, data, str(path))

@@ -53,12 +53,12 @@ def for_device_name(device_name: str) -> str | None:
     return None
 
 
-def peak_flops(name: str, dtype: str, cpu_threads: int | None = None) -> float | None:
+def peak_flops(name: str, dtype: str) -> float | None:
     """Dense peak FLOP/s of one device of the profile for a matmul dtype; None where the profile has none. For
-    "cpu", this machine's CPU: its best measured fp32 matmul rate (with `cpu_threads` torch threads, default as
-    many as now), if a plan has measured it (`this_cpu`)."""
+    "cpu", this machine's CPU: the whole CPU's best measured fp32 matmul rate, if a plan has measured it
+    (`whole_cpu`)."""
     if name == "cpu":
-        measured = this_cpu(cpu_threads)
+        measured = whole_cpu()
         return measured.peak_fp32_flops_per_s if measured and dtype == "fp32" else None
     return load(name)["gpu"]["peak_flops"].get(dtype)
 
@@ -93,12 +93,12 @@ def cache_dir() -> Path:
     return (Path(xdg_cache).expanduser() if xdg_cache else Path.home() / ".cache") / "fastml"
 
 
-def cpu_key(threads: int | None = None) -> dict[str, str]:
-    """What the CPU's measurements depend on; `threads`: torch's threads when measured (default: now)."""
+def cpu_key() -> dict[str, str]:
+    """What this CPU's measurements, taken now, depend on (torch's threads included)."""
     import torch
 
     return {"cpu": cpu_model(), "num_cpus": str(os.cpu_count()),
-            "torch_threads": str(threads or torch.get_num_threads()), "torch": torch.__version__,
+            "torch_threads": str(torch.get_num_threads()), "torch": torch.__version__,
             "version": str(CPU_MEASUREMENT_VERSION)}
 
 
@@ -107,16 +107,32 @@ def cpu_cache_path(key: dict[str, str] | None = None) -> Path:
     return cache_dir() / f"cpu-profile-{digest}.json"
 
 
-def this_cpu(threads: int | None = None) -> CpuMeasurements | None:
-    """This machine's cached CPU measurements, or None where no plan has measured them yet; never measures.
-    `threads`: of a measurement with that many torch threads (default: as many as now)."""
-    path = cpu_cache_path(cpu_key(threads))
+def this_cpu() -> CpuMeasurements | None:
+    """This machine's cached CPU measurements with as many torch threads as now, or None where no plan has measured
+    them yet; never measures."""
+    path = cpu_cache_path(cpu_key())
     if not path.is_file():
         return None
     try:
         return from_dict(CpuMeasurements, read_json(path, "a CPU profile"), str(path))
     except UserError as e:
         raise UserError(f"{e}; delete the file to measure this CPU again") from None
+
+
+def whole_cpu() -> CpuMeasurements | None:
+    """This CPU's cached measurements taken with the most torch threads: the whole CPU's, which MFU is measured
+    against whatever threads this process has (torchrun starts each rank with OMP_NUM_THREADS=1, another
+    `cpu_key`); None where no plan has measured this CPU."""
+    here = cpu_key() | {"torch_threads": ""}
+    found = []
+    for path in cache_dir().glob("cpu-profile-*.json"):
+        try:
+            measured = from_dict(CpuMeasurements, read_json(path, "a CPU profile"), str(path))
+        except UserError:
+            continue  # another version's or damaged: `this_cpu` says so where it is the one asked for
+        if measured.key | {"torch_threads": ""} == here:
+            found.append(measured)
+    return max(found, key=lambda measured: int(measured.key["torch_threads"]), default=None)
 
 
 def save_cpu(measurements: CpuMeasurements) -> Path:

@@ -440,15 +440,17 @@ def beside_measured(simulated: dict, measured: dict) -> dict:
     named = set()
     for event in events:
         event = dict(event)
+        original = event.get("pid")
         if "pid" in event:
-            event["pid"] = pids.setdefault(event["pid"], len(pids) + 1)
+            event["pid"] = pids.setdefault(original, len(pids) + 1)
         if event.get("ph") == "M" and event.get("name") == "process_name":
-            event["args"] = {**event.get("args", {}), "name": f"measured: {event.get('args', {}).get('name', '')}"}
+            name = event.get("args", {}).get("name") or f"process {original}"  # the profiler leaves some unnamed
+            event["args"] = {**event.get("args", {}), "name": f"measured: {name}"}
             named.add(event["pid"])
         elif "ts" in event and event.get("ph") != "M":
             event["ts"] = float(event["ts"]) - start
         merged.append(event)
-    merged += [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"measured: {original}"}}
+    merged += [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"measured: process {original}"}}
                for original, pid in pids.items() if pid not in named]  # noqa: E501
     return {"traceEvents": merged, "displayTimeUnit": "ms"}
 

@@ -22,12 +22,15 @@ def test_plan_then_run_trains_and_the_loss_falls(tmp_path):
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))
-    for key in ("step", "loss", "lr", "step_time_s", "tokens_per_s", "mfu", "peak_gpu_memory_bytes"):
+    for key in ("step", "loss", "lr", "step_time_s", "tokens_per_s", "mfu", "peak_gpu_memory_bytes",
+                "peak_host_memory_bytes"):
         assert key in records[0]
     first = sum(r["loss"] for r in records[:5]) / 5
     last = sum(r["loss"] for r in records[-10:]) / 10
     assert last <= 0.9 * first, (first, last)
-    assert "measured" in result.stderr and "tokens/s" in result.stderr
+    # The report on stdout (`> out.txt` keeps it); notes and progress on stderr.
+    assert "knobs: " in result.stdout and "measured" in result.stdout and "run record: runs/" in result.stdout
+    assert "measured" not in result.stderr and "knobs: " not in result.stderr
 
 
 def one_line_error(result, *fragments):
@@ -66,6 +69,15 @@ def test_vocab_mismatch_is_refused_when_planning(tmp_path):
     assert fastml("prepare", "--input", "t.txt", "-o", "d", cwd=tmp_path).returncode == 0
     one_line_error(fastml("plan", "--data", "d", "--set", "model.vocab_size=128", "-o", "p.json", cwd=tmp_path),
                    "vocab size 257", "the model has 128")
+
+
+def test_prepare_counts_one_document_as_one(tmp_path, capsys):
+    """REVIEW: "1 documents"."""
+    from fastml.cli import main
+
+    (tmp_path / "one.txt").write_text("a single document " * 20)
+    assert main(["prepare", "--input", str(tmp_path / "one.txt"), "-o", str(tmp_path / "data")]) == 0
+    assert "361 tokens from 1 document (vocab 257" in capsys.readouterr().out  # 360 bytes and an end of text
 
 
 def test_plan_output_starts_at_once_with_a_readable_parameter_count(tmp_path):

@@ -13,19 +13,23 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from fastml.config import to_dict
 from fastml.plan import Hardware, Knobs, Plan, Training, load_plan, save_plan
 from fastml.record import load_record
 from fastml.spec import PRESETS
+from fastml.executor import native
 from fastml.executor.storage.data import TokenData
 from fastml.executor.storage.tensordir import read_manifest
 from fastml.executor.loop.train import train
@@ -405,7 +409,7 @@ def test_the_main_job_on_two_cpu_processes_trains_as_one(tmp_path):
     ran = fastml("run", "p.json", "--steps", "3", "--log-json", "log.jsonl", "--summary-json", "summary.json",
                  cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
-    assert ran.stderr.count("fastml run: tiny, 3 steps") == 1 and "starting 2 CPU workers" in ran.stderr
+    assert ran.stdout.count("fastml run: tiny, 3 steps") == 1 and "starting 2 CPU workers" in ran.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 3
     alone = trained_alone(tmp_path, dataclasses.replace(one_process(p), training=dataclasses.replace(
         p.training, steps=3)), "alone")
@@ -413,17 +417,56 @@ def test_the_main_job_on_two_cpu_processes_trains_as_one(tmp_path):
 
 
 def test_a_plan_for_more_ranks_than_started_is_one_error(tmp_path):
+    """`torchrun --nproc-per-node 2 -m fastml run` of a plan for 4: the ranks' one line, and torchrun's own report of
+    the failed job, printed after it (which fastml cannot leave out), names the same error as its root cause rather
+    than a link to torch's documentation."""
     save_plan(plan(4), tmp_path / "p.json")
-    agents = torchrun(tmp_path, [{"plan": plan(4), "log": tmp_path / "x.jsonl"}], 2)
-    assert agents[0].returncode != 0
-    assert "the plan is for 4 CPU processes (4 per node) but 2 processes were started" in agents[0].stderr
+    ran = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "fastml", "run", "p.json"], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    error = ("error: hardware.num_gpus: the plan is for 4 CPU processes (4 per node) but 2 processes were started "
+             "(2 per node)")
+    assert ran.returncode != 0 and f"fastml: {error}" in ran.stderr, ran.stderr
+    root_cause = ran.stderr.split("Root Cause (first observed failure):")[-1]
+    assert re.search(r"traceback : fastml: (rank 1: )?" + re.escape(error), root_cause), ran.stderr
 
 
-def test_a_killed_rank_stops_the_job_and_is_named(tmp_path):
-    save_plan(plan(2, steps=4), tmp_path / "p.json")
-    ran = fastml("run", "p.json", "--no-progress", cwd=tmp_path, env={"FASTML_FAULTS": "kill-mid-step@2:1"})
+@pytest.mark.parametrize("comm, killed", [("nccl", 0), ("memcpy", 1)])
+def test_a_killed_rank_stops_the_job_within_seconds_and_is_named(tmp_path, comm, killed):
+    """kill -9 of one rank in the middle of a step: the other notices at once (gloo: its connection drops; memcpy:
+    the barrier sees the process gone) and stops, so the launcher names the rank that was killed. Before, the memcpy
+    rank waited at its barrier until the launcher killed it too, after its 30 s grace (SIGTERM only asks a rank to
+    finish its step), and then named it. The progress line is drawn as on a terminal: every message starts a line of
+    its own, also after a rank 0 killed in the middle of drawing it. Bound: 15 s from the last step logged (the
+    killed step takes milliseconds; the rest is noticing, exiting and the launcher's 0.2 s polls), half the
+    launcher's grace."""
+    save_plan(plan(2, steps=4, comm=comm), tmp_path / "p.json")
+    ran = fastml("run", "p.json", "--log-json", "log.jsonl", cwd=tmp_path,
+                 env={"FASTML_FAULTS": f"kill-mid-step@2:{killed}", "TTY_COMPATIBLE": "1", "TERM": "xterm"})
+    stopped_s = time.time() - (tmp_path / "log.jsonl").stat().st_mtime  # rank 0 logged step 1; step 2 was killed
     assert ran.returncode == 128 + 9, ran.stderr
-    assert "fastml: rank 1 (pid" in ran.stderr and "was killed by SIGKILL; the job stopped" in ran.stderr
+    assert f"fastml: rank {killed} (pid" in ran.stderr and "was killed by SIGKILL; the job stopped" in ran.stderr
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", ran.stderr)  # as a terminal shows it: without its escapes
+    assert not re.search(r"[^\n\r]fastml: ", shown), shown  # each message at the start of a line
+    assert stopped_s < 15, ran.stderr
+
+
+def test_a_rank_waiting_at_the_memcpy_barrier_stops_when_the_one_it_waits_for_dies(tmp_path):
+    """csrc/hostcomm.cpp: two processes meet at a barrier in shared memory; then one is killed, and the other's next
+    barrier raises a DistBackendError naming it (the error torch.distributed raises when a peer is lost, which `fastml
+    run` turns into exit code 4) instead of waiting out its 60 s timeout."""
+    native.load()
+    shared = tmp_path / "flags"
+    flags = torch.from_file(str(shared), shared=True, size=2 * 8, dtype=torch.int64)  # two ranks' cache lines
+    peer = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal, sys, torch; from fastml.executor import native; native.load(); "
+        "flags = torch.from_file(sys.argv[1], shared=True, size=16, dtype=torch.int64); "
+        "torch.ops.fastml.host_barrier(flags, 1, 2, 1, 60.0); os.kill(os.getpid(), signal.SIGKILL)"), str(shared)])
+    torch.ops.fastml.host_barrier(flags, 0, 2, 1, 60.0)
+    assert peer.wait(timeout=60) == -signal.SIGKILL  # reaped, as a launcher reaps its workers
+    start = time.monotonic()
+    with pytest.raises(dist.DistBackendError, match=rf"rank 1 of this node \(pid {peer.pid}\) has died; rank 0 stops"):
+        torch.ops.fastml.host_barrier(flags, 0, 2, 2, 60.0)
+    assert time.monotonic() - start < 30
 
 
 def test_a_hung_rank_stops_the_job_within_the_timeout_and_is_named(tmp_path):

@@ -2,10 +2,12 @@
 
 import os
 import socket
+import stat
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastml.config import UserError
 from fastml.executor.storage import files
@@ -99,3 +101,19 @@ def test_a_sibling_is_named_after_its_host_and_pid(tmp_path):
     seen = []
     write_dir_atomically(tmp_path / "out", lambda tmp: seen.append(tmp.name), is_ours, "ours")
     assert seen[0].startswith(f".out.tmp-{socket.gethostname()}-{os.getpid()}-")
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_safetensors_files_get_a_new_files_mode_as_the_json_beside_them(tmp_path, mask):
+    """REVIEW: checkpoint and HF-export safetensors were mode 0600 (safetensors writes a private temporary file and
+    renames it) while the JSON beside them was 0644."""
+    previous = os.umask(mask)
+    try:
+        assert files.umask() == mask
+        files.write_safetensors({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+        files.write_json(tmp_path / "fastml.json", {})
+    finally:
+        os.umask(previous)
+    modes = {stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("model.safetensors", "fastml.json")}
+    assert modes == {0o666 & ~mask}
+

@@ -119,7 +119,7 @@ def test_a_nan_step_is_skipped_and_leaves_the_state_untouched(workdir):
     for file in ("model.safetensors", "optimizer.safetensors"):
         a, b = load_file(before / file), load_file(after / file)
         assert all((a[k] == b[k]).all() for k in a), file
-    assert re.search(r"steps skipped \(loss or gradient not finite\)\s*│\s*1\s*│", result.stderr)
+    assert re.search(r"steps skipped \(loss or gradient not finite\)\s*│\s*1\s*│", result.stdout)
 
 
 def test_too_many_nan_steps_in_a_row_stop_the_run(workdir):
@@ -175,7 +175,7 @@ def test_a_training_checkpoint_exports_to_hf(workdir):
 def test_resuming_a_finished_run_trains_nothing(workdir):
     result = run(workdir, "reference", "--resume")
     assert result.returncode == 0, result.stderr
-    assert f"already at step {STEPS} of {STEPS}: nothing to train" in result.stderr.replace("\n", " ")
+    assert f"already at step {STEPS} of {STEPS}: nothing to train" in result.stdout.replace("\n", " ")
 
 
 def test_a_new_run_into_a_used_checkpoint_dir_is_refused_in_one_line(workdir):
@@ -307,13 +307,26 @@ def test_resume_allows_knobs_that_change_no_math_and_says_so(tmp_path):
     for lost in ("step-00000004", "step-00000006"):
         shutil.rmtree(root / lost)
     said = train_quietly(tiny_plan(root, 6, "knobs.micro_batch_size=2", 'knobs.recompute=["block"]',
-                                   "knobs.lm_head_chunks=2", "training.checkpoint_interval=1"),
-                         resume=True, log_json=tmp_path / "a.jsonl")
+                                   "knobs.lm_head_chunks=2"),
+                         resume=True, log_json=tmp_path / "a.jsonl", checkpoint_interval=1)
     assert ("resuming with changes that leave the math and the data order as they were: training.checkpoint_interval "
             "2 -> 1, knobs.micro_batch_size 1 -> 2, knobs.grad_accum_steps 2 -> 1, knobs.recompute () -> ('block',), "
             "knobs.lm_head_chunks 1 -> 2") in said
     # The same sequences in the same order: equal up to the order of the sums.
     assert losses(tmp_path, "a") == pytest.approx(reference, rel=1e-5)
+
+
+def test_a_resumed_run_checkpoints_as_the_run_it_resumes_unless_given_a_new_interval(tmp_path):
+    """REVIEW: `--resume` without repeating `--checkpoint-interval` set it back to the plan file's 0 (the end only),
+    announced among the changes but easy to miss."""
+    root = tmp_path / "ck"
+    train_quietly(tiny_plan(root, 4))  # every 2 steps
+    said = train_quietly(tiny_plan(root, 8, "training.checkpoint_interval=0"), resume=True, keep_checkpoints=10)
+    assert "resuming with the run's checkpoint interval: every 2 steps (--checkpoint-interval N changes it)" in said
+    assert steps_in(root) == [f"step-0000000{i}" for i in (2, 4, 6, 8)]
+    said = train_quietly(tiny_plan(root, 11), resume=True, keep_checkpoints=10, checkpoint_interval=0)
+    assert "training.checkpoint_interval 2 -> 0" in said
+    assert steps_in(root)[-1:] == ["step-00000011"] and "step-00000010" not in steps_in(root)
 
 
 def test_pruning_keeps_intact_checkpoints_and_removes_damaged_ones(tmp_path):

@@ -3,6 +3,7 @@
 import dataclasses
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -161,11 +162,39 @@ def test_the_step_calls_its_hooks(tmp_path):
 
 
 def test_mfu_uses_the_peak_of_the_plans_matmul_dtype(monkeypatch):
-    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype, threads=None: None)  # no measured CPU profile
+    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype: None)  # no measured CPU profile
     assert peak_flops(torch.device("cpu"), "fp32") == (None, "cpu fp32: its profile has no fp32 peak, MFU n/a")
-    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype, threads=None: {"fp32": 2e12}.get(dtype))
+    monkeypatch.setattr(hwprofiles, "peak_flops", lambda profile, dtype: {"fp32": 2e12}.get(dtype))
     assert peak_flops(torch.device("cpu"), "fp32") == (2e12, "cpu measured fp32 2 TFLOP/s")
     assert peak_flops(torch.device("cpu"), "bf16")[0] is None
+
+
+@pytest.mark.parametrize("device, comm, said", [("cpu", "nccl", "gloo collectives"), ("cuda", "nccl", "NCCL collectives"),
+                                               ("cpu", "memcpy", "memcpy collectives (through shared host memory)")])
+def test_the_run_names_the_collectives_that_really_run(device, comm, said):
+    """REVIEW: gloo runs said "nccl collectives" (`comm = "nccl"` means torch.distributed's)."""
+    from fastml.executor.loop.display import print_knobs
+    from fastml.plan import Hardware
+
+    plan = Plan(model=PRESETS["tiny"], training=Training(seq_len=64, global_batch_tokens=64 * 2, steps=1),
+                hardware=Hardware(device=device, num_gpus=2, gpus_per_node=2), knobs=Knobs(comm=comm))
+    console = Console(file=io.StringIO(), width=200)
+    print_knobs(console, plan)
+    assert f"ranks: 2 {'GPUs' if device == 'cuda' else 'CPU processes'}, {said}; rank 0" in console.file.getvalue()
+
+
+def test_mfu_on_a_cpu_is_against_the_whole_cpu_whatever_threads_this_process_has(monkeypatch, tmp_path):
+    """REVIEW: under torchrun, which starts each rank with OMP_NUM_THREADS=1, MFU was n/a: the peak was looked up by
+    the rank's own thread count, which no plan had measured. The peak is the measurement of this CPU with the most
+    threads (another CPU's is not this one's)."""
+    monkeypatch.setenv("FASTML_CACHE", str(tmp_path))
+    threads = torch.get_num_threads()
+    for cpu, more_threads, peak in ((None, 1, 1e11), (None, 2, 2e11), ("another CPU", 3, 9e11)):
+        key = hwprofiles.cpu_key() | {"torch_threads": str(threads + more_threads)} | ({"cpu": cpu} if cpu else {})
+        hwprofiles.save_cpu(hwprofiles.CpuMeasurements(key=key, date="2026-12-02", peak_fp32_flops_per_s=peak,
+                                                       memory_bytes_per_s=1e10))
+    assert hwprofiles.this_cpu() is None  # none was taken with this process's threads
+    assert peak_flops(torch.device("cpu"), "fp32") == (2e11, "cpu measured fp32 0.2 TFLOP/s")
 
 
 def test_the_run_shows_its_knobs_and_host_memory_beside_the_prediction(tmp_path):
@@ -185,6 +214,27 @@ def test_the_run_shows_its_knobs_and_host_memory_beside_the_prediction(tmp_path)
     print_summary(console, dataclasses.replace(plan, predicted=predicted), summary)
     row = next(line for line in console.file.getvalue().splitlines() if "peak host memory" in line)
     assert f"{summary['peak_host_memory_bytes'] / gib:.2f} GiB" in row and "4.00 GiB" in row  # host 1 + "GPU" 3
+    print_summary(console, plan, summary | {"steps": 1})
+    assert re.search(rf"fastml run: {plan.model.name}, 1 step *\n", console.file.getvalue())  # REVIEW: "1 steps"
+
+
+def test_progress_off_a_terminal_is_a_plain_line_every_few_seconds():
+    """In a pipe or a log, where rich would draw its progress bar once the run has ended (then showing the last step's
+    figures as if they were the run's, and on a CPU "mem n/a" where the plan predicts a peak): a plain line every 5 s
+    with the time so far, as `fastml plan`'s search."""
+    from fastml.executor.loop import display
+
+    out = io.StringIO()
+    seconds = iter([0.0, 2.0, 5.5, 7.0, 11.0])
+    record = dict(loss=5.25, tokens_per_s=1234.0, mfu=None, peak_gpu_memory_bytes=None, peak_host_memory_bytes=2**29)
+    with display.progress(Console(file=out, width=80), True, total=10, done=2, clock=lambda: next(seconds)) as show:
+        for _ in range(4):
+            show(record)
+    assert out.getvalue().splitlines() == [
+        "training: step 4/10, loss 5.2500  1,234 tok/s  MFU n/a  mem 0.5 GiB (6 s)",
+        "training: step 6/10, loss 5.2500  1,234 tok/s  MFU n/a  mem 0.5 GiB (11 s)"]
+    # On a CPU the memory shown is the process's, the figure the plan predicts there; on a GPU the GPU's.
+    assert display.status(record | {"peak_gpu_memory_bytes": 3 * 2**30}).endswith("mem 3.0 GiB")
 
 
 @pytest.mark.parametrize("dtype, expected", [("fp32", torch.float32), ("bf16", torch.bfloat16)])

@@ -3,10 +3,14 @@ against predicted."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from fastml.config import plural
 from fastml.plan import MEMORY_CATEGORIES, Plan, describe_knobs
 from fastml.executor.loop.device import predicted_host_bytes
 
@@ -16,20 +20,61 @@ def print_knobs(console: Console, plan: Plan) -> None:
     if h.num_gpus > 1:
         units = "GPUs" if h.device == "cuda" else "CPU processes"
         nodes = f" on {h.num_gpus // h.gpus_per_node} nodes" if h.num_gpus > h.gpus_per_node else ""
-        console.print(f"ranks: {h.num_gpus} {units}{nodes}, {plan.knobs.comm} collectives; rank 0 reports, its own "
-                      "memory", highlight=False)
+        console.print(f"ranks: {h.num_gpus} {units}{nodes}, {collectives(plan)}; rank 0 reports, its own memory",
+                      highlight=False)
     console.print(f"knobs: {describe_knobs(plan.knobs)}")
 
 
-def progress(console: Console, enabled: bool) -> Progress:
-    return Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"),
-                    TextColumn("ETA"), TimeRemainingColumn(), console=console, disable=not enabled)
+def collectives(plan: Plan) -> str:
+    """What carries the plan's collectives: `comm = "nccl"` is torch.distributed's, which is NCCL between GPUs and
+    gloo between CPU processes."""
+    if plan.knobs.comm == "memcpy":
+        return "memcpy collectives (through shared host memory)"
+    return "NCCL collectives" if plan.hardware.device == "cuda" else "gloo collectives"
+
+
+LOG_EVERY_S = 5.0
+"""Where no live line can be drawn, the seconds between two plain progress lines (as `fastml plan`'s search)."""
+
+
+@contextlib.contextmanager
+def progress(console: Console, enabled: bool, total: int, done: int, clock=time.monotonic):
+    """The run's progress from step `done` of `total`, as the callback `show(record)` to call after each step: a live
+    line on a terminal; elsewhere (a pipe, a log file), where rich draws a live line only once it ends, a plain line
+    every LOG_EVERY_S, as `fastml plan` shows its search there."""
+    if not enabled:
+        yield lambda record: None
+    elif console.is_terminal and not console.is_dumb_terminal:
+        with Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"),
+                      TextColumn("ETA"), TimeRemainingColumn(), console=console) as bar:
+            task = bar.add_task("training", total=total, completed=done, status="")
+            yield lambda record: bar.update(task, advance=1, status=status(record))
+    else:
+        yield _StepLines(console, total, done, clock)
+
+
+class _StepLines:
+    """`progress` where no live line can be drawn: a step's figures every LOG_EVERY_S, with the time so far."""
+
+    def __init__(self, console: Console, total: int, done: int, clock):
+        self.console, self.total, self.step, self.clock = console, total, done, clock
+        self.started_s = self.shown_s = clock()
+
+    def __call__(self, record: dict) -> None:
+        self.step += 1
+        now = self.clock()
+        if now - self.shown_s >= LOG_EVERY_S:
+            self.console.print(f"training: step {self.step}/{self.total}, {status(record)} "
+                               f"({now - self.started_s:.0f} s)", highlight=False)
+            self.shown_s = now
 
 
 def status(record: dict) -> str:
-    """One step's figures for the progress line."""
+    """One step's figures for the progress line; the memory is the figure the plan predicts as peak memory: the
+    GPU's, or training on a CPU, the process's (the closing table's "peak host memory")."""
+    memory = record["peak_gpu_memory_bytes"]
     return (f"loss {loss_text(record['loss'])}  {record['tokens_per_s']:,.0f} tok/s  MFU {_percent(record['mfu'])}  "
-            f"mem {_gib(record['peak_gpu_memory_bytes'], 1)}")
+            f"mem {_gib(record['peak_host_memory_bytes'] if memory is None else memory, 1)}")
 
 
 def loss_text(value: float | None) -> str:
@@ -37,7 +82,7 @@ def loss_text(value: float | None) -> str:
 
 
 def print_summary(console: Console, plan: Plan, summary: dict) -> None:
-    table = Table(title=f"fastml run: {plan.model.name}, {summary['steps']} steps")
+    table = Table(title=f"fastml run: {plan.model.name}, {plural(summary['steps'], 'step')}")
     table.add_column("")
     table.add_column("measured", justify="right")
     table.add_column("predicted", justify="right")

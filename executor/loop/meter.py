@@ -29,16 +29,14 @@ class Meter:
     complete, before the optimizer step (a walk over the tensors `tensors_by_category` lists). The latest of each
     counts; `gpu_memory` and `host_memory` say what each measured figure means."""
 
-    def __init__(self, plan: Plan, device: torch.device, tensors_by_category: TensorsByCategory | None = None,
-                 cpu_threads: int | None = None):
+    def __init__(self, plan: Plan, device: torch.device, tensors_by_category: TensorsByCategory | None = None):
         self.plan = plan
         self.device = device
         self.tensors_by_category = tensors_by_category
         self.forward_kept_bytes: int | None = None
         self.state_bytes: tuple[dict[str, int], dict[str, int]] | None = None  # (GPU, host) by category
-        # MFU is the job's: its tokens/s against all its GPUs' peaks, or the whole CPU's (measured with all its
-        # threads, `cpu_threads`, where the ranks share them).
-        peak, self.peak_name = peak_flops(device, plan.knobs.matmul_dtype, cpu_threads)
+        # MFU is the job's: its tokens/s against all its GPUs' peaks, or the whole CPU's, which the ranks share.
+        peak, self.peak_name = peak_flops(device, plan.knobs.matmul_dtype)
         self.peak_flops = peak * plan.hardware.num_gpus if peak and device.type == "cuda" else peak
         self.flops_per_token = plan.model.flops_per_token(plan.training.seq_len)
         self.records: list[dict] = []
@@ -54,10 +52,12 @@ class Meter:
         step_time_s, self.last = now - self.last, now
         tokens_per_s = self.plan.training.global_batch_tokens / step_time_s
         on_gpu = self.device.type == "cuda"
-        gpu_memory, host_memory = self.memory_by_category(peak_host_memory_bytes())
+        peak_rss = peak_host_memory_bytes()
+        gpu_memory, host_memory = self.memory_by_category(peak_rss)
         record.update(
             step_time_s=step_time_s, tokens_per_s=tokens_per_s, mfu=self._mfu(tokens_per_s),
             peak_gpu_memory_bytes=torch.cuda.max_memory_allocated(self.device) if on_gpu else None,
+            peak_host_memory_bytes=peak_rss,
             # By category, as measured so far (the run's peaks): the log carries what the closing table shows.
             memory_bytes=gpu_memory if on_gpu else None, host_memory_bytes=host_memory)
         self.records.append(record)
@@ -118,7 +118,7 @@ class Meter:
         return self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops else None
 
 
-def peak_flops(device: torch.device, dtype: str, cpu_threads: int | None = None) -> tuple[float | None, str]:
+def peak_flops(device: torch.device, dtype: str) -> tuple[float | None, str]:
     """The peak of `dtype` matmuls that MFU is measured against (a GPU's dense peak from its shipped profile, a CPU's
     measured peak from its cached profile), and its description: device, dtype, FLOP/s (of one GPU)."""
     if device.type == "cuda":
@@ -126,7 +126,7 @@ def peak_flops(device: torch.device, dtype: str, cpu_threads: int | None = None)
         profile = hwprofiles.for_device_name(name)
     else:
         name = profile = "cpu"
-    peak = hwprofiles.peak_flops(profile, dtype, cpu_threads) if profile else None
+    peak = hwprofiles.peak_flops(profile, dtype) if profile else None
     if peak:
         kind = "dense" if device.type == "cuda" else "measured"
         return peak, f"{name} {kind} {dtype} {peak / 1e12:.3g} TFLOP/s"

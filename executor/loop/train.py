@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -19,9 +20,9 @@ import torch
 from rich.console import Console
 
 from fastml import hwprofiles
-from fastml.config import check_range, fail
+from fastml.config import check_output_dir, check_output_file, check_range, fail
 from fastml.plan import Plan, save_plan
-from fastml.record import TRACE_FILE, Measured, RunMachine, RunRecord, save_record
+from fastml.record import RECORD_FILE, TRACE_FILE, Measured, RunMachine, RunRecord, save_record
 from fastml.executor.loop import display, faults
 from fastml.executor.model import fp8
 from fastml.executor.storage import checkpoints
@@ -44,6 +45,8 @@ class TrainingStopped(Exception):
         self.exit_code = exit_code
 
 
+LOG_FILE = "log.jsonl"
+"""In a run's directory: its per-step log, unless --log-json names another file."""
 DEFAULT_TIMEOUT_S = 600
 """How long the ranks of a job wait for each other before it is stopped (`--timeout`); a first step that compiles
 the model can take minutes."""
@@ -53,10 +56,12 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
           console: Console | None = None, resume: bool = False, keep_checkpoints: int = 3,
           max_nonfinite_steps: int = 5, strict: bool = False, start_over: bool = False,
           timeout_s: float = DEFAULT_TIMEOUT_S, summary_json: str | Path | None = None,
-          run_dir: str | Path | None = None, trace_step: int | None = None) -> dict:
+          run_dir: str | Path | None = None, trace_step: int | None = None,
+          checkpoint_interval: int | None = None) -> dict:
     """Runs `plan` for `steps` optimizer steps in all (default: the plan's) and returns the summary of the run.
 
-    With `resume`, continues from the newest intact checkpoint in the plan's checkpoint_dir; without it, a directory
+    With `resume`, continues from the newest intact checkpoint in the plan's checkpoint_dir, checkpointing as the run
+    it resumes did unless `checkpoint_interval` is given (which replaces the plan's); without it, a directory
     holding checkpoints is refused unless `start_over` moves them aside (checkpoints.open_run). SIGINT and SIGTERM
     finish the step, write a checkpoint and raise TrainingStopped; so do `max_nonfinite_steps` skipped steps in a
     row (without the checkpoint). `strict` refuses a plan made for other hardware instead of warning.
@@ -68,16 +73,24 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     `run_dir` receives the run's log (`log.jsonl`, unless `log_json` names another file), its plan and its record
     (`record.json`: fastml.record, what `fastml calibrate` reads); with `trace_step`, also `trace.json`, rank 0's
     step of that number as torch's profiler saw it (`fastml explain RUN_DIR --trace` sets it beside the simulated
-    one)."""
+    one).
+
+    Rank 0 prints its report (what is in effect, the closing tables, where the record went) on stdout and its
+    progress, notes and warnings on stderr; `console` receives both instead."""
     world = launched()
-    run_dir = Path(run_dir) if run_dir is not None and (world is None or world.main) else None  # rank 0's alone
+    main = world is None or world.main
+    run_dir = Path(run_dir) if run_dir is not None and main else None  # rank 0's alone
+    _prepare_outputs(plan, run_dir, log_json if main else None, summary_json if main else None)
     if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        log_json = log_json or run_dir / "log.jsonl"
+        log_json = log_json or run_dir / LOG_FILE
         if not resume:  # the directory describes this run: an earlier run's trace is not this one's
             (run_dir / TRACE_FILE).unlink(missing_ok=True)
     if steps is not None:
         plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training, steps=steps))
+    if checkpoint_interval is not None:
+        check_range("--checkpoint-interval", checkpoint_interval, 0)
+        plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training,
+                                                                      checkpoint_interval=checkpoint_interval))
     check_range("--keep-checkpoints", keep_checkpoints, 1)
     check_range("--max-nonfinite-steps", max_nonfinite_steps, 1)
     check_range("--timeout", timeout_s, 1)
@@ -87,7 +100,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
             fail("--trace-step", "the trace is written into the run's directory: give --run-dir")
     options = dict(log_json=log_json, show_progress=show_progress, resume=resume, keep_checkpoints=keep_checkpoints,
                    max_nonfinite_steps=max_nonfinite_steps, strict=strict, start_over=start_over, timeout_s=timeout_s,
-                   trace_step=trace_step)
+                   trace_step=trace_step, checkpoint_interval=checkpoint_interval)
     if world is None and plan.hardware.num_gpus > 1:
         from fastml.executor.parallel.launch import train_in_workers
 
@@ -96,26 +109,27 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         return summary
     world = world or SINGLE
     check_world(plan, world)
-    console = console or Console(stderr=True, quiet=not world.main)
-    _say_test_hooks(console)
-    cpu_threads = torch.get_num_threads()  # before the ranks of a CPU job share them
+    err = console or Console(stderr=True, quiet=not world.main)
+    # On one terminal the report goes through the console that draws the progress line, which keeps them apart.
+    out = console or (err if err.is_terminal and sys.stdout.isatty() else Console(quiet=not world.main))
+    _say_test_hooks(err)
     device = training_device(plan, world)
-    check_hardware(plan, device, strict, console)
+    check_hardware(plan, device, strict, err)
     check_host_memory(plan)
-    apply_memory_cap(plan, device, console)
+    apply_memory_cap(plan, device, out)
     join(plan, world, device, timeout_s, CHECKPOINT_S)
     with Watchdog(world, timeout_s) as watchdog:
         comm = make_collectives(plan.knobs.comm, world, device, watchdog) if world.distributed else None
         try:
             trace = run_dir / TRACE_FILE if run_dir is not None and world.main and trace_step else None
-            summary = _train(plan, world, device, comm, watchdog, console, cpu_threads, trace=trace, **options)
+            summary = _train(plan, world, device, comm, watchdog, out, err, trace=trace, **options)
         finally:
             if comm is not None:
                 comm.close()
     if world.main:
         _write_summary(summary, summary_json)
         if run_dir is not None and summary.get("steps"):
-            _write_run(run_dir, plan, summary, device, console)
+            _write_run(run_dir, plan, summary, device, out)
     return summary
 
 
@@ -132,6 +146,21 @@ def _say_test_hooks(console: Console) -> None:
                           f"{effect}; unset it unless you are testing fastml", highlight=False)
 
 
+def _prepare_outputs(plan: Plan, run_dir: Path | None, log_json, summary_json) -> None:
+    """Checks that the run can write every file it will, before any work (a checkpoint directory naming a file once
+    failed after the last step), and makes the run's directory."""
+    if plan.training.checkpoint_dir:
+        check_output_dir("--checkpoint-dir", plan.training.checkpoint_dir)
+    files = [("--log-json", log_json), ("--summary-json", summary_json)]
+    if run_dir is not None:
+        check_output_dir("--run-dir", run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        files += [("--run-dir", run_dir / name) for name in ("plan.json", RECORD_FILE, TRACE_FILE, LOG_FILE)]
+    for flag, path in files:
+        if path:
+            check_output_file(flag, path)
+
+
 def _write_run(run_dir: Path, plan: Plan, summary: dict, device: torch.device, console: Console) -> None:
     """The run's plan and record (fastml.record) into its directory."""
     save_plan(plan, run_dir / "plan.json")
@@ -143,8 +172,8 @@ def _write_run(run_dir: Path, plan: Plan, summary: dict, device: torch.device, c
                         host_memory_bytes=summary["host_memory_bytes"])
     save_record(RunRecord(plan=plan, machine=machine, steps=summary["steps"], measured=measured,
                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")),
-                run_dir / "record.json")
-    console.print(f"run record: {run_dir / 'record.json'} (for `fastml calibrate`)", highlight=False)
+                run_dir / RECORD_FILE)
+    console.print(f"run record: {run_dir / RECORD_FILE} (for `fastml calibrate`)", highlight=False)
 
 
 def _write_summary(summary: dict, path: str | Path | None) -> None:
@@ -152,17 +181,20 @@ def _write_summary(summary: dict, path: str | Path | None) -> None:
         Path(path).write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, console: Console,
-           cpu_threads: int, *,
+def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, out: Console, err: Console, *,
            log_json, show_progress: bool, resume: bool, keep_checkpoints: int, max_nonfinite_steps: int,
-           strict: bool, start_over: bool, timeout_s: float, trace_step: int | None, trace: Path | None) -> dict:
+           strict: bool, start_over: bool, timeout_s: float, trace_step: int | None, trace: Path | None,
+           checkpoint_interval: int | None) -> dict:
+    """The loop of one rank; `out` gets the report (the knobs, the closing tables), `err` the progress and notes."""
     run = checkpoints.open_run(plan, resume=resume, start_over=start_over, keep=keep_checkpoints,
-                            say=lambda message: console.print(message, markup=False), world=world)
+                               say=lambda message: err.print(message, markup=False), world=world,
+                               new_interval=checkpoint_interval is not None)
+    plan = run.plan  # resumed: with the checkpoint interval of the run resumed
     data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)  # before the weights load
     model, optimizer = _model_and_optimizer(plan, device, world, comm, run)
     checkpoint, position = run.restore(model, optimizer)
     if position.step >= plan.training.steps:
-        console.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
+        out.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
         return {"steps": 0}
     micro = plan.knobs.micro_batch_size
     # Every valid micro-batch (times the ranks) divides the sequences of a step, so it divides what a checkpoint has
@@ -170,11 +202,11 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
     batches = data.batches(micro, plan.training.seed, start=position.sequences // (micro * world.size),
                            rank=world.rank, world_size=world.size)
     sequences_per_step = micro * plan.knobs.grad_accum_steps * world.size
-    meter = Meter(plan, device, tensors_by_category=lambda: memory_tensors(model, optimizer), cpu_threads=cpu_threads)
+    meter = Meter(plan, device, tensors_by_category=lambda: memory_tensors(model, optimizer))
     hooks = faults.step_hooks()
     with _log_file(log_json if world.main else None, position.step if resume else None) as log, \
-            display.progress(console, show_progress and world.main) as progress, _StopSignals() as stop:
-        task = progress.add_task("training", total=plan.training.steps, completed=position.step, status="")
+            display.progress(err, show_progress and world.main, plan.training.steps, position.step) as show_step, \
+            _StopSignals() as stop:
         bad_in_a_row = 0
         first_step = position.step
         for step in range(first_step, plan.training.steps):
@@ -188,11 +220,11 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
                 meter.restart_clock()
             stopping = record.pop("stop")
             if step == first_step:  # after the first batch was read: bad data is one line alone, never after it
-                display.print_knobs(console, plan)
+                display.print_knobs(out, plan)
             position = checkpoints.Position(step + 1, position.sequences + sequences_per_step)
             bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0
             _log(record, log)
-            progress.update(task, advance=1, status=display.status(record))
+            show_step(record)
             if bad_in_a_row >= max_nonfinite_steps:
                 raise TrainingStopped(
                     f"step {step + 1}: loss or gradient norm not finite {bad_in_a_row} steps in a row; stopped. "
@@ -204,7 +236,7 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
                 signum = stop.signal or signal.SIGTERM  # another rank's: this one was not signalled (yet)
                 raise TrainingStopped(_stopped_message(plan, step + 1, signum, checkpoint), 128 + signum)
     summary = meter.summary()
-    display.print_summary(console, plan, summary)
+    display.print_summary(out, plan, summary)
     return summary
 
 
@@ -216,6 +248,9 @@ def _profiled(trace: Path | None, device: torch.device):
     if trace is None:
         yield
         return
+    # Kineto, under the profiler, prints a "USDT:" line as it starts and stops, at the top of its log levels: only a
+    # level above them all leaves them out (its own errors too; a level the user sets wins).
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

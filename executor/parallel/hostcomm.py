@@ -17,6 +17,10 @@ rewritten only after every rank read it. A thread per rank runs the rounds, so t
 (the rounds' device-to-host copies of one collective overlap the host-to-device copies of the one before); it waits
 only where it uses a result (`Work.wait`). On a CPU (a job of CPU processes) the copies are plain ones, which is
 how CI tests the same rounds.
+
+A rank whose process dies never reaches its next barrier: the ranks waiting there see that its process is gone and
+stop with a DistBackendError that names it (as gloo's and NCCL's collectives stop when a peer's connection drops), so
+that the job ends at once and the launcher blames the rank that died, not the ones left waiting.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from fastml.executor.memory.pinned import pin
 from fastml.executor.storage.files import is_running
 
 FLAG_BYTES = 4096
-"""The barrier's flags at the start of the shared memory: an int64 per rank, a 64-byte cache line apart."""
+"""The barrier's flags at the start of the shared memory: a 64-byte cache line per rank (its count of barriers, its
+process id; csrc/hostcomm.cpp)."""
 SHARED_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 SHARED_PREFIX = "fastml-memcpy-"
 """The shared memory's file is SHARED_DIR/fastml-memcpy-PID-TOKEN, PID that of the rank 0 that created it."""
@@ -214,7 +219,9 @@ class _Job:
     def wait(self) -> None:
         self.finished.wait()
         if self.error is not None:
-            raise RuntimeError(f"memcpy collective failed: {self.error}") from self.error
+            # A DistError (a rank died or never came: csrc/hostcomm.cpp) stays one, as torch.distributed's own are.
+            kind = dist.DistBackendError if isinstance(self.error, dist.DistError) else RuntimeError
+            raise kind(f"memcpy collective failed: {self.error}") from self.error
         if self.done is not None:
             torch.cuda.current_stream().wait_event(self.done)
         self.tensors = ()

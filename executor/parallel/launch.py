@@ -40,7 +40,8 @@ class WorkersFailed(Exception):
 
 def train_in_workers(plan: Plan, console: Console, *, log_json, show_progress: bool, resume: bool,
                      keep_checkpoints: int, max_nonfinite_steps: int, strict: bool, start_over: bool,
-                     timeout_s: float, run_dir=None, trace_step: int | None = None) -> dict:
+                     timeout_s: float, run_dir=None, trace_step: int | None = None,
+                     checkpoint_interval: int | None = None) -> dict:
     """Trains `plan` with one worker per rank of this node; returns rank 0's summary."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -57,6 +58,7 @@ def train_in_workers(plan: Plan, console: Console, *, log_json, show_progress: b
         args += ["--log-json", str(Path(log_json).absolute())] if log_json else []
         args += ["--run-dir", str(Path(run_dir).absolute())] if run_dir else []
         args += ["--trace-step", str(trace_step)] if trace_step else []
+        args += ["--checkpoint-interval", str(checkpoint_interval)] if checkpoint_interval is not None else []
         args += [flag for flag, given in (("--no-progress", not show_progress), ("--resume", resume),
                                           ("--start-over", start_over), ("--strict", strict)) if given]
         console.print(f"starting {n} {'GPU' if plan.hardware.device == 'cuda' else 'CPU'} workers; rank 0 reports",
@@ -65,6 +67,8 @@ def train_in_workers(plan: Plan, console: Console, *, log_json, show_progress: b
         try:
             elastic_launch(_launch_config(n), sys.executable)(*args)
         except ChildFailedError as e:
+            if show_progress and console.is_terminal and _killed(e, rank=0):
+                console.line()  # rank 0 died drawing its progress line: the message starts a line of its own
             raise _failure(e) from None
         except SignalException as e:
             raise WorkersFailed(f"stopped by {e.sigval.name}: the workers finished their step and stopped (see "
@@ -102,6 +106,10 @@ def _launch_config(num_workers: int):
     return LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=num_workers, run_id=f"fastml-{uuid.uuid4().hex[:8]}",
                         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.2,
                         start_method="spawn", **extra)
+
+
+def _killed(error, rank: int) -> bool:
+    return rank in error.failures and error.failures[rank].exitcode < 0
 
 
 def _failure(error) -> WorkersFailed:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fastml.config import fail
+from fastml.config import fail, say_on_stderr
 from fastml.plan import Plan
 
 EXIT_OTHER_RANK = 4
@@ -101,7 +100,7 @@ class Watchdog:
 
     def __init__(self, world: World, timeout_s: float, say=None):
         self.world, self.timeout_s = world, timeout_s
-        self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.say = say or say_on_stderr
         self.progress, self.where = 0, "starting"
         self.last_move = time.monotonic()
         self.allowed_s = timeout_s

@@ -188,18 +188,20 @@ class Run:
         return path in self.intact
 
 
-def open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say, world: World = SINGLE) -> Run:
+def open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say, world: World = SINGLE,
+             new_interval: bool = False) -> Run:
     """The run that is starting: with `resume`, the one whose newest intact checkpoint is in the plan's
-    checkpoint_dir (refused if that checkpoint's plan differs in what `resume_changes` refuses); else a new one,
-    refused if the directory holds checkpoints, unless `start_over` moves them aside. Checks before any work.
-    With several ranks, rank 0 decides and the others follow."""
+    checkpoint_dir (refused if that checkpoint's plan differs in what `resume_changes` refuses), which keeps its
+    checkpoint interval unless `new_interval` (the plan's is one the user gave); else a new one, refused if the
+    directory holds checkpoints, unless `start_over` moves them aside. Checks before any work. With several ranks,
+    rank 0 decides and the others follow. The run's `plan` is the one it trains."""
     if not world.distributed:
-        return _open_run(plan, resume=resume, start_over=start_over, keep=keep, say=say)
+        return _open_run(plan, resume=resume, start_over=start_over, keep=keep, say=say, new_interval=new_interval)
     if world.num_nodes > 1 and plan.training.checkpoint_dir:
         _check_shared(Path(plan.training.checkpoint_dir), world)
     decided = [None]
     if world.main:
-        run = _open_run(plan, resume=resume, start_over=start_over, keep=keep, say=say)
+        run = _open_run(plan, resume=resume, start_over=start_over, keep=keep, say=say, new_interval=new_interval)
         decided = [(run.run_id, run.restore_from, sorted(run.damaged))]
     dist.broadcast_object_list(decided, src=0)
     if world.main:
@@ -207,6 +209,8 @@ def open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say,
         return run
     run_id, restore_from, damaged = decided[0]
     saved = read_manifest(restore_from).training if restore_from is not None else None  # rank 0 verified it
+    if saved is not None and not new_interval:
+        plan = _with_interval(plan, saved.plan.training.checkpoint_interval)
     return Run(plan, run_id, keep, say, restore_from=restore_from, saved=saved, damaged=frozenset(damaged),
                world=world)
 
@@ -238,7 +242,7 @@ def _check_shared(root: Path, world: World) -> None:
                         f"node's working directory)")
 
 
-def _open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say) -> Run:
+def _open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say, new_interval: bool) -> Run:
     root = plan.training.checkpoint_dir
     if resume and start_over:
         fail("--start-over", "contradicts --resume: resume continues the run in the checkpoint directory, "
@@ -253,7 +257,7 @@ def _open_run(plan: Plan, *, resume: bool, start_over: bool, keep: int, say: Say
     found = training_checkpoints(root) if root else []
     if resume:
         if found:
-            return _resume(plan, found, keep, say)
+            return _resume(plan, found, keep, say, new_interval)
         fail("--resume", _nothing_to_resume(Path(root)))
     _check_init_from(plan)
     if found:
@@ -293,7 +297,7 @@ def _check_init_from(plan: Plan) -> None:
             raise UserError(f"training.init_from: {e} (for random weights instead, plan with --init-from '')") from None
 
 
-def _resume(plan: Plan, found: list[Path], keep: int, say: Say) -> Run:
+def _resume(plan: Plan, found: list[Path], keep: int, say: Say, new_interval: bool) -> Run:
     runs = sorted({run for run in map(_run_of, found) if run is not None})
     if len(runs) > 1:
         fail(plan.training.checkpoint_dir, f"holds the checkpoints of {len(runs)} runs ({', '.join(runs)}); "
@@ -308,10 +312,23 @@ def _resume(plan: Plan, found: list[Path], keep: int, say: Say) -> Run:
             say(f"warning: skipping checkpoint {path}: {e}")
             damaged.add(path)
             continue
+        kept = saved.plan.training.checkpoint_interval
+        if not new_interval and kept != plan.training.checkpoint_interval:
+            plan = _with_interval(plan, kept)
+            say(f"resuming with the run's checkpoint interval: {_interval_text(kept)} (--checkpoint-interval N "
+                f"changes it)")
         _say_changes(resume_changes(path, saved, plan), saved.step, say)
         return Run(plan, saved.run_id, keep, say, restore_from=path, saved=saved, damaged=frozenset(damaged))
     fail(plan.training.checkpoint_dir, f"none of its {len(found)} checkpoints is intact (see the warnings above); "
                                        "start a new run with --start-over instead of --resume")
+
+
+def _with_interval(plan: Plan, interval: int) -> Plan:
+    return dataclasses.replace(plan, training=dataclasses.replace(plan.training, checkpoint_interval=interval))
+
+
+def _interval_text(interval: int) -> str:
+    return "at the end only" if not interval else "every step" if interval == 1 else f"every {interval} steps"
 
 
 def resume_changes(path: Path, saved: TrainingState, plan: Plan) -> list[tuple[str, object, object]]:

@@ -170,7 +170,24 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     # "format": "pt" is what transformers expects in the header of a PyTorch safetensors file.
     save_file({name: compact(t.detach().cpu()) for name, t in tensors.items()}, path,
               metadata={"format": "pt", **(metadata or {})})
+    # safetensors writes a private temporary file (mode 0600) and renames it: give it a new file's mode, as the JSON
+    # files beside it have.
+    os.chmod(path, 0o666 & ~umask())
     fsync(path)
+
+
+def umask() -> int:
+    """This process's umask: read from /proc where there is one, since os.umask reads it only by setting it (for
+    every thread at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
