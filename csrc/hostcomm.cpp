@@ -1,8 +1,8 @@
 // torch.ops.fastml.host_barrier: the barrier between the ranks of a node that the memcpy collectives
 // (executor/parallel/hostcomm.py) pass between copying their data into shared host memory and reading the others' from it.
 //
-// The ranks share one cache line per rank in shared memory: its first int64 is the rank's barrier count, the next
-// two its process id and PID namespace. A rank arriving at its n-th barrier stores n into its count with release
+// The ranks share a line of `flags` each (flags.numel() / size int64s: the caller gives each rank a cache line of its
+// own): its first int64 is the rank's barrier count, the next two its process id and PID namespace. A rank arriving at its n-th barrier stores n into its count with release
 // ordering, so that every write it made before (the copies it waited for) is visible to a rank that reads the count
 // with acquire ordering; it then waits until every count is at least n. This needs the atomics of C++: Python can
 // neither order a store after a device copy on every CPU nor wait without holding the interpreter lock (a torch op
@@ -29,7 +29,6 @@
 namespace fastml {
 namespace {
 
-constexpr int64_t kFlagStride = 8;  // int64s between two ranks' lines: one 64-byte cache line each
 constexpr int64_t kPid = 1;         // in a rank's line, after its count: its process id
 constexpr int64_t kPidNamespace = 2;  // and the inode of its PID namespace (0 where there is none to read)
 constexpr int kSpins = 2000;        // busy polls before the wait starts to sleep
@@ -55,12 +54,14 @@ bool died(const int64_t* line, int64_t my_namespace) {
 void host_barrier(const at::Tensor& flags, int64_t rank, int64_t size, int64_t generation, double timeout_s) {
   TORCH_CHECK(flags.device().is_cpu() && flags.scalar_type() == at::kLong && flags.is_contiguous(),
               "fastml::host_barrier: flags must be a contiguous int64 CPU tensor");
-  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size && flags.numel() >= size * kFlagStride,
-              "fastml::host_barrier: flags hold ", flags.numel(), " int64s, too few for rank ", rank, " of ", size);
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "fastml::host_barrier: rank ", rank, " of ", size);
+  const int64_t stride = flags.numel() / size;  // int64s between two ranks' lines
+  TORCH_CHECK(stride > kPidNamespace, "fastml::host_barrier: flags hold ", flags.numel(), " int64s, too few for ", size,
+              " ranks");
   TORCH_CHECK(generation >= 1, "fastml::host_barrier: generation counts barriers from 1, got ", generation);
   static const int64_t my_namespace = pid_namespace();
   int64_t* base = flags.data_ptr<int64_t>();
-  int64_t* mine = base + rank * kFlagStride;
+  int64_t* mine = base + rank * stride;
   __atomic_store_n(mine + kPid, static_cast<int64_t>(getpid()), __ATOMIC_RELAXED);
   __atomic_store_n(mine + kPidNamespace, my_namespace, __ATOMIC_RELAXED);
   __atomic_store_n(mine, generation, __ATOMIC_RELEASE);
@@ -69,7 +70,7 @@ void host_barrier(const at::Tensor& flags, int64_t rank, int64_t size, int64_t g
   for (int spins = 0;; ++spins) {
     bool all_arrived = true;
     for (int64_t r = 0; r < size && all_arrived; ++r) {
-      all_arrived = load_acquire(base + r * kFlagStride) >= generation;
+      all_arrived = load_acquire(base + r * stride) >= generation;
     }
     if (all_arrived) {
       return;
@@ -83,7 +84,7 @@ void host_barrier(const at::Tensor& flags, int64_t rank, int64_t size, int64_t g
     if (now - looked >= kLivenessEvery) {
       looked = now;
       for (int64_t r = 0; r < size; ++r) {
-        const int64_t* line = base + r * kFlagStride;
+        const int64_t* line = base + r * stride;
         TORCH_CHECK_WITH(DistBackendError, load_acquire(line) >= generation || !died(line, my_namespace),
                          "fastml::host_barrier: rank ", r, " of this node (pid ", line[kPid], ") has died; rank ",
                          rank, " stops waiting for it at barrier ", generation);
@@ -93,7 +94,7 @@ void host_barrier(const at::Tensor& flags, int64_t rank, int64_t size, int64_t g
     if (waited.count() > timeout_s) {
       std::ostringstream missing;
       for (int64_t r = 0; r < size; ++r) {
-        if (load_acquire(base + r * kFlagStride) < generation) {
+        if (load_acquire(base + r * stride) < generation) {
           missing << (missing.tellp() > 0 ? ", " : "") << r;
         }
       }

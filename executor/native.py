@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fastml.config import UserError
+from fastml.config import UserError, first_line
 from fastml.hwprofiles import cache_dir
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -122,7 +122,7 @@ def _load_built(library: Library, path: Path) -> None:
     try:
         torch.ops.load_library(str(path))
     except OSError as e:
-        raise UserError(f"cannot load {library.what} from {path} ({_first_line(e)}); delete "
+        raise UserError(f"cannot load {library.what} from {path} ({first_line(e)}); delete "
                         f"{path.parent} to build it again") from None
 
 
@@ -189,14 +189,9 @@ def _cuda_home_nvcc() -> bool:
     return CUDA_HOME is not None and (Path(CUDA_HOME) / "bin" / "nvcc").is_file()
 
 
-def _first_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
-
-
 def _build_error(error: Exception) -> str:
     """The compiler's first error line, if it said one, else the first line of what torch's builder raised."""
     said = [line.strip() for line in str(error).splitlines() if "error:" in line]
-    return said[0] if said else _first_line(error)
+    return said[0] if said else first_line(error)
 
 

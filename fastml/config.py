@@ -119,7 +119,8 @@ def _check_writable(where: str, path: Path) -> None:
 
 
 def first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
+    """The first line of an error's message that says something, or its type's name."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
 
 

@@ -20,6 +20,7 @@ import statistics
 import threading
 import time
 
+from fastml.config import first_line
 from fastml.hwprofiles.schema import ATTENTION_BACKWARD_FACTOR, FP8_CAST_BYTES
 
 SQUARE_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -96,7 +97,7 @@ def _between_gpus(quick: bool, on_step, nvlink: bool) -> dict:
         seconds = between_gpus.time_collectives("cuda", gpus, between_gpus.QUICK_SIZES if quick else
                                                 between_gpus.SIZES)
     except Exception as e:  # noqa: BLE001 - the single-GPU measurements are worth keeping whatever failed here
-        return measured | {"between_gpus_error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        return measured | {"between_gpus_error": f"{type(e).__name__}: {first_line(e)}"}
     fields = between_gpus.profile_fields(seconds, gpus, p2p)
     if p2p and nvlink:  # NVLink's rate bounds NCCL's in the planner: never below what NCCL itself reached
         fields["gpu.nvlink_bytes_per_s"] = max(measured["p2p_bytes_per_s"],
@@ -118,7 +119,7 @@ def _fp8(peak_fp8_flops: float, quick: bool) -> dict:
     try:
         native.load_cuda()
     except UserError as e:
-        return {"fp8_error": str(e).splitlines()[0]}
+        return {"fp8_error": first_line(e)}
     measured = {"gpu.fp8_cast_bytes_per_s": _fp8_cast_bytes_per_s()}
     if not quick:
         for field, gemm_flops in (("gpu.fp8_gemm_shapes", _fp8_gemm_flops),

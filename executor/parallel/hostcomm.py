@@ -42,9 +42,9 @@ from fastml.executor import native
 from fastml.executor.memory.pinned import pin
 from fastml.executor.storage.files import is_running
 
-FLAG_BYTES = 4096
-"""The barrier's flags at the start of the shared memory: a 64-byte cache line per rank (its count of barriers, its
-process id; csrc/hostcomm.cpp)."""
+FLAG_LINE_BYTES = 64
+"""The barrier's flags lie at the start of the shared memory, a cache line per rank, so that no two ranks write one
+line (its count of barriers, its process id: csrc/hostcomm.cpp, which takes the lines to share the flags equally)."""
 SHARED_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 SHARED_PREFIX = "fastml-memcpy-"
 """The shared memory's file is SHARED_DIR/fastml-memcpy-PID-TOKEN, PID that of the rank 0 that created it."""
@@ -60,12 +60,13 @@ class HostCollectives:
         self.world, self.device, self.watchdog = world, device, watchdog
         self.timeout_s = watchdog.timeout_s if watchdog is not None else 600.0
         self.cuda = device.type == "cuda"
-        shared = _shared_memory(world, FLAG_BYTES + MEMCPY_SLOTS * world.size * MEMCPY_ROW_BYTES)
+        flag_bytes = world.size * FLAG_LINE_BYTES  # keeps the slots after it 64-byte aligned
+        shared = _shared_memory(world, flag_bytes + MEMCPY_SLOTS * world.size * MEMCPY_ROW_BYTES)
         if self.cuda:
             pin(shared)
         self.shared = shared
-        self.flags = shared[:FLAG_BYTES].view(torch.int64)
-        self.slots = [shared[FLAG_BYTES + k * world.size * MEMCPY_ROW_BYTES:][:world.size * MEMCPY_ROW_BYTES]
+        self.flags = shared[:flag_bytes].view(torch.int64)
+        self.slots = [shared[flag_bytes + k * world.size * MEMCPY_ROW_BYTES:][:world.size * MEMCPY_ROW_BYTES]
                       for k in range(MEMCPY_SLOTS)]
         self.generation, self.round = 0, 0
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
