@@ -35,15 +35,15 @@ class Device:
                    tuple(machine.gpu.peak_flops))
 
 
-def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, device_knobs: dict = {}) -> dict:
-    """The knobs to fix for `pins` (`knobs.*` assignments, each of its knob's type) on `device`: the pins, the knobs the device
-    trains with (`device_knobs`, where not pinned), and the values of other knobs the pins need (`_ties`). A pin that
-    cannot hold is a UserError."""
-    values = dict(pins)
-    for name, value in values.items():
+def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, device_knobs: dict | None = None) -> dict:
+    """The knobs to fix for `pins` (`knobs.*` assignments, each of its knob's type) on `device`: the pins, the knobs
+    the device trains with (`device_knobs`, where not pinned), and the values of other knobs the pins need
+    (`_ties`). A pin that cannot hold is a UserError."""
+    for name, value in pins.items():
         if reason := _not_on_device(name, value, spec, seq_len, device):
             fail(f"knobs.{name}", f"{value!r}: {reason}")
-    fixed = {**device_knobs, **values}
+    device_knobs = device_knobs or {}
+    fixed = {**device_knobs, **pins}
     pending = list(fixed)
     while pending:
         name = pending.pop()
@@ -55,7 +55,7 @@ def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, devi
                 fixed[other] = needed
                 pending.append(other)
             elif fixed[other] != needed:
-                by = ("is pinned to" if other in values else f"{device.name} trains with" if other in device_knobs
+                by = ("is pinned to" if other in pins else f"{device.name} trains with" if other in device_knobs
                       else "another pin sets it to")
                 fail(f"knobs.{name}", f"{needs}, which {by} {fixed[other]!r}")
     streams_all = round(fixed.get("offload_weights", 0.0) * spec.num_layers) == spec.num_layers

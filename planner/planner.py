@@ -6,7 +6,6 @@ import dataclasses
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from fastml import hwprofiles
 from fastml.config import UserError, as_type, check_range, fail
@@ -45,7 +44,7 @@ class Planned:
 
 # A CPU trains as the executor's CPU path does: fp32 parameters and matmuls, eager (pins of the user come first).
 CPU_KNOBS = {"param_dtype": "fp32", "matmul_dtype": "fp32", "compile": False}
-CPU_DTYPES = ("fp32",)
+CPU_DTYPES = (CPU_KNOBS["matmul_dtype"],)
 """The matmul dtypes of a CPU profile (hwprofiles/profile.py measures its fp32 peak alone)."""
 
 
@@ -111,7 +110,7 @@ def _check_overrides(other: list[str], spec: ModelSpec, seq_len: int, global_bat
                    other)
 
 
-class Replanned(NamedTuple):
+class Replanned(typing.NamedTuple):
     candidate: Candidate
     problem: Problem
     changed: str | None
@@ -214,7 +213,7 @@ def _this_cpu(r: PlanRequest, spec: ModelSpec, seq_len: int, notes: tuple[str, .
         _check_cpu_memory(spec, seq_len, sequences_per_process * processes, pool, processes)
         return load_machine(_this_cpu_profile(spec, seq_len, sequences_per_process, processes),
                             num_gpus=processes, host_memory=pool)
-    return _Target(Device("this CPU", "cpu", processes, 1, tuple(CPU_DTYPES)), measured, notes)
+    return _Target(Device("this CPU", "cpu", processes, 1, CPU_DTYPES), measured, notes)
 
 
 def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> _Target:

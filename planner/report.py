@@ -83,7 +83,8 @@ def print_ranking(console: Console, rows: list[tuple[str, Plan | None, str]]) ->
     """Machines side by side, cheapest per token first; rows are (hardware, plan or None, note)."""
     table = Table(title="hardware ranked by cost per million tokens")
     for column in ("hardware", "GPUs", "tokens/s", "MFU", "$/Mtok", "kWh/Mtok", "knobs"):
-        table.add_column(column, justify="left" if column in ("hardware", "knobs") else "right")
+        table.add_column(column, justify="left" if column in ("hardware", "knobs") else "right",
+                         no_wrap=column != "knobs")
     priced = sorted((r for r in rows if r[1] is not None and r[1].hardware.device != "cpu"),
                     key=lambda r: r[1].predicted.usd_per_million_tokens)
     for hw, plan, _ in priced:
@@ -93,10 +94,12 @@ def print_ranking(console: Console, rows: list[tuple[str, Plan | None, str]]) ->
     for hw, plan, note in (r for r in rows if r not in priced):
         if plan is None:
             table.add_row(hw, "-", "-", "-", "-", "-", f"infeasible: {note}")
-        else:  # a CPU's plans have no price or power in its measured profile
+        else:
             table.add_row(hw, gpu_count(plan), f"{plan.predicted.tokens_per_s:,.0f}", f"{plan.predicted.mfu:.1%}",
-                          "-", "-", f"not priced (a CPU); {describe_knobs(plan.knobs)}")
+                          "-", "-", describe_knobs(plan.knobs))
     console.print(table)
+    if any(plan is not None and plan.hardware.device == "cpu" for _, plan, _ in rows):
+        console.print("A CPU's plans are not priced: its measured profile has no price or power; they rank last.")
 
 
 def gpu_count(plan: Plan) -> str:

@@ -13,7 +13,6 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fastml.config import fail
 from fastml.plan import KNOBS, ZERO_STAGES, Knobs, fp8_cached_blocks, fp8_shape_problem, knob_names
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import Memory, has_fp32_masters, memory
@@ -86,17 +85,6 @@ def micro_batch_choices(problem: Problem) -> tuple[int, ...]:
     sequences = problem.sequences_per_gpu
     return tuple(m for m in range(1, min(sequences, MAX_MICRO_BATCH) + 1) if sequences % m == 0
                  and (m & (m - 1) == 0 or m == sequences))
-
-
-def pin(space: dict[str, tuple], pins: dict) -> dict[str, tuple]:
-    """Fixes pinned knobs to one value (a pin may name a value outside the searched choices)."""
-    unknown = sorted(set(pins) - {f.name for f in dataclasses.fields(Knobs)})
-    if unknown:
-        fail(f"knobs.{unknown[0]}", "unknown knob")
-    fixed = dict(space)
-    for name, value in pins.items():
-        fixed[name] = (tuple(value) if isinstance(value, list) else value,)
-    return fixed
 
 
 def space_size(space: dict[str, tuple]) -> int:

@@ -16,7 +16,8 @@ from fastml.planner.costs import (ATTENTION_BACKWARD_FACTOR, _attention_s, costs
 from fastml.planner.memory import layer_activation_bytes, memory, model_state_bytes
 from fastml.planner.planner import NoFeasiblePlan, _this_machine, make_plan, replan
 from fastml.planner.request import PlanRequest
-from fastml.planner.search import Problem, evaluate, exhaustive, knob_space, pin, search, tokens_per_s
+from fastml.planner.pins import pinned_space
+from fastml.planner.search import Problem, evaluate, exhaustive, knob_space, search, tokens_per_s
 from fastml.planner.simulate import chrome_trace, simulate
 from fastml.spec import PRESETS
 from fastml.executor.model.transformer import build_model
@@ -101,12 +102,12 @@ def test_search_finds_the_exhaustive_optimum():
     problem = Problem(PRESETS["tinyllama-1.1b"], 2048, 2048 * 16, load_machine("h200", 1))
     # Offload pinned off: with it the space runs to millions of plans, too many to enumerate.
     no_offload = {name: 0.0 for name in knob_names("offload")}
-    space = pin(knob_space(problem, lower_precision=False), {"compile": True, **no_offload})
+    space = pinned_space(knob_space(problem, lower_precision=False), {"compile": True, **no_offload}, problem.spec)
     best = exhaustive(problem, space)[0]
     found = search(problem, space, num_trials=500)[0]  # small space: enumerated by the search itself
     assert found.knobs == best.knobs
     larger = knob_space(problem, lower_precision=False)
-    tpe = search(problem, pin(larger, {"compile": True, "lm_head_chunks": 1}), num_trials=150)[0]
+    tpe = search(problem, pinned_space(larger, {"compile": True, "lm_head_chunks": 1}, problem.spec), num_trials=150)[0]
     assert tokens_per_s(problem, tpe) >= 0.95 * tokens_per_s(problem, best)
 
 
