@@ -27,6 +27,7 @@ CASES = {
     "default (tiny, seq 256, 16 sequences)": [],
     "seq 512": ["--seq", "512"],
     "micro-batch 4 pinned (4 accumulation steps)": ["--set", "knobs.micro_batch_size=4"],
+    "2 processes (--device cpu --gpus 2)": ["--device", "cpu", "--gpus", "2"],
 }
 
 
@@ -43,14 +44,20 @@ def run_case(name: str, plan_args: list[str], steps: int) -> dict:
         fastml("plan", "-o", "p.json", *plan_args, cwd=cwd)
         plan = json.loads((cwd / "p.json").read_text())
         load_before = os.getloadavg()
-        fastml("run", "p.json", "--steps", str(steps), "--log-json", "log.jsonl", "--no-progress", cwd=cwd)
+        fastml("run", "p.json", "--steps", str(steps), "--log-json", "log.jsonl", "--no-progress",
+               "--summary-json", "summary.json", cwd=cwd)
         load_after = os.getloadavg()
         step_times = [json.loads(line)["step_time_s"] for line in (cwd / "log.jsonl").read_text().splitlines()]
+        summary = json.loads((cwd / "summary.json").read_text())
     predicted = plan["predicted"]["step_time_s"]
     measured = statistics.median(step_times[1:])
+    memory = {"predicted_process_bytes": plan["predicted"]["peak_memory_bytes"] +
+              sum(plan["predicted"]["host_memory_bytes"].values()) // plan["hardware"]["gpus_per_node"],
+              "measured_peak_rss_bytes": summary["peak_host_memory_bytes"]}
     row = {"case": name, "plan_args": plan_args, "knobs": plan["knobs"], "predicted_step_time_s": predicted,
            "predicted_time_s": plan["predicted"]["time_s"], "measured_step_time_s": measured,
            "measured_fastest_step_s": min(step_times[1:]), "ratio_predicted_over_measured": predicted / measured,
+           "host_memory_of_a_process": memory,
            "load_average_1_5_15_min": {"before_run": load_before, "after_run": load_after}}
     print(json.dumps(row), flush=True)
     return row

@@ -25,15 +25,19 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from fastml.plan import save_plan
     from fastml.planner import report
     from fastml.planner.planner import NoFeasiblePlan, make_plan, requested_model
-    from fastml.planner.request import PlanRequest
+    from fastml.planner.request import RANKING_MODEL, PlanRequest
 
     console = Console(stderr=args.json)
+    hardware = args.hw.split(",") if args.hw else [None]
     renamed = {"seq_len": "seq", "overrides": "set"}  # request field: argparse dest
     request = PlanRequest(**{f.name: getattr(args, renamed.get(f.name, f.name))
                              for f in dataclasses.fields(PlanRequest)})
+    if args.model is None and args.init_from is None and len(hardware) > 1:
+        request = dataclasses.replace(request, model=RANKING_MODEL)
+        console.print(f"[yellow]note:[/] ranking the hardware for {RANKING_MODEL} (tiny, the default model, is too "
+                      f"small to tell GPUs apart); name the model to train with --model")
     spec, _ = requested_model(request)
     check_data(request.data, request.seq_len_for(spec.name), spec.vocab_size)  # before a search that may be long
-    hardware = args.hw.split(",") if args.hw else [None]
     results = []
     for hw in hardware:
         try:
@@ -51,6 +55,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     save_plan(best.plan, args.output)
     if best.stale_calibration:  # on stderr with --json
         console.print(f"[yellow]warning:[/] {best.stale_calibration}")
+    for note in best.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
     if args.json:
         print(json.dumps(report.plan_json(best.plan, best.runners_up, best.limit), indent=2))
     else:
@@ -80,14 +86,15 @@ def cmd_explain(args: argparse.Namespace) -> None:
 
     run_dir = Path(args.plan) if Path(args.plan).is_dir() else None
     plan = load_plan(run_dir / "plan.json" if run_dir else args.plan)
-    candidate, problem = replan(plan, args.hw)
+    candidate, problem, changed = replan(plan, args.hw)
+    for note in (changed, stale_calibration(problem.machine.calibration, problem.machine.profile)):
+        if note:
+            Console(stderr=args.json).print(f"[yellow]warning:[/] {note}")
     if not candidate.feasible:
         raise UserError(f"{args.plan}: these knobs do not fit in memory on {plan.hardware.profile} "
                         f"(GPU over by {candidate.gpu_over_bytes / 2**30:.1f} GiB, host over by "
                         f"{candidate.host_over_bytes / 2**30:.1f} GiB)")
     plan = dataclasses.replace(plan, predicted=predicted(problem, candidate))
-    if note := stale_calibration(problem.machine.calibration, problem.machine.profile):
-        Console(stderr=args.json).print(f"[yellow]warning:[/] {note}")
     measured = run_dir / TRACE_FILE if run_dir and (run_dir / TRACE_FILE).is_file() else None
     if args.trace:
         trace = chrome_trace(candidate.simulation)
@@ -114,15 +121,20 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from fastml.planner.calibrate import calibrate
     from fastml.planner.hardware import read_profile
     from fastml.planner import report
+    from fastml.planner.planner import cpu_profile_for
 
     records = {(path.parent.name if path.name == "record.json" else path.stem): load_record(path)
                for path in _record_paths(args.records)}
     names = sorted({r.plan.hardware.profile for r in records.values()})
-    hw = args.hw or (names[0] if len(names) == 1 else None)
+    on_cpu = all(r.plan.hardware.device == "cpu" for r in records.values())
+    hw = args.hw or ("cpu" if on_cpu else names[0] if len(names) == 1 else None)
     if hw is None:
         fail("--hw", f"the records were planned for {', '.join(names)}: name the profile to calibrate")
-    fitted, fits = calibrate(records, read_profile(hw))
     output = Path(args.output or f"{Path(hw).stem}-calibrated.json")
+    check_output("-o", output)
+    # This CPU's profile is measured for the records' own shapes (the plain "cpu" profile is measured for tiny's).
+    profile = cpu_profile_for([r.plan for r in records.values()]) if hw == "cpu" and on_cpu else read_profile(hw)
+    fitted, fits = calibrate(records, profile)
     output.write_text(json.dumps(fitted, indent=2) + "\n")
     report.print_calibration(Console(), fits, fitted["calibration"])
     print(f"wrote {output}: plan with --hw {output}")
@@ -315,6 +327,28 @@ def check_args(args: argparse.Namespace) -> None:
                              "profile JSON file")
     if getattr(args, "study", None) and not Path(args.study).expanduser().parent.is_dir():
         fail("--study", f"{args.study}: its directory does not exist")
+    for name in getattr(args, "writes", ()):  # the files a subcommand writes at its end
+        if getattr(args, name) is not None:
+            check_output("-o" if name == "output" else _option(name), getattr(args, name))
+
+
+def check_output(option: str, path: str | Path) -> None:
+    """A file a command writes after its work, refused before it where it cannot be written: a directory, a path in a
+    directory that does not exist, or one that cannot be opened for writing (tried: permissions alone do not tell,
+    root may write anywhere but a read-only or virtual file system)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        fail(option, f"{path} is a directory: name a file to write (in it, if you like)")
+    if not path.parent.is_dir():
+        fail(option, f"{path}: no such directory {path.parent}")
+    existed = path.exists()
+    try:
+        with open(path, "a" if existed else "x"):  # appends nothing to a file that exists
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as e:
+        fail(option, f"{path}: cannot write it ({e.strerror or e})")
 
 
 def _option(name: str) -> str:
@@ -352,11 +386,12 @@ def _one_line(message: str) -> str:
 
 def _add_plan_command(sub) -> None:
     from fastml import hwprofiles
-    from fastml.planner.request import DEFAULT_MODEL, DEFAULT_SEQ_LEN, TINY_SEQ_LEN, PlanRequest
+    from fastml.planner.request import DEFAULT_MODEL, DEFAULT_SEQ_LEN, RANKING_MODEL, TINY_SEQ_LEN, PlanRequest
 
     plan = sub.add_parser("plan", help="search the fastest plan that fits and write it")
     plan.add_argument("--model", help=f"a preset name, or an HF model directory, whose weights the run then starts "
-                                      f"from (default: the model of --init-from, else {DEFAULT_MODEL})")
+                                      f"from (default: the model of --init-from, else {DEFAULT_MODEL}; ranking "
+                                      f"several --hw, {RANKING_MODEL})")
     plan.add_argument("--init-from", metavar="DIR",
                       help="start the run from these weights: a fastml checkpoint (`fastml convert --from-hf` "
                            "output, or a training checkpoint DIR/step-N of an earlier run) or an HF model directory; "
@@ -392,7 +427,7 @@ def _add_plan_command(sub) -> None:
     plan.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                       help="pin a value, e.g. --set knobs.micro_batch_size=8 (repeatable)")
     plan.add_argument("-o", "--output", default="plan.json", help="where to write the plan (default: plan.json)")
-    plan.set_defaults(func=cmd_plan)
+    plan.set_defaults(func=cmd_plan, writes=("output",))
 
 
 def _add_run_command(sub) -> None:
@@ -447,7 +482,7 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--trace", metavar="FILE", help="write the simulated step as a Chrome/Perfetto trace; for a "
                                                          "run traced with --trace-step, beside the measured step")
     explain.add_argument("--hw", help="the profile JSON file the plan was made with, when it is not a shipped one")
-    explain.set_defaults(func=cmd_explain)
+    explain.set_defaults(func=cmd_explain, writes=("trace",))
 
     cal = sub.add_parser("calibrate", help="fit a hardware profile to what runs on its machine measured")
     cal.add_argument("records", nargs="+", help="run records (record.json) or the run directories holding them")
@@ -459,7 +494,7 @@ def parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="detect the GPUs and their topology, and write a hardware profile")
     prof.add_argument("-o", "--output", default="hwprofile.json", help="where to write it (default: hwprofile.json)")
     prof.add_argument("--quick", action="store_true", help="fewer sizes and smaller copies (under 20 s)")
-    prof.set_defaults(func=cmd_profile)
+    prof.set_defaults(func=cmd_profile, writes=("output",))
 
     _add_run_command(sub)
     prep = sub.add_parser("prepare", help="tokenize text, jsonl or parquet files into a training token file")

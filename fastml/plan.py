@@ -145,16 +145,8 @@ class Knobs:
         return "bf16" in (self.optimizer_dtype, self.master_dtype)
 
     def __post_init__(self) -> None:
-        check_range("knobs.micro_batch_size", self.micro_batch_size, 1, MAX_MICRO_BATCH_SIZE)
-        check_range("knobs.grad_accum_steps", self.grad_accum_steps, 1, MAX_GLOBAL_BATCH_TOKENS)
-        check_range("knobs.lm_head_chunks", self.lm_head_chunks, 1, MAX_LM_HEAD_CHUNKS)
-        for i, part in enumerate(self.recompute):
-            if part not in RECOMPUTE_CHOICES:
-                fail(f"knobs.recompute[{i}]", f"{part!r} is not allowed; choose from {', '.join(RECOMPUTE_CHOICES)}")
-        if len(set(self.recompute)) != len(self.recompute):
-            fail("knobs.recompute", "lists a part twice")
-        for name in knob_names("offload"):
-            check_range(f"knobs.{name}", getattr(self, name), 0.0, 1.0)
+        for f in dataclasses.fields(self):
+            check_knob(f.name, getattr(self, f.name))
         if (self.param_dtype == "fp32") != (self.matmul_dtype == "fp32"):
             fail("knobs.matmul_dtype", f"{self.matmul_dtype!r} with param_dtype {self.param_dtype!r}: fp32 matmuls "
                                        "go with fp32 parameters and only with them")
@@ -170,6 +162,22 @@ class Knobs:
             if getattr(self, name) and not getattr(self, needs):
                 fail(f"knobs.{name}", f"needs knobs.{needs} too (ZeRO stage {ZERO_STAGES.index(name) + 1} includes "
                                       f"stage {ZERO_STAGES.index(needs) + 1}): set both")
+
+
+def check_knob(name: str, value) -> None:
+    """One knob's own bounds (how knobs go together is Knobs' to check)."""
+    bounds = {"micro_batch_size": MAX_MICRO_BATCH_SIZE, "grad_accum_steps": MAX_GLOBAL_BATCH_TOKENS,
+              "lm_head_chunks": MAX_LM_HEAD_CHUNKS}
+    if name in bounds:
+        check_range(f"knobs.{name}", value, 1, bounds[name])
+    elif KNOBS[name].kind == "offload":
+        check_range(f"knobs.{name}", value, 0.0, 1.0)
+    elif name == "recompute":
+        for i, part in enumerate(value):
+            if part not in RECOMPUTE_CHOICES:
+                fail(f"knobs.recompute[{i}]", f"{part!r} is not allowed; choose from {', '.join(RECOMPUTE_CHOICES)}")
+        if len(set(value)) != len(value):
+            fail("knobs.recompute", "lists a part twice")
 
 
 @dataclass(frozen=True)
@@ -300,11 +308,14 @@ def knob_names(kind: str) -> tuple[str, ...]:
 
 def pinned(**values) -> list[str]:
     """`--set` assignments that pin every searched knob but the precision ones (the planner's choice for the device)
-    to `values` where given, else to the knob's default: a plan made with them is the one named (tests, benchmarks)."""
+    to `values` where given, else to the knob's default (the ZeRO stages below one given on, on): a plan made with
+    them is the one named (tests, benchmarks)."""
     unknown = set(values) - set(KNOBS)
     if unknown:
         raise ValueError(f"not knobs: {', '.join(sorted(unknown))}")
     defaults = {f.name: f.default for f in dataclasses.fields(Knobs)}
+    highest = max((ZERO_STAGES.index(n) for n in ZERO_STAGES if values.get(n)), default=-1)
+    defaults |= dict.fromkeys(ZERO_STAGES[:highest + 1], True)  # a ZeRO stage pinned on, with the stages below it
     return [f"knobs.{name}={json.dumps(to_dict(values.get(name, defaults[name])))}" for name, info in KNOBS.items()
             if name in values or info.kind not in ("batch", "precision")] + (
         [] if "micro_batch_size" in values else ["knobs.micro_batch_size=1"])

@@ -15,8 +15,9 @@ from pathlib import Path
 from fastml.config import UserError, fail, from_dict, read_json
 
 _HERE = Path(__file__).parent
-CPU_MEASUREMENT_VERSION = 1
-"""Bump when what is measured or how changes, so cached CPU measurements are taken again."""
+CPU_MEASUREMENT_VERSION = 2
+"""Bump when what is measured or how changes, so cached CPU measurements are taken again (2: the peak is the best
+rate of every GEMM measured, and shapes are measured with a process's share of the threads too)."""
 
 
 def names() -> list[str]:
@@ -74,15 +75,17 @@ class CpuMeasurements:
     """What would change the numbers: CPU model, CPU count, torch's threads and version."""
     date: str
     peak_fp32_flops_per_s: float
-    """The best fp32 torch.matmul rate over large square GEMMs: the CPU's peak for MFU and GEMM efficiency."""
+    """The CPU's peak for MFU and GEMM efficiency: the best fp32 rate ever measured here, of large square GEMMs or of
+    any shape below (hwprofiles/profile.py `_peak`), so that no measured rate exceeds it."""
     memory_bytes_per_s: float
     """A large tensor copy: bytes read plus bytes written per second."""
     linear_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-    """A linear layer's forward and backward GEMMs (x·Wᵀ, then dx and dW) by "tokens,out,in": measured seconds,
-    for the shapes of the models planned on this machine so far."""
+    """A linear layer's forward and backward GEMMs (x·Wᵀ, then dx and dW) by "tokens,out,in" ("tokens,out,in@T" with
+    T of the threads, as each of several CPU processes runs them): the fastest seconds measured, for the shapes of
+    the models planned on this machine so far."""
     attention_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Causal scaled-dot-product attention's forward and backward by "batch,seq,heads,kv_heads,head_dim": measured
-    seconds, for the models planned here so far."""
+    """Causal scaled-dot-product attention's forward and backward by "batch,seq,heads,kv_heads,head_dim" (and "@T"):
+    the fastest seconds measured, for the models planned here so far."""
 
 
 def cache_dir() -> Path:

@@ -11,6 +11,7 @@ linear layers of each model planned (the efficiency curve), and the memory bandw
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -350,14 +351,18 @@ def _measurable(tokens: int, out: int, inp: int) -> tuple[int, int, int]:
 
 
 def attention_shapes(spec, seq_len: int, micro_batches: Iterable[int]) -> list[tuple[int, int, int, int, int]]:
-    """(batch, seq, heads, kv_heads, head_dim) of `spec`'s attention at each micro-batch, fewer sequences where
-    one would take long (as for linear layers)."""
+    """(batch, seq, heads, kv_heads, head_dim) of `spec`'s attention at each micro-batch, with fewer sequences, and a
+    shorter sequence, where one would take long (as for linear layers): attention's rate levels off with the
+    sequence's length, and the planner prices a longer one at the rate of the longest measured (planner/costs.py)."""
     shapes = set()
     for batch in micro_batches:
-        flops = ATTENTION_FLOPS_FACTOR * _attention_flops(1, seq_len, spec.q_size)
+        seq = seq_len
+        while seq > 1 and ATTENTION_FLOPS_FACTOR * _attention_flops(1, seq, spec.q_size) > MAX_MEASURED_FLOPS:
+            seq //= 2
+        flops = ATTENTION_FLOPS_FACTOR * _attention_flops(1, seq, spec.q_size)
         while batch > 1 and batch * flops > MAX_MEASURED_FLOPS:
             batch //= 2
-        shapes.add((batch, seq_len, spec.num_heads, spec.num_kv_heads, spec.head_dim))
+        shapes.add((batch, seq, spec.num_heads, spec.num_kv_heads, spec.head_dim))
     return sorted(shapes)
 
 
@@ -366,41 +371,128 @@ def _attention_flops(batch: int, seq_len: int, q_size: int) -> float:
     return 2.0 * batch * seq_len * seq_len * q_size
 
 
+def process_threads(processes: int) -> int:
+    """The torch threads of each of `processes` CPU processes training together: an equal share of this process's
+    threads (executor/loop/device.py gives each rank its share of the cores), at least one."""
+    import torch
+
+    return max(1, torch.get_num_threads() // processes)
+
+
 def measure_cpu(shapes: list[tuple[int, int, int]], attention: list[tuple[int, ...]] = (), say=None,
-                fresh: bool = False) -> hwprofiles.CpuMeasurements:
-    """This CPU's measurements for the given linear-layer and attention shapes: the cached ones, with what they lack
-    measured now (and cached); `fresh` measures everything again, replacing the cache. `say` gets a progress line
-    when something is measured."""
-    cached = None if fresh else hwprofiles.this_cpu()
-    missing = [s for s in shapes if cached is None or _shape_key(s) not in cached.linear_seconds]
-    missing_attention = [s for s in attention if cached is None or _shape_key(s) not in cached.attention_seconds]
+                fresh: bool = False, threads: int | None = None) -> hwprofiles.CpuMeasurements:
+    """This CPU's measurements for the given linear-layer and attention shapes, run with `threads` torch threads (a
+    process's share, `process_threads`; default all of them): the cached ones, with what they lack measured now (and
+    cached); `fresh` measures them all again. Each figure keeps the best ever measured: other work sharing the CPU
+    only ever slows a measurement, so the fastest is the machine's own rate, and a peak or a rate measured under
+    load is replaced by the next measurement at a quieter time. `say` gets the progress lines."""
+    import torch
+
+    cached = hwprofiles.this_cpu()
+    all_threads = torch.get_num_threads()
+    threads = min(threads or all_threads, all_threads)
+    missing = [s for s in shapes if fresh or cached is None or _shape_key(s, threads, all_threads)
+               not in cached.linear_seconds]
+    missing_attention = [s for s in attention if fresh or cached is None or _shape_key(s, threads, all_threads)
+                         not in cached.attention_seconds]
     if not missing and not missing_attention:
         return cached
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-    say(f"measuring this CPU for planning: {'peak, memory bandwidth, ' if cached is None else ''}"
-        f"{len(missing)} GEMM and {len(missing_attention)} attention shapes (once; cached in "
-        f"{hwprofiles.cpu_cache_path()})")
+    per_process = f" with {threads} of its {all_threads} threads (a process's share)" if threads < all_threads else ""
+    say(f"measuring this CPU for planning: its peak and memory bandwidth, {len(missing)} GEMM and "
+        f"{len(missing_attention)} attention shapes{per_process} (cached in {hwprofiles.cpu_cache_path()})")
     load, num_cpus = os.getloadavg()[0], os.cpu_count() or 1
     if load > num_cpus / 2:
         say(f"warning: other work loads this CPU (load average {load:.1f} on {num_cpus} CPUs): its measured rates "
             f"may be low; measure again with `fastml profile` when it is idle")
     start = time.perf_counter()
-    measured = cached or _measure_cpu_base()
-    measured = dataclasses.replace(
-        measured, linear_seconds={**measured.linear_seconds, **_fastest_of_two(_linear_seconds, missing)},
-        attention_seconds={**measured.attention_seconds, **_fastest_of_two(_attention_seconds, missing_attention)})
+    progress = _Progress(say, 1 + 2 * (len(missing) + len(missing_attention)))
+    base = _measure_cpu_base()
+    progress.step()
+    with _torch_threads(threads):
+        linear = _fastest_of_two(_linear_seconds, missing, progress)
+        attention_s = _fastest_of_two(_attention_seconds, missing_attention, progress)
+    keyed = {_shape_key(s, threads, all_threads): seconds for s, seconds in linear.items()}
+    keyed_attention = {_shape_key(s, threads, all_threads): seconds for s, seconds in attention_s.items()}
+    measured = _best(cached, base, keyed, keyed_attention) if cached else dataclasses.replace(
+        base, linear_seconds=keyed, attention_seconds=keyed_attention)
+    measured = dataclasses.replace(measured, peak_fp32_flops_per_s=_peak(measured))
     hwprofiles.save_cpu(measured)
     say(f"measured in {time.perf_counter() - start:.1f} s")
     return measured
 
 
-def _fastest_of_two(seconds, shapes) -> dict[str, float]:
+class _Progress:
+    """A line every LOG_EVERY_S once the measurement has run SHOW_AFTER_S (a long sequence's attention can take a
+    while): how many of its timings are done."""
+
+    SHOW_AFTER_S = 1.0
+    LOG_EVERY_S = 5.0
+
+    def __init__(self, say, total: int):
+        self.say, self.total, self.done = say, total, 0
+        self.started_s, self.said_s = time.perf_counter(), None
+
+    def step(self) -> None:
+        self.done += 1
+        elapsed_s = time.perf_counter() - self.started_s
+        if elapsed_s >= self.SHOW_AFTER_S and self.done < self.total and (
+                self.said_s is None or elapsed_s - self.said_s >= self.LOG_EVERY_S):
+            self.say(f"measuring this CPU: {self.done} of {self.total} timings done ({elapsed_s:.0f} s)")
+            self.said_s = elapsed_s
+
+
+def _best(cached: hwprofiles.CpuMeasurements, base: hwprofiles.CpuMeasurements, linear: dict[str, float],
+          attention: dict[str, float]) -> hwprofiles.CpuMeasurements:
+    """The cached measurements with new ones merged in, each figure the best of both."""
+    def fastest(old: dict[str, float], new: dict[str, float]) -> dict[str, float]:
+        return {**old, **{key: min(seconds, old.get(key, seconds)) for key, seconds in new.items()}}
+    return dataclasses.replace(
+        cached, date=base.date, peak_fp32_flops_per_s=max(cached.peak_fp32_flops_per_s, base.peak_fp32_flops_per_s),
+        memory_bytes_per_s=max(cached.memory_bytes_per_s, base.memory_bytes_per_s),
+        linear_seconds=fastest(cached.linear_seconds, linear), attention_seconds=fastest(cached.attention_seconds,
+                                                                                        attention))
+
+
+def _peak(measured: hwprofiles.CpuMeasurements) -> float:
+    """This CPU's fp32 peak: the best rate of any fp32 GEMM or attention measured on it, square or at a layer's shape;
+    one measured on a share of the threads counts as many times as such shares fit in all of them (what as many
+    processes run at once). So no measured efficiency exceeds 1, and no predicted MFU 100%."""
+    all_threads = int(measured.key["torch_threads"])
+    rates = [measured.peak_fp32_flops_per_s]
+    for table, flops in ((measured.linear_seconds, _linear_flops), (measured.attention_seconds, _attention_pass_flops)):
+        for key, seconds in table.items():
+            shape, threads = _parse_key(key, all_threads)
+            rates.append(flops(*shape) / seconds * (all_threads // threads))
+    return max(rates)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _fastest_of_two(seconds, shapes, progress: _Progress) -> dict[tuple, float]:
     """Two passes, each shape's fastest kept: a burst of other work must hit a shape in both to skew it."""
-    passes = [{_shape_key(s): seconds(*s) for s in shapes} for _ in range(2)]
-    return {key: min(p[key] for p in passes) for key in passes[0]}
+    passes = []
+    for _ in range(2):
+        timings = {}
+        for shape in shapes:
+            timings[shape] = seconds(*shape)
+            progress.step()
+        passes.append(timings)
+    return {shape: min(p[shape] for p in passes) for shape in shapes}
 
 
 def _measure_cpu_base() -> hwprofiles.CpuMeasurements:
+    """The best fp32 matmul rate of large square GEMMs and a large tensor copy's bandwidth, with all threads."""
     import torch
 
     rates = []
@@ -448,66 +540,97 @@ def _seconds(run, min_repeats: int = 3, max_repeats: int = 20, min_total_s: floa
     return min(times)
 
 
-def _shape_key(shape: tuple[int, int, int]) -> str:
-    return ",".join(map(str, shape))
+def _shape_key(shape: tuple[int, ...], threads: int, all_threads: int) -> str:
+    """"tokens,out,in" (or attention's shape), "@threads" after it where measured on a share of the threads."""
+    return ",".join(map(str, shape)) + (f"@{threads}" if threads < all_threads else "")
+
+
+def _parse_key(key: str, all_threads: int) -> tuple[tuple[int, ...], int]:
+    shape, _, threads = key.partition("@")
+    return tuple(int(n) for n in shape.split(",")), int(threads or all_threads)
+
+
+def _linear_flops(tokens: int, out: int, inp: int) -> float:
+    """A linear layer's forward and backward GEMMs: three of 2·t·n·k."""
+    return 6.0 * tokens * out * inp
+
+
+def _attention_pass_flops(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int) -> float:
+    return ATTENTION_FLOPS_FACTOR * _attention_flops(batch, seq_len, heads * head_dim)
 
 
 def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[int, int, int]],
-                     attention: list[tuple[int, ...]] = (), topology: dict | None = None) -> dict:
+                     attention: list[tuple[int, ...]] = (), topology: dict | None = None,
+                     processes: int = 1) -> dict:
     """The hwprofile of this machine's CPU (schema of hwprofiles/schema.py): its peak, the efficiency of the model's
-    linear layers at their shapes and of its attention (the curve, at the size planner/costs.py gives attention),
-    its memory bandwidth and memory."""
+    linear layers at their shapes and of its attention (the curve, at the size planner/costs.py gives attention) as
+    each of `processes` processes trains them (with its share of the threads, on its share of the peak), its memory
+    bandwidth and memory."""
     peak, bandwidth = measured.peak_fp32_flops_per_s, measured.memory_bytes_per_s
     memory_bytes = hwprofiles.host_memory_bytes()
     key = measured.key
+    threads = max(1, int(key["torch_threads"]) // processes)
+    as_processes = (f"; the shapes as each of {processes} processes runs them, with {threads} of the threads, against "
+                    f"its 1/{processes} of the peak" if processes > 1 else "")
     data = copy.deepcopy(hwprofiles.load("cpu"))
     data.update(
         name="detected-cpu",
         source=(f"measured on this machine ({key['cpu']}, {key['num_cpus']} CPUs, torch {key['torch']} with "
-                f"{key['torch_threads']} threads) on {measured.date} by `fastml plan`: peak_flops.fp32 is the best "
-                f"fp32 torch.matmul rate of square GEMMs {' and '.join(map(str, PEAK_SQUARE_SIZES))}; gemm_shapes "
-                f"the forward and backward GEMMs of the model's linear layers; gemm_efficiency its causal attention "
-                f"(forward and backward), at g = (batch·seq·heads·seq·head_dim)^(1/3) as planner/costs.py models "
-                f"it; hbm_bytes_per_s (and the host rates) a {COPY_ELEMENTS * 4 // 2**20} MiB tensor copy; "
-                f"cpu_adam_params_per_s that rate over {ADAM_BYTES_PER_PARAM} bytes per parameter; memory the "
+                f"{key['torch_threads']} threads) on {measured.date} by `fastml plan`, the best of every measurement: "
+                f"peak_flops.fp32 is the best fp32 rate of the square GEMMs "
+                f"{' and '.join(map(str, PEAK_SQUARE_SIZES))} and of every shape measured; gemm_shapes the forward "
+                f"and backward GEMMs of the model's linear layers; gemm_efficiency its causal attention (forward and "
+                f"backward), at g = (batch·seq·heads·seq·head_dim)^(1/3) as planner/costs.py models it"
+                f"{as_processes}; hbm_bytes_per_s (and the host rates) a {COPY_ELEMENTS * 4 // 2**20} MiB tensor "
+                f"copy; cpu_adam_params_per_s that rate over {ADAM_BYTES_PER_PARAM} bytes per parameter; memory the "
                 f"physical memory (os.sysconf). Not priced."),
         gpu={"memory_bytes": memory_bytes, "peak_flops": {"fp32": peak},
-             "gemm_efficiency": _attention_curve(measured, attention), "gemm_shapes": _efficiencies(measured, shapes),
-             "hbm_bytes_per_s": bandwidth},
+             "gemm_efficiency": _attention_curve(measured, attention, processes),
+             "gemm_shapes": _efficiencies(measured, shapes, processes), "hbm_bytes_per_s": bandwidth},
         node={"gpus_per_node": 1, "host_memory_bytes": memory_bytes, "h2d_all_gpus_bytes_per_s": bandwidth,
               "cpu_adam_params_per_s": bandwidth / ADAM_BYTES_PER_PARAM, "host_copy_bytes_per_s": bandwidth,
               "nic_bytes_per_s": 0.0},
-        measured={"key": key, "date": measured.date})
+        measured={"key": key, "date": measured.date, "processes": processes})
     if topology is not None:
         data["detected"] = {**topology, "base_profile": "cpu", "base_match": "no CUDA GPU"}
     return data
 
 
-def _efficiencies(measured: hwprofiles.CpuMeasurements, shapes) -> list[list[float]]:
+def _efficiency(measured: hwprofiles.CpuMeasurements, table: dict[str, float], shape: tuple[int, ...],
+                flops: float, processes: int) -> float:
+    """Achieved over available of one of `processes` processes running `shape` with its share of the threads: its
+    rate (slowed in proportion where the processes outnumber the cores they would each take) over its share of the
+    peak (planner/hardware.py gives each process 1/processes of it)."""
+    all_threads = int(measured.key["torch_threads"])
+    threads = max(1, all_threads // processes)
+    rate = flops / table[_shape_key(shape, threads, all_threads)] * min(1.0, all_threads / (processes * threads))
+    return round(min(1.0, rate / (measured.peak_fp32_flops_per_s / processes)), 4)
+
+
+def _efficiencies(measured: hwprofiles.CpuMeasurements, shapes, processes: int = 1) -> list[list[float]]:
     """(tokens, out, in, achieved / peak) per measured shape: its forward and backward, 6·t·n·k FLOPs."""
-    peak = measured.peak_fp32_flops_per_s
-    return [[t, n, k, round(6 * t * n * k / measured.linear_seconds[_shape_key((t, n, k))] / peak, 4)]
+    return [[t, n, k, _efficiency(measured, measured.linear_seconds, (t, n, k), _linear_flops(t, n, k), processes)]
             for t, n, k in shapes]
 
 
-def _attention_curve(measured: hwprofiles.CpuMeasurements, attention) -> list[list[float]]:
+def _attention_curve(measured: hwprofiles.CpuMeasurements, attention, processes: int = 1) -> list[list[float]]:
     """(g, achieved / peak) of attention per measured shape, g and FLOPs as planner/costs.py counts them."""
     points = {}
-    for b, s, heads, kv_heads, d in attention:
-        seconds = measured.attention_seconds[_shape_key((b, s, heads, kv_heads, d))]
-        flops = ATTENTION_FLOPS_FACTOR * _attention_flops(b, s, heads * d)
-        points[round((b * s * heads * s * d) ** (1 / 3), 1)] = round(flops / seconds / measured.peak_fp32_flops_per_s,
-                                                                    4)
+    for shape in attention:
+        b, s, heads, _, d = shape
+        points[round((b * s * heads * s * d) ** (1 / 3), 1)] = _efficiency(
+            measured, measured.attention_seconds, shape, _attention_pass_flops(*shape), processes)
     return [[g, e] for g, e in sorted(points.items())]
 
 
 def this_cpu_profile(spec=None, seq_len: int = 256, micro_batches: Iterable[int] = (1, 2, 4, 8, 16), say=None,
-                     topology: dict | None = None, fresh: bool = False) -> dict:
-    """This machine's CPU profile for planning `spec` (default: tiny) at `seq_len` and these micro-batches,
-    measuring what the cache lacks (everything, if `fresh`)."""
+                     topology: dict | None = None, fresh: bool = False, processes: int = 1) -> dict:
+    """This machine's CPU profile for planning `spec` (default: tiny) at `seq_len` and these micro-batches, as
+    `processes` processes train it, measuring what the cache lacks (everything, if `fresh`)."""
     from fastml.spec import PRESETS
 
     spec = spec or PRESETS["tiny"]
     shapes = linear_shapes(spec, [b * seq_len for b in micro_batches])
     attention = attention_shapes(spec, seq_len, micro_batches)
-    return cpu_profile_json(measure_cpu(shapes, attention, say, fresh), shapes, attention, topology)
+    measured = measure_cpu(shapes, attention, say, fresh, process_threads(processes))
+    return cpu_profile_json(measured, shapes, attention, topology, processes)

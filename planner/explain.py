@@ -7,7 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from fastml.plan import TIME_COMPONENTS, Knobs, Plan, describe_knobs
-from fastml.planner.search import Candidate, Problem, evaluate, make_knobs, micro_batch_choices, num_knobs_set
+from fastml.planner.search import (LEAN_MARGIN, Candidate, Problem, evaluate, make_knobs, micro_batch_choices,
+                                   num_knobs_set)
 from fastml.planner.simulate import simulate
 
 GIB = 2**30
@@ -32,19 +33,32 @@ def limit(problem: Problem, candidate: Candidate) -> str:
     sim = candidate.simulation
     step = sim.step_time_s
     blocked = faster_but_too_big(problem, candidate)
-    losses = {"PCIe": sim.time_s["exposed_offload"], "the network": sim.time_s["exposed_comm"],
+    links = collective_links(problem.machine)
+    losses = {"PCIe": sim.time_s["exposed_offload"], links: sim.time_s["exposed_comm"],
               "memory": step - blocked.step_time_s if blocked else 0.0}
     kind = max(losses, key=losses.get)
     share = losses[kind] / step
+    device = "GPU" if problem.machine.device == "cuda" else "CPU"
     if share < LIMIT_SHARE:
         busy = (sim.time_s["compute"] + sim.time_s["recompute"]) / step
-        device = "GPU" if problem.machine.device == "cuda" else "CPU"
         return f"limited by compute: the {device} computes {busy:.0%} of the step"
     if kind == "memory":
         return (f"limited by memory: {blocked.change} would save {share:.1%} of the step but "
                 f"{shortfall(problem, blocked.candidate)}")
     waited_for = "host-GPU copies (offload)" if kind == "PCIe" else "collectives"
-    return f"limited by {kind}: the GPU waits {duration(losses[kind])} ({share:.0%}) of the step on {waited_for}"
+    return f"limited by {kind}: the {device} waits {duration(losses[kind])} ({share:.0%}) of the step on {waited_for}"
+
+
+def collective_links(machine) -> str:
+    """What the collectives between a machine's GPUs (or CPU processes) cross: the network between nodes, or within a
+    node NVLink, PCIe peer to peer, or PCIe through host memory (GPUs without P2P), or a CPU's own memory."""
+    if machine.num_nodes > 1:
+        return "the network"
+    if machine.device == "cpu":
+        return "the collectives between processes"
+    if machine.gpu.p2p:
+        return "NVLink" if machine.gpu.nvlink_bytes_per_s else "PCIe peer-to-peer copies"
+    return "PCIe through host memory (no P2P between the GPUs)"
 
 
 def faster_but_too_big(problem: Problem, candidate: Candidate) -> Blocked | None:
@@ -82,6 +96,10 @@ def versus(chosen: Plan, runner_up: Plan) -> str:
     most, and how much more or less GPU memory it needs. The runners-up table names the knobs that differ."""
     c, r = chosen.predicted, runner_up.predicted
     lead = r.step_time_s / c.step_time_s - 1  # = the chosen plan's tokens/s over the runner-up's, minus 1
+    if lead < -1e-9:  # the leaner of plans the prediction cannot tell apart (search.rank)
+        return (f"chosen over the first runner-up (predicted {percent(-lead / (1 + lead))} faster) for needing "
+                f"{_what_less(chosen, runner_up)}: plans within {percent(LEAN_MARGIN)} of the fastest count as "
+                f"equally fast (predicted step times err by about 5%), and the one that needs the least is chosen")
     memory = _memory_difference(chosen, runner_up)
     if abs(lead) < 1e-9:  # the search ranks equal speeds by fewer knobs set, then by less GPU memory
         fewer = num_knobs_set(chosen.knobs) < num_knobs_set(runner_up.knobs)
@@ -100,6 +118,16 @@ def _memory_difference(chosen: Plan, runner_up: Plan) -> str:
         return ""
     category = max(c.memory_bytes, key=lambda k: abs(c.memory_bytes[k] - r.memory_bytes[k]))
     return f"; needs {gib(abs(more))} {'more' if more > 0 else 'less'} GPU memory (mostly {category})"
+
+
+def _what_less(chosen: Plan, other: Plan) -> str:
+    """What `chosen` needs less of than `other` (search.leanest's order: host memory, GPU memory, traffic)."""
+    c, o = chosen.predicted, other.predicted
+    host = sum(o.host_memory_bytes.values()) - sum(c.host_memory_bytes.values())
+    gpu = o.peak_memory_bytes - c.peak_memory_bytes
+    less = [f"{gib(host)} less host memory per node"] * (host >= 0.05 * GIB) + \
+        [f"{gib(gpu)} less {'GPU ' * (chosen.hardware.device == 'cuda')}memory"] * (gpu >= 0.05 * GIB)
+    return " and ".join(less) or "less traffic over PCIe and between GPUs"
 
 
 def knob_differences(chosen: Knobs, other: Knobs) -> str:

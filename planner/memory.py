@@ -28,6 +28,10 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
 FP32_BYTES = DTYPE_BYTES["fp32"]
 # Host memory of one training process besides the tensors counted here (CUDA context, torch, data loader).
 PROCESS_HOST_BYTES = 2 * 2**30
+CPU_PROCESS_HOST_BYTES = 2**29
+"""The same for a process training on a CPU (no CUDA context): `fastml run` of the default tiny plan on a 2-core AMD
+EPYC with torch 2.13 (2026-12-02) peaked at 0.93 GiB resident (one process) and 0.95 GiB (each of two), beside 0.43
+and 0.45 GiB of the tensors counted here; torch and fastml imported hold 0.3 GiB of it."""
 # Layers whose weights, gradients or activations travel between host and GPU are double-buffered on the GPU.
 STREAM_BUFFER_LAYERS = 2
 
@@ -324,13 +328,16 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     if optimizer_workspace > gpu["activations"] + backward_workspace:
         gpu["activations"], backward_workspace = 0, optimizer_workspace
     gpu["workspace"] = backward_workspace
-    host["workspace"] = PROCESS_HOST_BYTES + _cpu_staging_bytes(spec, knobs, place, num_gpus)
+    on_cpu = device == "cpu"
+    host["workspace"] = (CPU_PROCESS_HOST_BYTES if on_cpu else PROCESS_HOST_BYTES) + \
+        _cpu_staging_bytes(spec, knobs, place, num_gpus)
     if num_gpus > 1:
         # Each reduction in flight holds a group's gradients as one flat vector (executor/parallel/shard.py).
         gpu["comm_buffers"] = REDUCTIONS_IN_FLIGHT * max(groups.values()) * param_bytes(knobs)
-        if knobs.comm == "memcpy":  # a rank's row of each slot of shared pinned memory (executor/parallel/hostcomm.py), and
-            host["comm_buffers"] = MEMCPY_SLOTS * MEMCPY_ROW_BYTES  # on the GPU, a round's cells fetched to add
-            gpu["comm_buffers"] += MEMCPY_ROW_BYTES
+        if knobs.comm == "memcpy":  # a rank's row of each slot of shared memory (executor/parallel/hostcomm.py)
+            host["comm_buffers"] = MEMCPY_SLOTS * _memcpy_row_bytes(max(groups.values()) * param_bytes(knobs), device)
+            if not on_cpu:  # a round's cells fetched to the GPU to add (a CPU adds them where they are)
+                gpu["comm_buffers"] += MEMCPY_ROW_BYTES
         if knobs.cache_weights_on_host and sharded:  # each rank's copy of the gathered weights of every block
             host["weights"] += (spec.num_layers - len(place.streamed_weights)) * streamed_layer  # but streamed ones
     host = {k: v * gpus_per_node for k, v in host.items()}  # each GPU's process has its own host tensors
@@ -338,6 +345,12 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
         gpu["activations"] *= calibration.compiled_activations
     gpu["workspace"] += calibration.fragmentation * sum(gpu.values())
     return Memory(gpu={k: int(v) for k, v in gpu.items()}, host={k: int(v) for k, v in host.items()})
+
+
+def _memcpy_row_bytes(largest_group_bytes: float, device: str) -> float:
+    """The resident bytes of a rank's row of a slot of the memcpy collectives: pinned whole for a GPU's copy engines;
+    on a CPU (not pinned) only the pages a round writes, at most a group's bytes."""
+    return MEMCPY_ROW_BYTES if device != "cpu" else min(MEMCPY_ROW_BYTES, largest_group_bytes)
 
 
 # The knob that moves each model-state category of a parameter group to the host.

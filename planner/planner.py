@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastml import hwprofiles
-from fastml.config import UserError, check_range, fail, from_dict
-from fastml.plan import (KNOBS, ZERO_STAGES, Hardware, Knobs, Plan, Predicted, Training, check_init_from,
+from fastml.config import UserError, as_type, check_range, fail
+from fastml.plan import (KNOBS, ZERO_STAGES, Hardware, Knobs, Plan, Predicted, Training, check_init_from, check_knob,
                          parse_assignment, with_overrides)
 from fastml.hwprofiles.between_gpus import peer_access
 from fastml.planner.calibrate import stale_calibration
@@ -17,8 +19,9 @@ from fastml.planner.hardware import Machine, check_cpu_options, load_machine, pa
 from fastml.planner.memory import Memory, memory
 from fastml.hwprofiles.profile import this_cpu_profile
 from fastml.planner.request import DEFAULT_MODEL, SEQUENCES_PER_STEP, PlanRequest
+from fastml.planner.pins import Device, checked_pins, pinned_space
 from fastml.planner.search import (HOST_USABLE_FRACTION, MAX_MICRO_BATCH, Candidate, Problem, evaluate, knob_space,
-                                   make_knobs, pin, search, smallest_choice)
+                                   make_knobs, search, smallest_choice)
 from fastml.spec import PRESETS, ModelSpec, resolve_model
 from fastml.weights import check_same_model, spec_of_weights
 
@@ -37,30 +40,40 @@ class Planned:
     """What limits the plan: compute, memory, PCIe or the network (planner/explain.py)."""
     stale_calibration: str | None = None
     """What to say where the profile's calibration was fitted to other models than this fastml's."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What the request's flags mean on this hardware, where that is not what they say."""
 
 
 # A CPU trains as the executor's CPU path does: fp32 parameters and matmuls, eager (pins of the user come first).
 CPU_KNOBS = {"param_dtype": "fp32", "matmul_dtype": "fp32", "compile": False}
+CPU_DTYPES = (CPU_KNOBS["matmul_dtype"],)
+"""The matmul dtypes of a CPU profile (hwprofiles/profile.py measures its fp32 peak alone)."""
 
 
 def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) -> Planned:
     """The fastest plan that fits for `request` (or a PlanRequest of `fields`); `on_trial` is called after each
-    search trial."""
+    search trial. What the request asks is checked before this machine's CPU is measured or anything is searched."""
     r = dataclasses.replace(request or PlanRequest(), **fields)
     spec, init_from = requested_model(r)
     seq_len = r.seq_len_for(spec.name)
     check_range("--seq", seq_len, 1)
     here = r.hw is None
-    machine = _this_machine(r, spec, seq_len) if here else _named_machine(r, spec, seq_len)
-    global_batch_tokens = r.global_batch_tokens or SEQUENCES_PER_STEP * seq_len * machine.num_gpus
-    problem = Problem(spec, seq_len, _check_batch(global_batch_tokens, seq_len, machine.num_gpus), machine)
-    knob_pins, other = _split_overrides(r.overrides, problem.sequences_per_gpu)
-    cpu = machine.device == "cpu"
-    if cpu:
-        knob_pins = {**CPU_KNOBS, **knob_pins}
+    target = _this_machine(r, spec, seq_len) if here else _named_machine(r, spec, seq_len)
+    device = target.device
+    global_batch_tokens = _check_batch(r.global_batch_tokens or SEQUENCES_PER_STEP * seq_len * device.num_gpus,
+                                       seq_len, device.num_gpus)
+    sequences_per_gpu = global_batch_tokens // (seq_len * device.num_gpus)
+    knob_pins, other = _split_overrides(r.overrides, sequences_per_gpu)
+    cpu = device.kind == "cpu"
+    fixed = checked_pins(knob_pins, spec, seq_len, device, CPU_KNOBS if cpu else {})
+    _check_overrides(other, spec, seq_len, global_batch_tokens, device, r)
+    notes = [*target.notes, *(["--lower-precision: a CPU trains in fp32 (the executor's CPU path), so there is "
+                               "nothing lower to search"] if cpu and r.lower_precision else [])]
+    machine = target.machine_for(sequences_per_gpu)
+    problem = Problem(spec, seq_len, global_batch_tokens, machine)
     attempts = [False] if cpu else [False, True] if r.lower_precision is None else [r.lower_precision]
     for lower in attempts:
-        space = pin(knob_space(problem, lower_precision=lower), knob_pins)
+        space = pinned_space(knob_space(problem, lower_precision=lower), fixed, spec)
         ranked = search(problem, space, r.trials, storage=_storage(r.study), on_trial=on_trial,
                         study_name=_study_name(problem, here, lower))
         feasible = [c for c in ranked if c.feasible]
@@ -69,7 +82,7 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
             plan = with_overrides(plans[0], other)
             check_init_from(plan)  # against the model as --set left it
             return Planned(plan, plans[1:], lower, limit(problem, feasible[0]),
-                           stale_calibration(machine.calibration, machine.profile))
+                           stale_calibration(machine.calibration, machine.profile), notes)
     raise NoFeasiblePlan(infeasible_message(problem, space))
 
 
@@ -93,28 +106,65 @@ def requested_model(r: PlanRequest) -> tuple[ModelSpec, str]:
     return spec, os.path.abspath(init_from)
 
 
-def replan(plan: Plan, hw: str | None = None) -> tuple[Candidate, Problem]:
+@dataclass(frozen=True)
+class _Target:
+    """The hardware a plan is asked for, known before this machine's CPU is measured (`device`), and how to get its
+    `Machine` for the sequences one GPU (or CPU process) takes a step (`machine_for`: a CPU measures its GEMMs at the
+    micro-batches they allow)."""
+
+    device: Device
+    machine_for: Callable[[int], Machine]
+    notes: tuple[str, ...] = ()
+    """What its flags mean on this hardware, where that is not what they say (a note to the user)."""
+
+
+def _gpus(machine: Machine) -> _Target:
+    return _Target(Device.of(machine), lambda sequences_per_gpu: machine)
+
+
+def _check_overrides(other: list[str], spec: ModelSpec, seq_len: int, global_batch_tokens: int, device: Device,
+                     r: PlanRequest) -> None:
+    """The `--set` assignments of other sections than knobs, checked on a plan of this request before the search
+    (the chosen plan takes them after it)."""
+    sequences_per_gpu = global_batch_tokens // (seq_len * device.num_gpus)
+    with_overrides(Plan(model=spec, training=_training(spec, seq_len, global_batch_tokens, r.steps, r.data, ""),
+                        hardware=Hardware(device=device.kind, num_gpus=device.num_gpus,
+                                          gpus_per_node=device.num_gpus // device.num_nodes),
+                        knobs=Knobs(micro_batch_size=sequences_per_gpu, **CPU_KNOBS if device.kind == "cpu" else {})),
+                   other)
+
+
+class Replanned(typing.NamedTuple):
+    candidate: Candidate
+    problem: Problem
+    changed: str | None
+    """What to say where the profile the plan is explained with is not the one it was made with (a CPU measured
+    again since, a machine profiled again, a shipped profile of another fastml)."""
+
+
+def replan(plan: Plan, hw: str | None = None) -> Replanned:
     """The memory and simulation of an existing plan's knobs, on the hardware it names or the profile file `hw`
-    (`fastml explain`). A plan for a CPU is explained with this machine's CPU profile, which must be the one it
-    was made with."""
+    (`fastml explain`): a plan for a CPU with this machine's CPU profile, one made with this machine's measured GPU
+    profile with that profile, as they are now."""
     h, t = plan.hardware, plan.training
-    if hw in (None, "cpu") and h.device == "cpu":  # this CPU, measured for the plan's model and sequence
-        hw = _this_cpu_profile(plan.model, t.seq_len, t.global_batch_tokens // t.seq_len)
-        if hwprofiles.fingerprint_of(hw) != h.fingerprint:
-            fail("hardware.fingerprint", f"{h.fingerprint}: the plan was made with another CPU profile than this "
-                                         f"machine's ({hwprofiles.fingerprint_of(hw)}); plan again here, or give "
-                                         f"the profile file it was made with: fastml explain PLAN --hw FILE")
+    cpu = h.device == "cpu"
+    if hw in (None, "cpu") and cpu:  # this CPU, measured for the plan's model, sequence and processes
+        hw = _this_cpu_profile(plan.model, t.seq_len, t.global_batch_tokens // (t.seq_len * h.num_gpus), h.num_gpus)
     elif hw is None and h.profile not in hwprofiles.names():
-        hw = _measured_here(h.fingerprint)
+        hw = _measured_here()
         if hw is None:
             fail("hardware.profile", f"{h.profile!r} is neither a shipped profile nor this machine's measured one; "
                                      f"give the profile file the plan was made with: fastml explain PLAN --hw FILE")
-    cpu = h.device == "cpu"
-    machine = load_machine(hw or h.profile, num_gpus=None if cpu else h.gpus_per_node,
+    machine = load_machine(hw or h.profile, num_gpus=h.gpus_per_node,
                            num_nodes=None if cpu else max(1, h.num_gpus // h.gpus_per_node),
                            gpu_memory=h.gpu_memory_bytes or None, host_memory=h.host_memory_bytes or None)
     problem = Problem(plan.model, t.seq_len, t.global_batch_tokens, machine)
-    return evaluate(problem, plan.knobs), problem
+    changed = None
+    if h.fingerprint and h.fingerprint != machine.fingerprint:
+        again = "this CPU has been measured again" if cpu else "the profile has changed"
+        changed = (f"the plan was made with {h.profile} as it was then (fingerprint {h.fingerprint}); {again} since "
+                   f"({machine.fingerprint}), and the plan is simulated with it as it is now")
+    return Replanned(evaluate(problem, plan.knobs), problem, changed)
 
 
 def predicted(problem: Problem, candidate: Candidate) -> Predicted:
@@ -176,19 +226,21 @@ def _check_cpu_memory(spec: ModelSpec, seq_len: int, sequences: int, pool_bytes:
         raise NoFeasiblePlan(_cpu_memory_message(spec, seq_len, smallest, pool_bytes, processes))
 
 
-def _this_cpu(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
-    """This machine's CPU, measured for `spec` where the model can fit in its memory (`host_mem` caps it), as one
-    device or as `r.gpus` processes."""
+def _this_cpu(r: PlanRequest, spec: ModelSpec, seq_len: int, notes: tuple[str, ...] = ()) -> _Target:
+    """This machine's CPU, as one device or as `r.gpus` processes, measured for `spec` where the model can fit in its
+    memory (`host_mem` caps it)."""
     check_cpu_options("detected-cpu", r.gpus, r.nodes, r.gpu_mem)
     pool = parse_bytes(r.host_mem, "--host-mem") if r.host_mem else hwprofiles.host_memory_bytes()
     processes = r.gpus or 1
-    sequences = (r.global_batch_tokens or SEQUENCES_PER_STEP * seq_len * processes) // seq_len
-    _check_cpu_memory(spec, seq_len, sequences, pool, processes)
-    return load_machine(_this_cpu_profile(spec, seq_len, sequences // processes), num_gpus=processes,
-                        host_memory=pool)
+
+    def measured(sequences_per_process: int) -> Machine:
+        _check_cpu_memory(spec, seq_len, sequences_per_process * processes, pool, processes)
+        return load_machine(_this_cpu_profile(spec, seq_len, sequences_per_process, processes),
+                            num_gpus=processes, host_memory=pool)
+    return _Target(Device("this CPU", "cpu", processes, 1, CPU_DTYPES), measured, notes)
 
 
-def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
+def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> _Target:
     """This machine: its GPUs (all of them, or `r.gpus`), or its CPU, with its real memory and the links between its
     GPUs as they are (peer-to-peer access as CUDA reports it, and as NCCL_P2P_DISABLE leaves it)."""
     if r.device not in (None, "cpu", "cuda"):
@@ -199,7 +251,10 @@ def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
     if r.device == "cpu" or (r.device is None and gpus_here is None):
         if r.gpu_mem is not None:
             fail("--gpu-mem", "this machine has no GPU (or --device cpu): plan for other hardware with --hw")
-        return _this_cpu(r, spec, seq_len)  # --gpus: CPU processes
+        # Without a GPU, --gpus counts CPU processes, as with --device cpu: said, since it asked for GPUs.
+        no_gpu = (f"--gpus {r.gpus}: this machine has no GPU, so the plan is for {r.gpus} CPU processes sharing its "
+                  f"cores (say --device cpu to mean that; plan for GPUs with --hw PROFILE --gpus {r.gpus})",)
+        return _this_cpu(r, spec, seq_len, no_gpu if r.device is None and r.gpus and r.gpus > 1 else ())
     if gpus_here is None:
         fail("--device", "'cuda' was asked for, but this machine has no CUDA GPU")
     name, present = gpus_here
@@ -212,16 +267,13 @@ def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
     _check_gpu_count(gpus, present, profile or "PROFILE")
     machine = load_machine(measured or profile, gpus, None, r.gpu_mem, r.host_mem or hwprofiles.host_memory_bytes())
     p2p = machine.gpu.p2p and peer_access(gpus)
-    return dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, p2p=p2p))
+    return _gpus(dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, p2p=p2p)))
 
 
-def _measured_here(fingerprint: str) -> dict | None:
-    """This machine's measured profile (`fastml profile`), if it is the one with `fingerprint`."""
+def _measured_here() -> dict | None:
+    """This machine's measured profile (`fastml profile`), if it has one."""
     gpus_here = hwprofiles.local_gpus()
-    if gpus_here is None:
-        return None
-    measured = hwprofiles.machine_profile(*gpus_here)
-    return measured if measured is not None and hwprofiles.fingerprint_of(measured) == fingerprint else None
+    return hwprofiles.machine_profile(*gpus_here) if gpus_here is not None else None
 
 
 def _check_gpu_count(gpus: int, present: int, profile: str) -> None:
@@ -232,18 +284,35 @@ def _check_gpu_count(gpus: int, present: int, profile: str) -> None:
         fail("--gpus", f"{gpus}: this machine has {present} GPU(s); plan for more with --hw {profile} --gpus {gpus}")
 
 
-def _named_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> Machine:
+def _named_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> _Target:
     """A profile by name or file; "cpu" is this machine's CPU."""
     if r.hw == "cpu":
         return _this_cpu(r, spec, seq_len)
-    return load_machine(r.hw, r.gpus, r.nodes, r.gpu_mem, r.host_mem)
+    return _gpus(load_machine(r.hw, r.gpus, r.nodes, r.gpu_mem, r.host_mem))
 
 
-def _this_cpu_profile(spec: ModelSpec, seq_len: int, sequences: int) -> dict:
-    """This CPU's profile, with its GEMM curve over the micro-batches a plan may choose: 1 sequence, powers of two,
-    up to the whole step (or the search's largest micro-batch)."""
+def cpu_profile_for(plans: list[Plan]) -> dict:
+    """This CPU's profile as it is now for the shapes of `plans` (CPU plans of one process count: the shapes'
+    efficiencies depend on it), to calibrate on the runs of those plans (`fastml calibrate`)."""
+    counts = sorted({p.hardware.num_gpus for p in plans})
+    if len(counts) > 1:
+        fail("calibrate", f"the runs trained as {' and '.join(map(str, counts))} CPU processes, whose rates differ: "
+                          "calibrate the runs of each count apart")
+    profiles = [_this_cpu_profile(p.model, p.training.seq_len, p.training.global_batch_tokens //
+                                  (p.training.seq_len * counts[0]), counts[0]) for p in plans]
+    merged = profiles[-1]  # the latest measurements, with every plan's shapes
+    for table in ("gemm_shapes", "gemm_efficiency"):
+        rows = {tuple(row[:-1]): row for profile in profiles for row in profile["gpu"][table]}
+        merged["gpu"][table] = sorted(rows.values())
+    return merged
+
+
+def _this_cpu_profile(spec: ModelSpec, seq_len: int, sequences: int, processes: int) -> dict:
+    """This CPU's profile for `processes` processes, with its GEMM curve over the micro-batches a plan may choose: 1
+    sequence, powers of two, up to a process's whole step (or the search's largest micro-batch)."""
     largest = max(1, min(sequences, MAX_MICRO_BATCH))
-    return this_cpu_profile(spec, seq_len, sorted({largest} | {2**i for i in range(7) if 2**i <= largest}))
+    return this_cpu_profile(spec, seq_len, sorted({largest} | {2**i for i in range(7) if 2**i <= largest}),
+                            processes=processes)
 
 
 def _assemble(problem: Problem, candidate: Candidate, steps: int, data: str, init_from: str) -> Plan:
@@ -272,17 +341,23 @@ def _check_batch(global_batch_tokens: int, seq_len: int, num_gpus: int) -> int:
 
 
 def _split_overrides(overrides, sequences_per_gpu: int) -> tuple[dict, list[str]]:
-    """knobs.* pins, checked, and the other SECTION.FIELD=VALUE assignments."""
+    """knobs.* pins, each of its knob's type (how they go together is checked with the hardware, `checked_pins`), and
+    the other SECTION.FIELD=VALUE assignments."""
     pins, other = {}, []
+    hints = typing.get_type_hints(Knobs)
     for assignment in overrides:
         section, name, value = parse_assignment(assignment)
-        if section == "knobs":
-            pins[name] = value
-        elif (section, name) != ("training", "init_from"):  # requested_model's, made absolute
-            other.append(assignment)
+        if section != "knobs":
+            if (section, name) != ("training", "init_from"):  # requested_model's, made absolute
+                other.append(assignment)
+        elif name not in hints:
+            fail(f"knobs.{name}", f"unknown key; allowed keys are {', '.join(hints)}")
+        else:
+            pins[name] = as_type(hints[name], value, f"knobs.{name}")
+            check_knob(name, pins[name])
     if "grad_accum_steps" in pins:
         fail("knobs.grad_accum_steps", "follows from the batch and micro_batch_size; pin micro_batch_size instead")
-    micro = from_dict(Knobs, pins, "knobs").micro_batch_size  # raises a UserError naming a bad knob
+    micro = pins.get("micro_batch_size", 1)
     if sequences_per_gpu % micro:
         fail("knobs.micro_batch_size", f"{micro} must divide the {sequences_per_gpu} sequences of a step (per GPU)")
     return pins, other

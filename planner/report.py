@@ -83,21 +83,33 @@ def print_breakdown(console: Console, plan: Plan) -> None:
 def print_ranking(console: Console, rows: list[tuple[str, Plan | None, str]]) -> None:
     """Machines side by side, cheapest per token first; rows are (hardware, plan or None, note)."""
     table = Table(title="hardware ranked by cost per million tokens")
-    for column in ("hardware", "tokens/s", "MFU", "$/Mtok", "kWh/Mtok", "knobs"):
-        table.add_column(column, justify="left" if column in ("hardware", "knobs") else "right")
+    for column in ("hardware", "GPUs", "tokens/s", "MFU", "$/Mtok", "kWh/Mtok", "knobs"):
+        table.add_column(column, justify="left" if column in ("hardware", "knobs") else "right",
+                         no_wrap=column != "knobs")
     priced = sorted((r for r in rows if r[1] is not None and r[1].hardware.device != "cpu"),
                     key=lambda r: r[1].predicted.usd_per_million_tokens)
     for hw, plan, _ in priced:
         p = plan.predicted
-        table.add_row(hw, f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", usd(p.usd_per_million_tokens),
+        table.add_row(hw, gpu_count(plan), f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", usd(p.usd_per_million_tokens),
                       significant(p.kwh_per_million_tokens), describe_knobs(plan.knobs))
     for hw, plan, note in (r for r in rows if r not in priced):
         if plan is None:
-            table.add_row(hw, "-", "-", "-", "-", f"infeasible: {note}")
-        else:  # a CPU's plans have no price or power in its measured profile
-            table.add_row(hw, f"{plan.predicted.tokens_per_s:,.0f}", f"{plan.predicted.mfu:.1%}", "-", "-",
-                          f"not priced (a CPU); {describe_knobs(plan.knobs)}")
+            table.add_row(hw, "-", "-", "-", "-", "-", f"infeasible: {note}")
+        else:
+            table.add_row(hw, gpu_count(plan), f"{plan.predicted.tokens_per_s:,.0f}", f"{plan.predicted.mfu:.1%}",
+                          "-", "-", describe_knobs(plan.knobs))
     console.print(table)
+    if any(plan is not None and plan.hardware.device == "cpu" for _, plan, _ in rows):
+        console.print("A CPU's plans are not priced: its measured profile has no price or power; they rank last.")
+
+
+def gpu_count(plan: Plan) -> str:
+    """"8", or "16 x 8" over nodes; a CPU's processes as "2 (CPU)"."""
+    h = plan.hardware
+    if h.device == "cpu":
+        return f"{h.num_gpus} (CPU)"
+    nodes = h.num_gpus // h.gpus_per_node
+    return f"{nodes} x {h.gpus_per_node}" if nodes > 1 else str(h.num_gpus)
 
 
 def plan_json(plan: Plan, runners_up: list[Plan] = (), limit: str | None = None) -> dict:
@@ -128,8 +140,9 @@ def print_calibration(console: Console, fits, calibration: dict) -> None:
     """Each record's step time and peak GPU memory, measured against predicted before and after calibration, the
     mean absolute errors, and the fitted terms."""
     table = Table(title="calibration: predicted against measured")
-    for column in ("record", "step measured", "before", "after", "peak measured", "before", "after"):
-        table.add_column(column, justify="left" if column == "record" else "right")
+    table.add_column("record", no_wrap=True, min_width=max(len(fit.name) for fit in fits))  # whole, to find the run
+    for column in ("step measured", "before", "after", "peak measured", "before", "after"):
+        table.add_column(column, justify="right")
     for fit in fits:
         before, after = fit.step_errors
         peak = fit.peak_errors

@@ -87,6 +87,7 @@ class _StepGraph:
         self.knobs = knobs
         self.num_layers = spec.num_layers
         self.multi = machine.num_gpus > 1
+        self.device = "CPU" if machine.device == "cpu" else "GPU"  # the device's optimizer step, by name
         self.place = placement(spec, knobs)
         self.fp8_cached = fp8_cached_blocks(knobs, spec.num_layers, machine.num_gpus)
         self.recomputed_weights = recomputed_weight_share(spec, knobs.recompute)
@@ -283,7 +284,8 @@ class _StepGraph:
         updated = []
         if resident:
             num_params = sum(self.share(g) for g in resident)
-            updated.append(self.compute("optimizer (GPU)", num_params * self.c.gpu_adam_per_param, "optimizer"))
+            updated.append(self.compute(f"optimizer ({self.device})", num_params * self.c.gpu_adam_per_param,
+                                        "optimizer"))
         workspace_free = None
         for group in on_gpu:
             if group not in resident:
@@ -306,7 +308,7 @@ class _StepGraph:
         if fetch_bytes:
             fetch = self.add(f"h2d optimizer inputs {group}", "h2d", fetch_bytes * c.h2d_per_byte, "offload",
                              [clip, workspace_free])
-        step = self.compute(f"optimizer {group} (GPU)", self.share(group) * c.gpu_adam_per_param, "optimizer",
+        step = self.compute(f"optimizer {group} ({self.device})", self.share(group) * c.gpu_adam_per_param, "optimizer",
                             [fetch, workspace_free])
         if not back_bytes:
             return step

@@ -316,7 +316,40 @@ def test_a_plan_given_to_calibrate_is_named_a_plan(tmp_path, capsys):
 def test_cli_output_in_a_missing_directory_is_one_line(tmp_path, capsys):
     assert main(["plan", "--device", "cpu", "-o", str(tmp_path / "no" / "plan.json")]) == 2
     err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and "No such file or directory" in err, err
+    assert err == f"fastml: error: -o: {tmp_path}/no/plan.json: no such directory {tmp_path}/no\n", err
+
+
+@pytest.fixture
+def a_record(tmp_path) -> Path:
+    from fastml.record import save_record
+    from test_calibrate import synthetic_records
+    from fastml import hwprofiles
+
+    save_record(synthetic_records(hwprofiles.load("h200"))["run0"], tmp_path / "record.json")
+    return tmp_path / "record.json"
+
+
+@pytest.mark.parametrize("argv", [["plan", "-o", "DIR"], ["plan", "-o", "/proc/plan.json"],
+                                  ["explain", "PLAN", "--trace", "DIR"], ["calibrate", "RECORD", "-o", "DIR"],
+                                  ["profile", "-o", "DIR"], ["profile", "-o", "/sys/hw.json"]])
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys, monkeypatch, a_record, argv):
+    """REVIEW 9: `fastml plan -o DIR` ran the whole search first. Each file a command writes at its end is checked
+    first (here the work itself would fail the test)."""
+    from fastml.hwprofiles import profile as profile_module
+    from fastml.planner import calibrate, planner
+
+    def work(*args, **kwargs):
+        raise AssertionError("the work started")
+    for module, name in ((planner, "make_plan"), (planner, "replan"), (calibrate, "calibrate"),
+                         (profile_module, "profile")):
+        monkeypatch.setattr(module, name, work)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(base_plans()[1]))
+    paths = {"DIR": str(tmp_path), "PLAN": str(plan), "RECORD": str(a_record)}
+    assert main([paths.get(a, a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"fastml: error: {argv[-2]}: "), err
+    assert "is a directory" in err or "cannot write it" in err
 
 
 def a_file(path: Path) -> Path:

@@ -148,21 +148,24 @@ def fastml(*args, cwd):
 
 def test_every_run_writes_a_record_that_calibrate_reads(tmp_path):
     """`fastml run` writes its log, plan and record into its run directory; `fastml calibrate` fits this CPU's
-    profile to two runs and says the errors before and after."""
+    profile to two runs (without --hw: REVIEW 10, "'detected-cpu' is not a shipped profile") and says the errors
+    before and after, each run by its whole name (REVIEW 22: they were cut short)."""
     assert fastml("plan", "--device", "cpu", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
-    for name in ("a", "b"):
+    names = ("20261202-051234-first", "20261202-051234-second")
+    for name in names:
         ran = fastml("run", "p.json", "--steps", "4", "--no-progress", "--run-dir", name, cwd=tmp_path)
         assert ran.returncode == 0, ran.stderr
         assert f"run record: {name}/record.json" in ran.stdout
-    record = load_record(tmp_path / "a" / "record.json")
-    log = [json.loads(line) for line in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
+    record = load_record(tmp_path / names[0] / "record.json")
+    log = [json.loads(line) for line in (tmp_path / names[0] / "log.jsonl").read_text().splitlines()]
     assert record.steps == len(log) == 4 and record.machine.device == "cpu"
     assert record.measured.step_time_s == sorted(r["step_time_s"] for r in log[1:])[1]  # the steady median
     assert record.plan.model.name == "tiny" and record.measured.memory_bytes is None  # a CPU has no GPU memory
-    calibrated = fastml("calibrate", "a", "b", "--hw", "cpu", "-o", "cal.json", cwd=tmp_path)
+    calibrated = fastml("calibrate", *names, cwd=tmp_path)
     assert calibrated.returncode == 0, calibrated.stderr
     assert "mean absolute error of step time:" in calibrated.stdout and "after" in calibrated.stdout
-    assert json.loads((tmp_path / "cal.json").read_text())["calibration"]["records"] == 2
+    assert all(name in calibrated.stdout for name in names), calibrated.stdout
+    assert json.loads((tmp_path / "cpu-calibrated.json").read_text())["calibration"]["records"] == 2
 
 
 def test_a_traced_step_is_set_beside_the_simulated_one(tmp_path):

@@ -3,15 +3,17 @@ say what limits the chosen plan and why it beats the first runner-up."""
 
 import dataclasses
 
+import networkx as nx
 import pytest
 
 from fastml.plan import MEMORY_CATEGORIES, TIME_COMPONENTS, Knobs, Plan, Predicted, Training
-from fastml.planner.explain import duration, gib, knob_differences, limit, versus
+from fastml.planner.explain import collective_links, duration, gib, knob_differences, limit, versus
 from fastml.planner.hardware import load_machine
-from fastml.planner.memory import memory
+from fastml.planner.memory import Memory, memory
 from fastml.planner.planner import make_plan
-from fastml.planner.search import Problem, evaluate, make_knobs, rank, search, knob_space
-from fastml.planner.simulate import simulate
+from fastml.planner.search import (LEAN_MARGIN, Candidate, Problem, evaluate, knob_space, make_knobs, rank, search,
+                                   tokens_per_s)
+from fastml.planner.simulate import Simulation, simulate
 from fastml.spec import PRESETS
 
 GIB = 2**30
@@ -65,11 +67,48 @@ def test_rank_keeps_one_of_identical_predictions_and_prefers_fewer_knobs_set():
     assert [c.knobs for c in ranked] == [plain.knobs, slower.knobs]
 
 
-def test_a_pinned_no_op_knob_does_not_break_the_search():
-    """Seeds were enqueued with the normalised value, outside the pinned knob's one choice: Optuna refused it."""
+def made_up(step_s: float, host_gib: float, gpu_gib: float, busy_links_s: float = 0.0) -> Candidate:
+    """A feasible candidate with this step time, host and GPU memory, and seconds of copies and collectives."""
+    graph = nx.DiGraph()
+    graph.add_node("gather", category="comm", duration=busy_links_s)
+    sim = Simulation(graph=graph, step_time_s=step_s, time_s=dict.fromkeys(TIME_COMPONENTS, 0.0) | {"compute": step_s},
+                     critical_path=[], activation_peak_bytes=0, memory_timeline=[])
+    gib_of = lambda n: dict.fromkeys(MEMORY_CATEGORIES, 0) | {"weights": int(n * GIB)}  # noqa: E731
+    return Candidate(knobs=Knobs(micro_batch_size=16), memory=Memory(gpu=gib_of(gpu_gib), host=gib_of(host_gib)),
+                     simulation=sim, gpu_over_bytes=-1, host_over_bytes=-1)
+
+
+def test_of_plans_about_as_fast_the_leanest_is_chosen():
+    """REVIEW 18: 70B on 16 x 8 H100, the chosen plan kept 1.37 TB of host memory per node to win by 0.17%, well
+    inside the prediction's error. Within LEAN_MARGIN of the fastest, the plan needing the least host memory wins;
+    of those within 1% of the host's memory of it, the least GPU memory; then the least traffic."""
+    p = problem(gpus=8)  # 2 TiB of host memory: 1% is 20 GiB
+    fastest, lean, slow = made_up(1.0, 1370, 70), made_up(1.015, 1120, 69), made_up(1.03, 100, 20)
+    assert rank(p, [slow, lean, fastest]) == [lean, fastest, slow]
+    assert rank(p, [made_up(1.0, 500, 70), less_gpu := made_up(1.01, 510, 40)])[0] is less_gpu
+    assert rank(p, [made_up(1.0, 500, 40, 2.0), less_traffic := made_up(1.01, 500, 40, 1.0)])[0] is less_traffic
+    same = [made_up(1.0, 500, 40, 1.0), made_up(1.01, 500, 40, 1.0)]
+    assert rank(p, same)[0] is same[0]  # the fastest of equals
+
+
+def test_a_lean_choice_is_explained():
+    runner_up = predicted_plan(Knobs(micro_batch_size=8, grad_accum_steps=2), compute=1.0)
+    runner_up = dataclasses.replace(runner_up, predicted=dataclasses.replace(
+        runner_up.predicted, host_memory_bytes=runner_up.predicted.host_memory_bytes | {"weights": 1370 * GIB}))
+    chosen = predicted_plan(Knobs(micro_batch_size=8, grad_accum_steps=2, offload_residuals=0.5), compute=1.005)
+    assert versus(chosen, runner_up) == (
+        "chosen over the first runner-up (predicted 0.50% faster) for needing 1370.0 GiB less host memory per node: "
+        "plans within 2.0% of the fastest count as equally fast (predicted step times err by about 5%), and the one "
+        "that needs the least is chosen")
+
+
+def test_a_pinned_knob_that_needs_others_is_kept_with_them():
+    """Seeds were enqueued with the normalised value, outside the pinned knob's one choice: Optuna refused it. A host
+    cache of gathered weights needs them sharded: the pin is kept, with ZeRO-3."""
     planned = make_plan(model="tinyllama-1.1b", hw="h200", gpus=2, trials=40,
                         overrides=["knobs.cache_weights_on_host=true"])
-    assert planned.plan.predicted is not None
+    k = planned.plan.knobs
+    assert k.cache_weights_on_host and k.shard_weights and k.shard_gradients and k.shard_optimizer
 
 
 @pytest.mark.parametrize("kwargs", [dict(model="llama-2-7b", hw="rtx5060ti-16gb", seq_len=1024, trials=120),
@@ -97,7 +136,9 @@ def test_search_reports_each_trial_with_the_best_so_far():
     assert [done for done, _ in reports] == list(range(1, 31))
     bests = [best for _, best in reports]
     assert bests == sorted(bests) and bests[-1] > 0
-    assert bests[-1] == pytest.approx(p.global_batch_tokens / ranked[0].simulation.step_time_s)
+    speeds = [tokens_per_s(p, c) for c in ranked]
+    assert bests[-1] == pytest.approx(max(speeds))  # the fastest; ranked first, the leanest near it (test below)
+    assert speeds[0] >= (1 - LEAN_MARGIN) * max(speeds)
 
 
 # --- what limits a plan, on plans built so the answer is known
@@ -120,12 +161,20 @@ def test_a_plan_streaming_its_weights_over_pcie_is_pcie_bound():
                           f"host-GPU copies (offload)"
 
 
-def test_a_plan_gathering_weights_without_nvlink_is_network_bound():
+def test_a_plan_gathering_weights_without_p2p_is_limited_by_pcie_through_host_memory():
+    """REVIEW: one node of 4 x RTX 4090 was "limited by the network"; its collectives cross PCIe through host memory."""
     p = problem(hw="rtx4090", gpus=4, seq_len=256)
     c = evaluate(p, knobs(p, micro_batch_size=16, shard_optimizer=True, shard_gradients=True, shard_weights=True))
     waited = c.simulation.time_s["exposed_comm"]
     assert waited > 0.1 * c.simulation.step_time_s
-    assert limit(p, c).startswith(f"limited by the network: the GPU waits {duration(waited)} ")
+    assert limit(p, c).startswith(f"limited by PCIe through host memory (no P2P between the GPUs): the GPU waits "
+                                  f"{duration(waited)} ")
+
+
+@pytest.mark.parametrize("hw, gpus, nodes, links", [("h200", 8, None, "NVLink"), ("h100-sxm", 8, 2, "the network"),
+                                                    ("rtx4090", 4, None, "PCIe through host memory")])
+def test_what_collectives_cross_is_named_by_the_links(hw, gpus, nodes, links):
+    assert collective_links(load_machine(hw, gpus, nodes)).startswith(links)
 
 
 def test_a_plan_that_recomputes_because_nothing_else_fits_is_memory_bound():

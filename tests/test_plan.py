@@ -103,6 +103,10 @@ def test_pinned_pins_every_searched_knob():
     assert plan.knobs.recompute == ("block",) and plan.knobs.compile and plan.knobs.micro_batch_size == 1
     assert {a.partition("=")[0] for a in pinned()} >= {f"knobs.{n}" for n, i in KNOBS.items()
                                                       if i.kind not in ("batch", "precision")}
+    # A ZeRO stage given on brings the stages below it on: pinned off, they would contradict it (planner/pins.py).
+    zero3 = with_overrides(Plan(model=resolve_model("tiny"), training=Training(global_batch_tokens=256)),
+                           pinned(shard_weights=True)).knobs
+    assert zero3.shard_optimizer and zero3.shard_gradients and zero3.shard_weights
 
 
 def test_pinned_micro_batch_derives_accumulation():

@@ -115,7 +115,13 @@ class Meter:
         }
 
     def _mfu(self, tokens_per_s: float) -> float | None:
-        return self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops else None
+        """At most 1: a CPU's peak is the best rate measured on it, and a run can beat measurements taken under load."""
+        if not self.peak_flops:
+            return None
+        mfu = self.flops_per_token * tokens_per_s / self.peak_flops
+        if mfu > 1 and "beat" not in self.peak_name:
+            self.peak_name += " (the run beat this peak, measured under load: `fastml profile` measures it again)"
+        return min(1.0, mfu)
 
 
 def peak_flops(device: torch.device, dtype: str) -> tuple[float | None, str]:

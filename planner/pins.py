@@ -1,0 +1,123 @@
+"""`--set knobs.NAME=VALUE`: a pinned knob keeps its value in every plan the search weighs, or the plan is refused.
+
+A pin ties other knobs: ZeRO's stages build on each other, a host cache of gathered weights needs sharded weights,
+cached fp8 weights need fp8 matmuls, and so on (`_ties`). Those the user left free are narrowed to what the pin
+needs; one the user pinned otherwise, or a pin this hardware cannot apply (offload on a CPU, which trains in host
+memory; sharding or collectives with one GPU; a dtype without a peak; an offload fraction that moves no whole layer),
+is one `UserError` naming the knob, before anything is measured or searched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastml.config import fail, from_dict
+from fastml.plan import KNOBS, ZERO_STAGES, Knobs, fp8_shape_problem
+from fastml.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Device:
+    """What pins are checked against: the hardware of a plan, known before a CPU is measured."""
+
+    name: str
+    """For messages: "this CPU", or the profile's name."""
+    kind: str
+    """"cuda", or "cpu" (which trains in host memory)."""
+    num_gpus: int
+    num_nodes: int
+    dtypes: tuple[str, ...]
+    """The matmul dtypes it has a peak for."""
+
+    @classmethod
+    def of(cls, machine) -> Device:
+        return cls(machine.profile, machine.device, machine.num_gpus, machine.num_nodes,
+                   tuple(machine.gpu.peak_flops))
+
+
+def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, device_knobs: dict | None = None) -> dict:
+    """The knobs to fix for `pins` (`knobs.*` assignments, each of its knob's type) on `device`: the pins, the knobs
+    the device trains with (`device_knobs`, where not pinned), and the values of other knobs the pins need
+    (`_ties`). A pin that cannot hold is a UserError."""
+    for name, value in pins.items():
+        if reason := _not_on_device(name, value, spec, seq_len, device):
+            fail(f"knobs.{name}", f"{value!r}: {reason}")
+    device_knobs = device_knobs or {}
+    fixed = {**device_knobs, **pins}
+    pending = list(fixed)
+    while pending:
+        name = pending.pop()
+        for other, needed in _ties(name, fixed[name]).items():
+            needs = f"{fixed[name]!r} needs knobs.{other} {needed!r}"
+            if other not in fixed:
+                if reason := _not_on_device(other, needed, spec, seq_len, device):
+                    fail(f"knobs.{name}", f"{needs}, and {reason}")
+                fixed[other] = needed
+                pending.append(other)
+            elif fixed[other] != needed:
+                by = ("is pinned to" if other in pins else f"{device.name} trains with" if other in device_knobs
+                      else "another pin sets it to")
+                fail(f"knobs.{name}", f"{needs}, which {by} {fixed[other]!r}")
+    streams_all = round(fixed.get("offload_weights", 0.0) * spec.num_layers) == spec.num_layers
+    for name in ("cache_weights_on_host", "cache_fp8_weights"):
+        if fixed.get(name) and streams_all:
+            fail(f"knobs.{name}", "caches the weights of blocks that stay on the GPU, and knobs.offload_weights "
+                                  f"{fixed['offload_weights']} streams every block from the host")
+    from_dict(Knobs, fixed, "knobs")  # what else the plan's own rules refuse, before the search
+    return fixed
+
+
+def pinned_space(space: dict[str, tuple], fixed: dict, spec: ModelSpec) -> dict[str, tuple]:
+    """The search space with each knob of `fixed` (`checked_pins`) at its one value; where a pinned cache needs
+    blocks whose weights stay on the GPU, offload_weights left below every block."""
+    space = {**space, **{name: (value,) for name, value in fixed.items()}}
+    if (fixed.get("cache_weights_on_host") or fixed.get("cache_fp8_weights")) and "offload_weights" in space:
+        space["offload_weights"] = tuple(f for f in space["offload_weights"]
+                                         if round(f * spec.num_layers) < spec.num_layers)
+    return space
+
+
+def _ties(name: str, value) -> dict[str, object]:
+    """The values other knobs must take for knob `name` to hold `value` in a plan: what the plan's rules require
+    (fastml.plan.Knobs) and what the search would otherwise undo as a no-op (planner/search.py `without_no_ops`)."""
+    if name in ZERO_STAGES:  # ZeRO's stages build on each other: on needs the stages below, off the ones above
+        stage = ZERO_STAGES.index(name)
+        return dict.fromkeys(ZERO_STAGES[:stage] if value else ZERO_STAGES[stage + 1:], bool(value))
+    if name == "cache_weights_on_host" and value:
+        return {"shard_weights": True}
+    if name == "cache_fp8_weights" and value:  # weights sharded over GPUs are cast as they are gathered
+        return {"matmul_dtype": "fp8", "shard_weights": False}
+    if name == "offload_master" and value:  # bf16 masters are the weights themselves: no copy to move
+        return {"master_dtype": "fp32"}
+    if name == "master_dtype" and value == "bf16":
+        return {"param_dtype": "bf16"}
+    if name == "matmul_dtype":
+        return {"param_dtype": "fp32" if value == "fp32" else "bf16"}
+    if name == "param_dtype" and value == "fp32":
+        return {"matmul_dtype": "fp32"}
+    return {}
+
+
+def _not_on_device(name: str, value, spec: ModelSpec, seq_len: int, device: Device) -> str:
+    """Why `device` cannot apply knob `name` at `value`, or "" where it can."""
+    info, default = KNOBS[name], Knobs.__dataclass_fields__[name].default
+    if name in ("matmul_dtype", "param_dtype"):  # fp32 parameters compute in fp32, bf16 ones in bf16 or fp8
+        wanted = [value] if name == "matmul_dtype" else ["fp32"] if value == "fp32" else ["bf16", "fp8"]
+        if not set(wanted) & set(device.dtypes):
+            if device.kind == "cpu":
+                return f"{device.name} computes in {' and '.join(device.dtypes)} only"
+            return (f"{device.name} has no {wanted[0]} tensor cores (its profile has a peak for "
+                    f"{' and '.join(device.dtypes)})")
+        return fp8_shape_problem(spec, seq_len) if name == "matmul_dtype" and value == "fp8" else ""
+    if value == default:
+        return ""  # off, or the default, does nothing anywhere
+    if info.kind == "offload" and device.kind == "cpu":
+        return f"{device.name} trains in host memory, so offload to host memory would move nothing; leave it at 0"
+    if info.kind == "offload" and round(value * spec.num_layers) == 0:
+        return (f"that is no whole layer of {spec.name}'s {spec.num_layers}: offload at least "
+                f"{1 / spec.num_layers:.3g}")
+    if info.multi_gpu and device.num_gpus == 1:
+        return "it acts between GPUs (or CPU processes), and the plan has one: give --gpus N"
+    if name == "comm" and device.num_nodes > 1:
+        return "the memcpy collectives copy through one node's host memory; across nodes use 'nccl'"
+    return ""
