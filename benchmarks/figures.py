@@ -6,7 +6,8 @@ A figure is written in the Markdown as
     <!--fig FILE PATH FORMAT-->12,328<!--/fig-->
 
 FILE a file of benchmarks/results/, PATH where the number is in it (keys separated by dots, `[llama-3.1-8b]` a key
-that holds dots, `[3]` a list index, `[name=capped]` the list element whose `name` is `capped`), FORMAT a Python format spec (`,.0f`, `.1%`, `.2f`). The
+that holds dots, `[3]` a list index, `[name=capped]` the list element whose `name` is `capped`), FORMAT a Python format spec (`,.0f`, `.1%`, `.2f`; `GiB.1f`
+writes bytes in GiB). The
 text between the markers is what the renderer writes; the comments do not show on a rendered page.
 
     python benchmarks/figures.py            # rewrites the figures of README.md and docs/*.md from the results
@@ -54,7 +55,10 @@ def render(match: re.Match, results: dict[str, dict]) -> str:
     file = match["file"]
     if file not in results:
         results[file] = json.loads((RESULTS / file).read_text())
-    text = format(value_at(results[file], match["path"]), match["format"])
+    value, spec = value_at(results[file], match["path"]), match["format"]
+    if spec.startswith("GiB"):  # bytes, written in GiB
+        value, spec = value / 2**30, spec.removeprefix("GiB")
+    text = format(value, spec)
     return f"<!--fig {file} {match['path']} {match['format']}-->{text}<!--/fig-->"
 
 

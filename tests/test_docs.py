@@ -1,0 +1,34 @@
+"""The README and docs/ tell the truth about what was measured: every figure they quote is rendered from the results
+file that holds it (benchmarks/figures.py), and every file they point to exists."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import figures  # noqa: E402
+
+
+@pytest.mark.parametrize("path", figures.documents(), ids=lambda p: p.name)
+def test_every_quoted_figure_is_its_results_files(path):
+    assert figures.problems(path, {}) == []
+
+
+def test_a_figure_that_differs_from_its_results_file_is_found(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("fastml: <!--fig fidelity.json spearman .3f-->0.999<!--/fig-->; HF 8,000 tokens/s\n")
+    found = figures.problems(page, {})
+    assert len(found) == 2
+    assert "fidelity.json spearman is 0.995, the text says 0.999" in found[0]
+    assert "'8,000 tokens/s' is quoted without its results file" in found[1]
+
+
+@pytest.mark.parametrize("path", figures.documents(), ids=lambda p: p.name)
+def test_the_links_lead_to_files_that_exist(path):
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text())
+    missing = [t for t in targets if "://" not in t and not (path.parent / t).exists()]
+    assert missing == []
