@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastml.config import gib
 from record import RESULTS, _commit, gpu_tag, write_result
 
 STEPS = 4  # the first compiles and is left out: the median of three steady steps
@@ -266,13 +267,9 @@ def _append(row: dict, runs: Path) -> dict:
     measured = row.get("record", {}).get("measured", {})
     print(f"{row['name']:>40}: " + (row.get("error") or
           f"{measured['step_time_s']:.3f} s/step (predicted {row['predicted_at_run']['step_time_s']:.3f}), peak "
-          f"{_gib(measured['peak_memory_bytes'])} (predicted {_gib(row['predicted_at_run']['peak_memory_bytes'])}) "
+          f"{gib(measured['peak_memory_bytes'], 2)} (predicted {gib(row['predicted_at_run']['peak_memory_bytes'], 2)}) "
           f"in {row['wall_s']} s"), flush=True)
     return row
-
-
-def _gib(num_bytes: int | None) -> str:
-    return "-" if num_bytes is None else f"{num_bytes / 2**30:.2f} GiB"
 
 
 def calibrate_profile(profile: dict, rows: list[dict], path: Path) -> None:

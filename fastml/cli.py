@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from fastml.config import UserError, check_range, fail, plural, say_on_stderr, show
+from fastml.config import UserError, check_range, fail, gib, plural, say_on_stderr, show
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -92,8 +92,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
             Console(stderr=args.json).print(f"[yellow]warning:[/] {note}")
     if not candidate.feasible:
         raise UserError(f"{args.plan}: these knobs do not fit in memory on {plan.hardware.profile} "
-                        f"(GPU over by {candidate.gpu_over_bytes / 2**30:.1f} GiB, host over by "
-                        f"{candidate.host_over_bytes / 2**30:.1f} GiB)")
+                        f"(GPU over by {gib(candidate.gpu_over_bytes)}, host over by {gib(candidate.host_over_bytes)})")
     plan = dataclasses.replace(plan, predicted=predicted(problem, candidate))
     measured = run_dir / TRACE_FILE if run_dir and (run_dir / TRACE_FILE).is_file() else None
     if args.trace:

@@ -67,6 +67,14 @@ def plural(count: int, noun: str) -> str:
     return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
+GIB = 2**30
+
+
+def gib(num_bytes: float | None, digits: int = 1) -> str:
+    """Bytes for people: "12.3 GiB"; None (nothing measured) as "n/a"."""
+    return "n/a" if num_bytes is None else f"{num_bytes / GIB:.{digits}f} GiB"
+
+
 def read_json(path: str | Path, what: str, max_bytes: int = 2**24) -> Any:
     """The JSON value in a user's file, which should be `what` ("a plan"): an unreadable, oversized, non-UTF-8,
     malformed or too deeply nested file is a one-line UserError naming the file."""

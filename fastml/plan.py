@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from fastml.config import UserError, check_range, fail, from_dict, read_json, show, to_dict
 from fastml.spec import MAX_SEQ_LEN, ModelSpec
@@ -191,6 +191,9 @@ class KnobInfo:
     """Searched only where lower precision is allowed (--lower-precision, or nothing fits without it)."""
     multi_gpu: bool = False
     """Searched only for several GPUs."""
+    least_memory: Any = None
+    """The choice that needs the least GPU memory (the planner starts there where nothing else fits); None for the
+    batch knobs, whose choices the planner derives."""
 
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -201,18 +204,22 @@ ZERO_STAGES = ("shard_optimizer", "shard_gradients", "shard_weights")
 KNOBS: dict[str, KnobInfo] = {
     "micro_batch_size": KnobInfo("batch"),
     "grad_accum_steps": KnobInfo("batch"),
-    "recompute": KnobInfo("recompute", ((), ("attention",), ("ffn",), ("ffn", "attention"), ("block",))),
-    "lm_head_chunks": KnobInfo("speed", (1, 2, 4, 8, 16)),
-    "compile": KnobInfo("speed", (False, True)),
-    **{name: KnobInfo("offload", FRACTIONS) for name in (
+    "recompute": KnobInfo("recompute", ((), ("attention",), ("ffn",), ("ffn", "attention"), ("block",)),
+                          least_memory=("block",)),
+    "lm_head_chunks": KnobInfo("speed", (1, 2, 4, 8, 16), least_memory=16),
+    "compile": KnobInfo("speed", (False, True), least_memory=True),
+    **{name: KnobInfo("offload", FRACTIONS, least_memory=1.0) for name in (
         "offload_optimizer", "offload_master", "offload_gradients", "offload_residuals", "offload_weights")},
-    **{name: KnobInfo("shard", (False, True), multi_gpu=True) for name in (*ZERO_STAGES, "cache_weights_on_host")},
-    "param_dtype": KnobInfo("precision", ("bf16",)),
-    "matmul_dtype": KnobInfo("precision", ("bf16", "fp8"), lower_precision=True),
-    "cache_fp8_weights": KnobInfo("speed", (False, True), lower_precision=True),
-    "optimizer_dtype": KnobInfo("precision", ("fp32", "bf16"), lower_precision=True),
-    "master_dtype": KnobInfo("precision", ("fp32", "bf16"), lower_precision=True),
-    "comm": KnobInfo("comm", ("nccl", "memcpy"), multi_gpu=True),
+    **{name: KnobInfo("shard", (False, True), multi_gpu=True, least_memory=True) for name in ZERO_STAGES},
+    "cache_weights_on_host": KnobInfo("shard", (False, True), multi_gpu=True, least_memory=False),
+    "param_dtype": KnobInfo("precision", ("bf16",), least_memory="bf16"),
+    # fp8 matmuls save time, not memory: their casts and scales come on top of the bf16 weights (planner/memory.py)
+    "matmul_dtype": KnobInfo("precision", ("bf16", "fp8"), lower_precision=True, least_memory="bf16"),
+    "cache_fp8_weights": KnobInfo("speed", (False, True), lower_precision=True, least_memory=False),
+    "optimizer_dtype": KnobInfo("precision", ("fp32", "bf16"), lower_precision=True, least_memory="bf16"),
+    "master_dtype": KnobInfo("precision", ("fp32", "bf16"), lower_precision=True, least_memory="bf16"),
+    # The memcpy collectives add a GPU staging row to their buffers in host memory (planner/memory.py).
+    "comm": KnobInfo("comm", ("nccl", "memcpy"), multi_gpu=True, least_memory="nccl"),
 }
 
 

@@ -115,7 +115,7 @@ def _fp8(peak_fp8_flops: float, quick: bool) -> dict:
     from fastml.executor import native
 
     if torch.cuda.get_device_capability() < fp8.MIN_CAPABILITY:
-        return {"fp8_error": "no fp8 tensor cores (compute capability below 8.9)"}
+        return {"fp8_error": f"no fp8 tensor cores (below {fp8.MIN_CAPABILITY_TEXT})"}
     try:
         native.load_cuda()
     except UserError as e:

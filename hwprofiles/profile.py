@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fastml import hwprofiles
-from fastml.config import fail
+from fastml.config import fail, gib
 from fastml.hwprofiles.schema import ATTENTION_BACKWARD_FACTOR
 
 DEFAULT_OUTPUT = "hwprofile.json"
@@ -226,7 +226,7 @@ def _write_detected(data: dict, topology: dict) -> list[str]:
 def print_topology(topology: dict, console: Console) -> None:
     host = topology["host"]
     driver = f", NVIDIA driver {host['driver_version']}" if host.get("driver_version") else ""
-    console.print(f"host: {host['num_cpus']} CPUs, {host['memory_bytes'] / 2**30:.1f} GiB memory{driver}")
+    console.print(f"host: {host['num_cpus']} CPUs, {gib(host['memory_bytes'])} memory{driver}")
     if not topology["gpus"]:
         console.print(f"no CUDA GPU found ({topology['no_gpu_reason']})")
         return

@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from fastml.config import GIB, gib
 from fastml.plan import TIME_COMPONENTS, Knobs, Plan, describe_knobs
 from fastml.planner.search import (LEAN_MARGIN, Candidate, Problem, evaluate, make_knobs, micro_batch_choices,
                                    num_knobs_set)
 from fastml.planner.simulate import simulate
 
-GIB = 2**30
 LIMIT_SHARE = 0.02
 """A plan that loses less than this share of its step (waiting on PCIe or collectives, or to a faster setting that
 does not fit in memory) is compute-bound."""
@@ -142,10 +142,6 @@ def percent(fraction: float) -> str:
 
 def duration(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
-
-
-def gib(num_bytes: float) -> str:
-    return f"{num_bytes / GIB:.1f} GiB"
 
 
 def _values(knobs: Knobs) -> dict:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastml import hwprofiles
-from fastml.config import UserError, as_type, check_range, fail
+from fastml.config import UserError, as_type, check_range, fail, gib
 from fastml.plan import (KNOBS, ZERO_STAGES, Hardware, Knobs, Plan, Predicted, Training, check_init_from, check_knob,
                          parse_assignment, with_overrides)
 from fastml.hwprofiles.between_gpus import peer_access
@@ -191,16 +191,16 @@ def infeasible_message(problem: Problem, space: dict) -> str:
         return _cpu_memory_message(spec, problem.seq_len, smallest.memory, m.node.host_memory_bytes, m.num_gpus)
     parts = []
     if smallest.gpu_over_bytes > 0:
-        parts.append(f"GPU memory: the smallest plan needs {_gib(smallest.memory.gpu_total)} per GPU, "
-                     f"{_gib(smallest.gpu_over_bytes)} more than the {_gib(problem.gpu_budget())} usable on "
+        parts.append(f"GPU memory: the smallest plan needs {gib(smallest.memory.gpu_total)} per GPU, "
+                     f"{gib(smallest.gpu_over_bytes)} more than the {gib(problem.gpu_budget())} usable on "
                      f"{m.profile}")
     if smallest.host_over_bytes > 0:
-        parts.append(f"host memory: it needs {_gib(smallest.memory.host_total)} per node, "
-                     f"{_gib(smallest.host_over_bytes)} more than the {_gib(problem.host_budget())} usable")
-    hints = [f"--host-mem {_gib(smallest.memory.host_total / HOST_USABLE_FRACTION)}"] \
+        parts.append(f"host memory: it needs {gib(smallest.memory.host_total)} per node, "
+                     f"{gib(smallest.host_over_bytes)} more than the {gib(problem.host_budget())} usable")
+    hints = [f"--host-mem {gib(smallest.memory.host_total / HOST_USABLE_FRACTION)}"] \
         if smallest.host_over_bytes > 0 else []
     hints += ["more GPUs (--gpus/--nodes: sharding spreads the model states)", *shorter]
-    lower = " even with fp8 matmuls and bf16 optimizer states" if len(space.get("optimizer_dtype", ())) > 1 else ""
+    lower = " even with bf16 optimizer states and masters" if len(space.get("optimizer_dtype", ())) > 1 else ""
     return (f"no feasible plan for {spec.name} (seq {problem.seq_len}) on {m.num_gpus} x {m.profile}{lower}: "
             f"{'; '.join(parts)}. It might fit with: {', or '.join(hints)}")
 
@@ -209,8 +209,8 @@ def _cpu_memory_message(spec: ModelSpec, seq_len: int, smallest: Memory, pool_by
     needs, budget = processes * smallest.gpu_total + smallest.host_total, int(pool_bytes * HOST_USABLE_FRACTION)
     hints = [f"a shorter sequence (--seq {seq_len // 2})"] if seq_len > 256 else []
     hints += ["a smaller model (--model)", "GPUs (plan for them with --hw)"]
-    return (f"no feasible plan for {spec.name} (seq {seq_len}) on this CPU: the smallest plan needs {_gib(needs)} "
-            f"of memory, {_gib(needs - budget)} more than the {_gib(budget)} usable of its {_gib(pool_bytes)}. It "
+    return (f"no feasible plan for {spec.name} (seq {seq_len}) on this CPU: the smallest plan needs {gib(needs)} "
+            f"of memory, {gib(needs - budget)} more than the {gib(budget)} usable of its {gib(pool_bytes)}. It "
             f"might fit with: {', or '.join(hints)}")
 
 
@@ -371,7 +371,3 @@ def _study_name(problem: Problem, here: bool, lower: bool) -> str:
     m = problem.machine
     return (f"{problem.spec.name}|seq{problem.seq_len}|gbt{problem.global_batch_tokens}|{m.num_gpus}x{m.profile}"
             f"|{m.fingerprint}|{'runnable' if here else 'all'}|{'lower' if lower else 'full'}")
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.1f}GiB"

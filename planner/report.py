@@ -8,11 +8,10 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from fastml.config import to_dict
+from fastml.config import GIB, gib, to_dict
 from fastml.plan import Plan, describe_init, describe_knobs
 from fastml.planner.explain import knob_differences, percent, versus
 
-GIB = 2**30
 
 
 def print_plan(console: Console, plan: Plan, runners_up: list[Plan] = (), limit: str | None = None) -> None:
@@ -41,7 +40,7 @@ def print_runners_up(console: Console, plan: Plan, runners_up: list[Plan]) -> No
     for p in runners_up:
         behind = p.predicted.tokens_per_s / plan.predicted.tokens_per_s - 1
         table.add_row(f"{p.predicted.tokens_per_s:,.0f}", percent(behind), f"{p.predicted.step_time_s:.3f} s",
-                      f"{p.predicted.peak_memory_bytes / GIB:.1f} GiB", knob_differences(plan.knobs, p.knobs))
+                      gib(p.predicted.peak_memory_bytes), knob_differences(plan.knobs, p.knobs))
     console.print(table)
 
 
@@ -147,7 +146,7 @@ def print_calibration(console: Console, fits, calibration: dict) -> None:
         before, after = fit.step_errors
         peak = fit.peak_errors
         table.add_row(fit.name, f"{fit.measured_step_s:.3f} s", f"{before:+.1%}", f"{after:+.1%}",
-                      f"{fit.measured_peak_bytes / 2**30:.2f} GiB" if fit.measured_peak_bytes else "-",
+                      gib(fit.measured_peak_bytes or None, 2),
                       f"{peak[0]:+.1%}" if peak else "-", f"{peak[1]:+.1%}" if peak else "-")
     console.print(table)
     steps = [fit.step_errors for fit in fits]

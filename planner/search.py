@@ -296,15 +296,9 @@ def smallest_choice(space: dict[str, tuple]) -> dict:
     """Per knob, the choice that needs the least GPU memory: offload and shard everything, recompute blocks,
     the smallest micro-batch, the most LM-head chunks, the narrowest dtypes."""
     def least(name, choices):
-        if name == "recompute":
-            return ("block",) if ("block",) in choices else choices[0]
         if name == "micro_batch_size":
             return min(choices)
-        if name in ("cache_weights_on_host", "cache_fp8_weights"):  # caches: more memory, not less
-            return False if False in choices else choices[0]
-        if isinstance(choices[0], (bool, int, float)):
-            return max(choices)
-        return choices[-1]  # dtypes are listed widest first; comm choices hold no memory of their own
+        return KNOBS[name].least_memory if KNOBS[name].least_memory in choices else choices[0]
     return {name: least(name, choices) for name, choices in space.items()}
 
 

@@ -7,12 +7,13 @@ import networkx as nx
 import pytest
 
 from fastml.plan import MEMORY_CATEGORIES, TIME_COMPONENTS, Knobs, Plan, Predicted, Training
-from fastml.planner.explain import collective_links, duration, gib, knob_differences, limit, versus
+from fastml.config import gib
+from fastml.planner.explain import collective_links, duration, knob_differences, limit, versus
 from fastml.planner.hardware import load_machine
 from fastml.planner.memory import Memory, memory
 from fastml.planner.planner import make_plan
 from fastml.planner.search import (LEAN_MARGIN, Candidate, Problem, evaluate, knob_space, make_knobs, rank, search,
-                                   tokens_per_s)
+                                   smallest_choice, tokens_per_s)
 from fastml.planner.simulate import Simulation, simulate
 from fastml.spec import PRESETS
 
@@ -45,6 +46,19 @@ def test_a_no_op_knob_is_normalised_and_changes_no_step_time(model, gpus, noop, 
     assert normalised == knobs(p, **plain)
     given_sim = simulate(p.spec, p.seq_len, as_given, p.machine)
     assert given_sim.time_s == simulate(p.spec, p.seq_len, normalised, p.machine).time_s
+
+
+def test_the_smallest_choice_needs_the_least_gpu_memory():
+    """Where nothing fits, the planner starts from each knob's `least_memory` (fastml.plan.KNOBS): no single knob
+    changed from there needs less GPU memory (but for padding: sharded weights that are offloaded anyway round up
+    each rank's shard)."""
+    p = problem("llama-3.1-8b", "rtx4090", gpus=2, seq_len=1024, sequences_per_gpu=4)
+    space = knob_space(p, lower_precision=True)
+    smallest = smallest_choice(space)
+    least = evaluate(p, make_knobs(p, smallest)).memory.gpu_total
+    for name, choices in space.items():
+        for value in choices:
+            assert evaluate(p, make_knobs(p, {**smallest, name: value})).memory.gpu_total > least - 2**20, (name, value)
 
 
 def test_an_offload_fraction_that_moves_no_layer_is_normalised():

@@ -318,7 +318,7 @@ def test_cached_fp8_weights_are_counted_as_the_planner_counts_them():
     """The cache's bytes (fp8 and transposed, 2 a weight of the cached blocks) are in the "weights" the meter
     measures, and in the planner's "weights" the same."""
     needs_fp8_tensor_cores()
-    from fastml.executor.loop.train import memory_tensors
+    from fastml.executor.loop.meter import memory_tensors
     from fastml.executor.loop.meter import storage_bytes
     from fastml.planner.memory import memory
 

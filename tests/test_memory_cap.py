@@ -165,7 +165,7 @@ def fake_gpu(monkeypatch):
 
 
 def test_a_gpu_memory_cap_above_the_gpu_or_for_a_cpu_is_refused(fake_gpu):
-    with pytest.raises(UserError, match=r"--gpu-mem: 16.00 GiB is more than the 8.00 GiB of this GPU \(Fake GPU\)"):
+    with pytest.raises(UserError, match=r"--gpu-mem: 16.0 GiB is more than the 8.0 GiB of this GPU \(Fake GPU\)"):
         with_gpu_memory_cap(tiny_plan("cuda"), 16 * GIB)
     with pytest.raises(UserError, match="--gpu-mem: the plan trains on a CPU"):
         with_gpu_memory_cap(tiny_plan("cpu"), GIB)
@@ -199,7 +199,7 @@ def no_training(monkeypatch):
 
 
 @pytest.mark.parametrize("device, gpu_mem, message", [
-    ("cuda", "16GiB", "fastml: error: --gpu-mem: 16.00 GiB is more than the 8.00 GiB of this GPU (Fake GPU)"),
+    ("cuda", "16GiB", "fastml: error: --gpu-mem: 16.0 GiB is more than the 8.0 GiB of this GPU (Fake GPU)"),
     ("cpu", "16GiB", "fastml: error: --gpu-mem: the plan trains on a CPU, which has no GPU memory to cap"),
     ("cuda", "0", "fastml: error: --gpu-mem: 0 is outside the allowed range [1, inf)"),
     ("cuda", "lots", "fastml: error: --gpu-mem: 'lots' is not a size"),

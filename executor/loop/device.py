@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 
 from fastml import hwprofiles
-from fastml.config import fail
+from fastml.config import fail, gib
 from fastml.plan import Plan
 from fastml.executor.parallel.world import SINGLE, World
 
@@ -146,5 +146,3 @@ def _host_needs(plan: Plan) -> str:
     return ", ".join(f"{name} {gib(num_bytes)}" for name, num_bytes in ranked)
 
 
-def gib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**30:.2f} GiB"

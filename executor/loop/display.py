@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from fastml.config import plural
+from fastml.config import GIB, gib, plural
 from fastml.plan import MEMORY_CATEGORIES, Plan, describe_knobs
 from fastml.executor.loop.device import predicted_host_bytes
 
@@ -74,7 +74,7 @@ def status(record: dict) -> str:
     GPU's, or training on a CPU, the process's (the closing table's "peak host memory")."""
     memory = record["peak_gpu_memory_bytes"]
     return (f"loss {loss_text(record['loss'])}  {record['tokens_per_s']:,.0f} tok/s  MFU {_percent(record['mfu'])}  "
-            f"mem {_gib(record['peak_host_memory_bytes'] if memory is None else memory, 1)}")
+            f"mem {gib(record['peak_host_memory_bytes'] if memory is None else memory)}")
 
 
 def loss_text(value: float | None) -> str:
@@ -95,9 +95,9 @@ def print_summary(console: Console, plan: Plan, summary: dict) -> None:
         ("MFU", _percent(summary["mfu"]), p and _percent(p.mfu)),
     ]
     if plan.hardware.device == "cuda":
-        rows.append(("peak GPU memory", _gib(summary["peak_gpu_memory_bytes"]), p and _gib(p.peak_memory_bytes)))
-    rows.append(("peak host memory (this process)", _gib(summary["peak_host_memory_bytes"]),
-                 p and _gib(predicted_host_bytes(plan) / plan.hardware.gpus_per_node)))
+        rows.append(("peak GPU memory", gib(summary["peak_gpu_memory_bytes"], 2), p and gib(p.peak_memory_bytes, 2)))
+    rows.append(("peak host memory (this process)", gib(summary["peak_host_memory_bytes"], 2),
+                 p and gib(predicted_host_bytes(plan) / plan.hardware.gpus_per_node, 2)))
     for name, measured, expected in rows:
         table.add_row(name, measured, expected or "-")
     console.print(table)
@@ -143,8 +143,4 @@ def size_text(num_bytes: int | None) -> str:
         return "n/a"
     if num_bytes == 0:
         return "0"
-    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
-
-
-def _gib(num_bytes: int | None, digits: int = 2) -> str:
-    return "n/a" if num_bytes is None else f"{num_bytes / 2**30:.{digits}f} GiB"
+    return gib(num_bytes, 2) if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"

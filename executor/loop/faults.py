@@ -1,4 +1,4 @@
-"""Faults injected on purpose, for the reliability tests: the environment variable FASTML_FAULTS lists them as
+"""Faults injected on purpose, for the reliability tests, and the announcement of every test hook a run is under: the environment variable FASTML_FAULTS lists them as
 `kind@step` or `kind@first-last`, comma-separated, for example `kill-mid-step@5,nan-loss@3-4`; `kind@step:R` strikes
 only the rank R of a job of several ranks (`kill-mid-checkpoint@4:1`).
 
@@ -16,6 +16,9 @@ import signal
 import time
 from functools import cache
 
+from rich.console import Console
+
+from fastml.executor.loop.device import ONE_GPU_ENV
 from fastml.executor.loop.step import StepHooks
 
 ENV = "FASTML_FAULTS"
@@ -57,3 +60,16 @@ def _after_first_backward(step: int) -> None:
 
 def _nan_loss_if_due(step: int, loss):
     return loss * float("nan") if due("nan-loss", step) else loss
+
+
+TEST_HOOKS = {ENV: "injects faults (kills, NaN losses, hangs) into this run",
+              ONE_GPU_ENV: "puts every rank of a node on GPU 0"}
+"""The environment variables of fastml's tests that change a run, and what each does when set."""
+
+
+def announce_test_hooks(console: Console) -> None:
+    """One set by accident would change the run unseen: each run under one says so, first."""
+    for name, effect in TEST_HOOKS.items():
+        if os.environ.get(name):
+            console.print(f"[yellow]warning:[/] {name}={os.environ[name]} is set: a hook of fastml's tests that "
+                          f"{effect}; unset it unless you are testing fastml", highlight=False)

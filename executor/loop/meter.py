@@ -14,6 +14,7 @@ import torch
 
 from fastml import hwprofiles
 from fastml.plan import MEMORY_CATEGORIES, Plan
+from fastml.executor.model import fp8
 
 TensorsByCategory = Callable[[], Mapping[str, Iterable[torch.Tensor | None]]]
 # The categories whose bytes are tensors the executor holds and lists (`tensors_by_category`); activations only as
@@ -203,3 +204,16 @@ def storage_bytes(tensors_by_category: Mapping[str, Iterable[torch.Tensor | None
                 seen.add(key)
                 (gpu if gpu_side else host)[name] += storage.nbytes()
     return gpu, host
+
+
+def memory_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+    """The tensors of each memory category, wherever they are (the meter tells GPU from host by their storage)."""
+    params = list(model.parameters())
+    states = [optimizer.state[p] for p in params if p in optimizer.state]
+    tensors = {"weights": params + [b for m in fp8.cached_linears(model) for b in m.buffers()],
+               "master_weights": [s.get("master") for s in states],
+               "gradients": [p.grad for p in params],
+               "optimizer_states": [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]}
+    for category, listed in model.placement.tensors_by_category().items():
+        tensors[category] = tensors.get(category, []) + listed
+    return tensors

@@ -1,37 +1,29 @@
-"""The training loop: builds the model the plan describes, trains it step by step (step.py) under the meter
-(meter.py), checkpoints it, stops cleanly on a signal, and reports measured against predicted (display.py). A plan
+"""The training loop: builds the model the plan describes (build.py), trains it step by step (step.py) under the meter
+(meter.py), checkpoints it, stops cleanly on a signal (signals.py), writes its log and record (outputs.py), and
+reports measured against predicted (display.py). A plan
 for several ranks runs one such loop per rank (world.py), started by launch.py or torchrun."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
-import json
-import math
-import os
 import signal
-import socket
 import sys
-import threading
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from fastml import hwprofiles
-from fastml.config import check_output_dir, check_output_file, check_range, fail
-from fastml.plan import Plan, save_plan
-from fastml.record import RECORD_FILE, TRACE_FILE, Measured, RunMachine, RunRecord, save_record
-from fastml.executor.loop import display, faults
-from fastml.executor.model import fp8
+from fastml.config import check_range, fail
+from fastml.plan import Plan
+from fastml.record import TRACE_FILE
+from fastml.executor.loop import display, faults, outputs
 from fastml.executor.storage import checkpoints
 from fastml.executor.loop.build import build_training_model
 from fastml.executor.parallel.collectives import make_collectives
 from fastml.executor.storage.data import TokenData
-from fastml.executor.loop.device import (ONE_GPU_ENV, apply_memory_cap, check_hardware, check_host_memory,
-                                         training_device)
-from fastml.executor.loop.meter import Meter
+from fastml.executor.loop.device import apply_memory_cap, check_hardware, check_host_memory, training_device
+from fastml.executor.loop.meter import Meter, memory_tensors
+from fastml.executor.loop.signals import StopSignals, stopped_message
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.step import train_step
 from fastml.executor.parallel.world import SINGLE, Watchdog, World, check_world, join, launched
@@ -45,8 +37,6 @@ class TrainingStopped(Exception):
         self.exit_code = exit_code
 
 
-LOG_FILE = "log.jsonl"
-"""In a run's directory: its per-step log, unless --log-json names another file."""
 DEFAULT_TIMEOUT_S = 600
 """How long the ranks of a job wait for each other before it is stopped (`--timeout`); a first step that compiles
 the model can take minutes."""
@@ -80,9 +70,9 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     world = launched()
     main = world is None or world.main
     run_dir = Path(run_dir) if run_dir is not None and main else None  # rank 0's alone
-    _prepare_outputs(plan, run_dir, log_json if main else None, summary_json if main else None)
+    outputs.prepare_outputs(plan, run_dir, log_json if main else None, summary_json if main else None)
     if run_dir is not None:
-        log_json = log_json or run_dir / LOG_FILE
+        log_json = log_json or run_dir / outputs.LOG_FILE
         if not resume:  # the directory describes this run: an earlier run's trace is not this one's
             (run_dir / TRACE_FILE).unlink(missing_ok=True)
     if steps is not None:
@@ -105,14 +95,14 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         from fastml.executor.parallel.launch import train_in_workers
 
         summary = train_in_workers(plan, console or Console(stderr=True), run_dir=run_dir, **options)
-        _write_summary(summary, summary_json)
+        outputs.write_summary(summary, summary_json)
         return summary
     world = world or SINGLE
     check_world(plan, world)
     err = console or Console(stderr=True, quiet=not world.main)
     # On one terminal the report goes through the console that draws the progress line, which keeps them apart.
     out = console or (err if err.is_terminal and sys.stdout.isatty() else Console(quiet=not world.main))
-    _say_test_hooks(err)
+    faults.announce_test_hooks(err)
     device = training_device(plan, world)
     check_hardware(plan, device, strict, err)
     check_host_memory(plan)
@@ -127,58 +117,10 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
             if comm is not None:
                 comm.close()
     if world.main:
-        _write_summary(summary, summary_json)
+        outputs.write_summary(summary, summary_json)
         if run_dir is not None and summary.get("steps"):
-            _write_run(run_dir, plan, summary, device, out)
+            outputs.write_run(run_dir, plan, summary, device, out)
     return summary
-
-
-TEST_HOOKS = {faults.ENV: "injects faults (kills, NaN losses, hangs) into this run",
-              ONE_GPU_ENV: "puts every rank of a node on GPU 0"}
-"""The environment variables of fastml's tests that change a run, and what each does when set."""
-
-
-def _say_test_hooks(console: Console) -> None:
-    """One set by accident would change the run unseen: each run under one says so, first."""
-    for name, effect in TEST_HOOKS.items():
-        if os.environ.get(name):
-            console.print(f"[yellow]warning:[/] {name}={os.environ[name]} is set: a hook of fastml's tests that "
-                          f"{effect}; unset it unless you are testing fastml", highlight=False)
-
-
-def _prepare_outputs(plan: Plan, run_dir: Path | None, log_json, summary_json) -> None:
-    """Checks that the run can write every file it will, before any work (a checkpoint directory naming a file once
-    failed after the last step), and makes the run's directory."""
-    if plan.training.checkpoint_dir:
-        check_output_dir("--checkpoint-dir", plan.training.checkpoint_dir)
-    files = [("--log-json", log_json), ("--summary-json", summary_json)]
-    if run_dir is not None:
-        check_output_dir("--run-dir", run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        files += [("--run-dir", run_dir / name) for name in ("plan.json", RECORD_FILE, TRACE_FILE, LOG_FILE)]
-    for flag, path in files:
-        if path:
-            check_output_file(flag, path)
-
-
-def _write_run(run_dir: Path, plan: Plan, summary: dict, device: torch.device, console: Console) -> None:
-    """The run's plan and record (fastml.record) into its directory."""
-    save_plan(plan, run_dir / "plan.json")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else hwprofiles.cpu_model()
-    machine = RunMachine(device=device.type, device_name=name, num_devices=plan.hardware.num_gpus,
-                         host=socket.gethostname(), cpu_threads=torch.get_num_threads())
-    measured = Measured(step_time_s=summary["step_time_s"], tokens_per_s=summary["tokens_per_s"], mfu=summary["mfu"],
-                        peak_memory_bytes=summary["peak_gpu_memory_bytes"], memory_bytes=summary["memory_bytes"],
-                        host_memory_bytes=summary["host_memory_bytes"])
-    save_record(RunRecord(plan=plan, machine=machine, steps=summary["steps"], measured=measured,
-                          date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")),
-                run_dir / RECORD_FILE)
-    console.print(f"run record: {run_dir / RECORD_FILE} (for `fastml calibrate`)", highlight=False)
-
-
-def _write_summary(summary: dict, path: str | Path | None) -> None:
-    if path:
-        Path(path).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, out: Console, err: Console, *,
@@ -204,15 +146,15 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
     sequences_per_step = micro * plan.knobs.grad_accum_steps * world.size
     meter = Meter(plan, device, tensors_by_category=lambda: memory_tensors(model, optimizer))
     hooks = faults.step_hooks()
-    with _log_file(log_json if world.main else None, position.step if resume else None) as log, \
+    with outputs.log_file(log_json if world.main else None, position.step if resume else None) as log, \
             display.progress(err, show_progress and world.main, plan.training.steps, position.step) as show_step, \
-            _StopSignals() as stop:
+            StopSignals() as stop:
         bad_in_a_row = 0
         first_step = position.step
         for step in range(first_step, plan.training.steps):
             watchdog.tick(f"step {step + 1}")
             traced = step + 1 == trace_step
-            with _profiled(trace if traced else None, device):
+            with outputs.profiled(trace if traced else None, device):
                 record = meter.measure(train_step(model, optimizer, batches, plan, step, device, hooks, meter, world,
                                                   stop_requested=lambda: stop.signal is not None))
             if traced:  # slower by the profiler's work (every rank waits for rank 0's): out of the steady figures
@@ -223,7 +165,7 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
                 display.print_knobs(out, plan)
             position = checkpoints.Position(step + 1, position.sequences + sequences_per_step)
             bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0
-            _log(record, log)
+            outputs.log_record(record, log)
             show_step(record)
             if bad_in_a_row >= max_nonfinite_steps:
                 raise TrainingStopped(
@@ -234,31 +176,10 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
                 checkpoint = run.save(model, optimizer, position)
             if stopping:
                 signum = stop.signal or signal.SIGTERM  # another rank's: this one was not signalled (yet)
-                raise TrainingStopped(_stopped_message(plan, step + 1, signum, checkpoint), 128 + signum)
+                raise TrainingStopped(stopped_message(plan, step + 1, signum, checkpoint), 128 + signum)
     summary = meter.summary()
     display.print_summary(out, plan, summary)
     return summary
-
-
-@contextlib.contextmanager
-def _profiled(trace: Path | None, device: torch.device):
-    """Runs the body under torch's profiler and writes what it saw to `trace` (Chrome's trace format); nothing where
-    `trace` is None. The step it traces is slower by the profiler's own work, and is logged as it ran, marked
-    "traced"."""
-    if trace is None:
-        yield
-        return
-    # Kineto, under the profiler, prints a "USDT:" line as it starts and stops, at the top of its log levels: only a
-    # level above them all leaves them out (its own errors too; a level the user sets wins).
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
-        yield
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the step's kernels end inside the trace
-    profiler.export_chrome_trace(str(trace))
 
 
 CHECKPOINT_S = 3600
@@ -273,26 +194,6 @@ def _model_and_optimizer(plan: Plan, device: torch.device, world: World, comm,
     return model, AdamW(model, plan.training, plan.knobs, model.placement)
 
 
-def memory_tensors(model: torch.nn.Module, optimizer: AdamW) -> dict[str, list[torch.Tensor]]:
-    """The tensors of each memory category, wherever they are (the meter tells GPU from host by their storage)."""
-    params = list(model.parameters())
-    states = [optimizer.state[p] for p in params if p in optimizer.state]
-    tensors = {"weights": params + [b for m in fp8.cached_linears(model) for b in m.buffers()],
-               "master_weights": [s.get("master") for s in states],
-               "gradients": [p.grad for p in params],
-               "optimizer_states": [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]}
-    for category, listed in model.placement.tensors_by_category().items():
-        tensors[category] = tensors.get(category, []) + listed
-    return tensors
-
-
-def _log(record: dict, log) -> None:
-    """One JSON line per step, flushed at once so that a crash loses none."""
-    if log:
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-
-
 def _checkpoint_due(plan: Plan, steps_done: int) -> bool:
     t = plan.training
     if not t.checkpoint_dir:
@@ -300,51 +201,3 @@ def _checkpoint_due(plan: Plan, steps_done: int) -> bool:
     return steps_done == t.steps or (t.checkpoint_interval > 0 and steps_done % t.checkpoint_interval == 0)
 
 
-def _stopped_message(plan: Plan, step: int, signum: int, path: Path | None) -> str:
-    name = signal.Signals(signum).name
-    if path is None:
-        return (f"stopped by {name} after step {step}; no checkpoint directory was set (--checkpoint-dir), so "
-                f"nothing was saved")
-    return (f"stopped by {name} after step {step}; checkpoint {path}. Resume with the same command and --resume "
-            f"(with --checkpoint-dir {plan.training.checkpoint_dir} if it was given on the command line)")
-
-
-class _StopSignals:
-    """SIGINT and SIGTERM ask the loop to stop after the step it is in; a second one stops at once."""
-
-    def __enter__(self):
-        self.signal = None
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signal is not None:
-            raise KeyboardInterrupt
-        self.signal = signum
-
-    def __exit__(self, *exc):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def _logged_step(line: str) -> float:
-    """The step of a log line; infinity for a line that is not a record (the torn last line of a killed run)."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
-
-
-def _log_file(path: str | Path | None, resumed_at: int | None):
-    """The JSON-lines log of the run, or nothing; the loop flushes it after every record so a crash loses none.
-    A resumed run keeps the records up to its checkpoint's step and appends from there."""
-    if not path:
-        return contextlib.nullcontext()
-    path = Path(path)
-    if resumed_at is not None and path.is_file():
-        kept = [line for line in path.read_text().splitlines() if _logged_step(line) <= resumed_at]
-        path.write_text("".join(line + "\n" for line in kept))
-        return open(path, "a")
-    return open(path, "w")

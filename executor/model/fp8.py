@@ -25,6 +25,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_MAX = {dtype: torch.finfo(dtype).max for dtype in (E4M3, E5M2)}  # the CUDA cast reads the same types' limits
 MIN_CAPABILITY = (8, 9)
 """fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) or later."""
+MIN_CAPABILITY_TEXT = "compute capability {}.{}".format(*MIN_CAPABILITY)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool = True, transposed: bool = False):
@@ -158,5 +159,5 @@ def check_fp8(device: torch.device) -> None:
         fail("knobs.matmul_dtype", f"'fp8' matmuls run on a GPU with fp8 tensor cores; this run is on {device.type}")
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
-        fail("knobs.matmul_dtype", f"'fp8' needs fp8 tensor cores (compute capability 8.9 or later); "
+        fail("knobs.matmul_dtype", f"'fp8' needs fp8 tensor cores ({MIN_CAPABILITY_TEXT} or later); "
                                    f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}")
