@@ -150,7 +150,7 @@ def test_every_run_writes_a_record_that_calibrate_reads(tmp_path):
     """`fastml run` writes its log, plan and record into its run directory; `fastml calibrate` fits this CPU's
     profile to two runs (without --hw: REVIEW 10, "'detected-cpu' is not a shipped profile") and says the errors
     before and after, each run by its whole name (REVIEW 22: they were cut short)."""
-    assert fastml("plan", "--device", "cpu", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
+    assert fastml("plan", "--device", "cpu", "--seq", "64", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
     names = ("20261202-051234-first", "20261202-051234-second")
     for name in names:
         ran = fastml("run", "p.json", "--steps", "4", "--no-progress", "--run-dir", name, cwd=tmp_path)
@@ -172,7 +172,7 @@ def test_a_traced_step_is_set_beside_the_simulated_one(tmp_path):
     """`fastml run --trace-step N` writes step N as torch's profiler saw it into the run directory; `fastml explain
     RUN_DIR --trace` writes one Chrome trace of the simulated step (process 0) and the measured one after it, both
     starting at 0."""
-    assert fastml("plan", "--device", "cpu", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
+    assert fastml("plan", "--device", "cpu", "--seq", "64", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
     ran = fastml("run", "p.json", "--steps", "3", "--no-progress", "--run-dir", "r", "--trace-step", "2",
                  cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
@@ -206,6 +206,6 @@ def test_a_measured_process_without_a_name_is_named_by_its_pid():
 
 
 def test_a_trace_needs_a_run_directory_and_a_step_that_runs(tmp_path):
-    assert fastml("plan", "--device", "cpu", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
+    assert fastml("plan", "--device", "cpu", "--seq", "64", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
     ran = fastml("run", "p.json", "--steps", "3", "--no-progress", "--trace-step", "4", cwd=tmp_path)
     assert ran.returncode != 0 and "--trace-step: 4 is outside the allowed range [1, 3]" in ran.stderr

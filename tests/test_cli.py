@@ -17,17 +17,18 @@ def fastml(*args, cwd):
 
 
 def test_plan_then_run_trains_and_the_loss_falls(tmp_path):
-    """The issue's acceptance check: the last 10 steps average at least 10% below the first 5."""
+    """The main job as the README gives it: the last 5 of 12 steps average at least 10% below the first 5 (about 30%
+    below on the 2-core machine the tests are developed on)."""
     assert fastml("plan", "-o", "p.json", cwd=tmp_path).returncode == 0
-    result = fastml("run", "p.json", "--steps", "40", "--log-json", "log.jsonl", "--no-progress", cwd=tmp_path)
+    result = fastml("run", "p.json", "--steps", "12", "--log-json", "log.jsonl", "--no-progress", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 41))
+    assert [r["step"] for r in records] == list(range(1, 13))
     for key in ("step", "loss", "lr", "step_time_s", "tokens_per_s", "mfu", "peak_gpu_memory_bytes",
                 "peak_host_memory_bytes"):
         assert key in records[0]
     first = sum(r["loss"] for r in records[:5]) / 5
-    last = sum(r["loss"] for r in records[-10:]) / 10
+    last = sum(r["loss"] for r in records[-5:]) / 5
     assert last <= 0.9 * first, (first, last)
     # The report on stdout (`> out.txt` keeps it); notes and progress on stderr.
     assert "knobs: " in result.stdout and "measured" in result.stdout and "run record: runs/" in result.stdout
@@ -60,7 +61,7 @@ def test_data_is_checked_when_planning(tmp_path):
     one_line_error(fastml("plan", "--data", "short", "-o", "p.json", cwd=tmp_path), "short", "seq_len 256 needs")
     one_line_error(fastml("plan", "--data", "nowhere", "-o", "p.json", cwd=tmp_path), "nowhere", "not a directory")
     assert not (tmp_path / "p.json").exists()
-    assert fastml("plan", "-o", "p.json", cwd=tmp_path).returncode == 0  # the run checks again: data can change
+    assert fastml("plan", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0  # the run checks again
     one_line_error(fastml("run", "p.json", "--steps", "1", "--set", "training.data=short", cwd=tmp_path), "tokens")
     one_line_error(fastml("prepare", "--input", "nothing-*.txt", "-o", "x", cwd=tmp_path), "nothing-*.txt")
 
@@ -160,7 +161,8 @@ def test_gpu_plan_on_a_cpu_machine_is_refused(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     one_line_error(fastml("plan", "--device", "cuda", cwd=tmp_path), "--device", "no CUDA GPU")
-    assert fastml("plan", "--set", "hardware.device=cuda", "-o", "p.json", cwd=tmp_path).returncode == 0
+    planned = fastml("plan", "--set", "hardware.device=cuda", "--trials", "10", "-o", "p.json", cwd=tmp_path)
+    assert planned.returncode == 0
     one_line_error(fastml("run", "p.json", cwd=tmp_path), "hardware.device", "no")
 
 
@@ -236,7 +238,7 @@ def test_profile_writes_a_loadable_profile(tmp_path):
     result = fastml("profile", "-o", "hw.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "hw.json").read_text())["name"]
-    assert fastml("plan", "--hw", "hw.json", "-o", "p.json", cwd=tmp_path).returncode == 0
+    assert fastml("plan", "--hw", "hw.json", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
 
 
 def test_the_suite_keeps_out_of_the_users_cache():

@@ -173,7 +173,7 @@ def test_a_gpu_memory_cap_above_the_gpu_or_for_a_cpu_is_refused(fake_gpu):
     assert capped.hardware.gpu_memory_bytes == 4 * GIB
     assert fake_gpu == []  # checked only: the cap is set by the run (apply_memory_cap)
     big = tiny_plan("cuda", predicted=predicted(gpu={"weights": 5 * GIB}))
-    with pytest.raises(UserError, match=r"--gpu-mem: the plan needs 5.00 GiB .* more than the 4.00 GiB cap"):
+    with pytest.raises(UserError, match=r"--gpu-mem: the plan needs 5.0 GiB .* more than the 4.0 GiB cap"):
         with_gpu_memory_cap(big, 4 * GIB)
 
 
@@ -184,9 +184,9 @@ def test_the_cap_in_effect_is_set_and_said_in_one_line(fake_gpu):
     assert apply_memory_cap(tiny_plan("cuda", gpu_memory_bytes=9 * GIB), CUDA, console) is None
     assert apply_memory_cap(tiny_plan("cuda"), CUDA, console) is None
     assert fake_gpu == [0.25, 1.0, 1.0]  # set every time: a process that trains several plans gets each one's cap
-    assert console.file.getvalue().splitlines() == ["GPU memory: capped at 2.00 GiB of the 8.00 GiB of the Fake GPU",
-                                                    "GPU memory: all 8.00 GiB of the Fake GPU (no cap)",
-                                                    "GPU memory: all 8.00 GiB of the Fake GPU (no cap)"]
+    assert console.file.getvalue().splitlines() == ["GPU memory: capped at 2.0 GiB of the 8.0 GiB of the Fake GPU",
+                                                    "GPU memory: all 8.0 GiB of the Fake GPU (no cap)",
+                                                    "GPU memory: all 8.0 GiB of the Fake GPU (no cap)"]
     assert apply_memory_cap(tiny_plan("cpu"), torch.device("cpu"), console) is None and len(fake_gpu) == 3
 
 
@@ -217,11 +217,11 @@ def test_run_refuses_a_bad_gpu_memory_cap_in_one_line(tmp_path, capsys, fake_gpu
 def test_a_plan_whose_host_memory_does_not_fit_is_refused(monkeypatch):
     monkeypatch.setattr(hwprofiles, "host_memory_bytes", lambda: 64 * GIB)
     too_much = tiny_plan("cuda", predicted(host={"optimizer_states": 96 * GIB, "workspace": 2 * GIB}))
-    with pytest.raises(UserError, match=r"^host memory: the plan needs 98.00 GiB \(optimizer_states 96.00 GiB, "
-                                        r"workspace 2.00 GiB\) but this machine has 64.00 GiB"):
+    with pytest.raises(UserError, match=r"^host memory: the plan needs 98.0 GiB \(optimizer_states 96.0 GiB, "
+                                        r"workspace 2.0 GiB\) but this machine has 64.0 GiB"):
         check_host_memory(too_much)
     check_host_memory(tiny_plan("cuda", predicted(gpu={"weights": 100 * GIB}, host={"workspace": 2 * GIB})))
-    with pytest.raises(UserError, match=r"needs 102.00 GiB \(training on the CPU 100.00 GiB, workspace 2.00 GiB\)"):
+    with pytest.raises(UserError, match=r"needs 102.0 GiB \(training on the CPU 100.0 GiB, workspace 2.0 GiB\)"):
         check_host_memory(tiny_plan("cpu", predicted(gpu={"weights": 100 * GIB}, host={"workspace": 2 * GIB})))
     check_host_memory(tiny_plan("cpu"))  # no predictions: nothing to check against
 
@@ -304,7 +304,7 @@ def test_a_capped_run_stays_under_its_cap_and_measures_every_category():
     console = Console(file=io.StringIO(), width=200)
     try:
         summary = train(plan, show_progress=False, console=console)
-        assert "GPU memory: capped at 2.00 GiB of the" in console.file.getvalue()
+        assert "GPU memory: capped at 2.0 GiB of the" in console.file.getvalue()
         assert summary["peak_gpu_reserved_bytes"] <= cap
         measured, predicted = summary["memory_bytes"], plan.predicted.memory_bytes
         for name in ("weights", "master_weights", "gradients"):

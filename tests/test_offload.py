@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastml.plan import Knobs, Plan, Training, offloaded_groups
-from fastml.spec import PRESETS
+from small_model import SMALL
 from fastml.executor.loop.build import build_training_model
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.train import train
@@ -20,7 +20,7 @@ SAME_ARITHMETIC = ["offload_weights", "offload_gradients", "offload_residuals", 
 def cpu_plan(steps=3, **knobs):
     """bf16 parameters with fp32 masters, as on a GPU, so that offload moves masters and bf16 copies around; three
     micro-batches a step, so that offloaded gradients are summed across them."""
-    return Plan(model=PRESETS["tiny"], training=Training(seq_len=32, global_batch_tokens=32 * 6, steps=steps),
+    return Plan(model=SMALL, training=Training(seq_len=32, global_batch_tokens=32 * 6, steps=steps),
                 knobs=Knobs(micro_batch_size=2, grad_accum_steps=3, **knobs))
 
 
@@ -75,7 +75,7 @@ def test_a_parameter_left_without_a_gradient_is_an_error_not_a_hang():
     model = build_training_model(plan, torch.device("cpu"))
     optimizer = AdamW(model, plan.training, plan.knobs, model.placement)
     model.blocks[0].ffn_norm.forward = lambda x: x  # its weight takes no part in the loss
-    tokens = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 33))
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 33))
     model.placement.begin_micro_batch(0, last=True)
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
     with pytest.raises(RuntimeError, match="blocks.0: 5 of its 6 parameters had a gradient in this backward pass"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastml.plan import Knobs, Plan, Training
-from fastml.spec import PRESETS
+from small_model import SMALL
 from fastml.executor.loop.build import build_training_model
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.train import train
@@ -22,7 +22,7 @@ def cpu_plan(steps=12, checkpoint_dir=None, **knobs):
     """bf16 parameters, as on a GPU; two micro-batches a step."""
     training = Training(seq_len=32, global_batch_tokens=32 * 4, steps=steps, lr=3e-3, warmup_steps=2,
                         checkpoint_dir=checkpoint_dir, checkpoint_interval=3 if checkpoint_dir else 0)
-    return Plan(model=PRESETS["tiny"], training=training, knobs=Knobs(micro_batch_size=2, grad_accum_steps=2, **knobs))
+    return Plan(model=SMALL, training=training, knobs=Knobs(micro_batch_size=2, grad_accum_steps=2, **knobs))
 
 
 def run_losses(plan, log, **kwargs):
@@ -97,7 +97,7 @@ def test_cached_fp8_weights_follow_the_weights_from_step_to_step(tmp_path, emula
 
 def test_cached_fp8_weights_are_not_in_checkpoints(emulated_fp8):
     model = build_training_model(cpu_plan(matmul_dtype="fp8", cache_fp8_weights=True), torch.device("cpu"))
-    assert len(emulated_fp8.cached_linears(model)) == 4 * PRESETS["tiny"].num_layers
+    assert len(emulated_fp8.cached_linears(model)) == 4 * SMALL.num_layers
     assert not any("fp8" in name for name in model.state_dict())
 
 
@@ -113,7 +113,7 @@ def test_every_recompute_part_runs_the_converted_linears(emulated_fp8, monkeypat
                         lambda x, w, b=None, cache=(): calls.append(bool(cache)) or linear(x, w, b, cache))
     plan = cpu_plan(matmul_dtype="fp8", recompute=(part,), cache_fp8_weights=cached)
     model = build_training_model(plan, torch.device("cpu"))
-    tokens = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
     recomputed_linears = {"norm": 0, "attention": 0, "qkv": 1, "ffn": 2, "block": 4}[part]
     assert len(calls) == len(model.blocks) * (4 + recomputed_linears)
@@ -129,7 +129,7 @@ def kept_by_a_recomputed_block(device: str, backend: str = "inductor", **knobs) 
     from fastml.executor.model.transformer import build_model, materialize, rotary_tables
 
     torch._dynamo.reset()
-    spec = PRESETS["tiny"]
+    spec = SMALL
     model = apply_plan(build_model(spec), Knobs(recompute=("block",), **knobs))
     if knobs.get("compile") and backend != "inductor":
         for block in model.blocks:

@@ -29,6 +29,7 @@ from fastml.executor.model.transformer import build_model, materialize
 from fastml.executor.memory.optim import lr_at
 from fastml.executor.parallel.world import World
 from fastml.executor.storage.tensordir import read_manifest
+from small_model import SMALL_OVERRIDES
 
 STEPS = 8
 
@@ -45,8 +46,9 @@ def fastml(*args, cwd, faults="", wait=True):
 def workdir(tmp_path_factory):
     """A small CPU plan, and the losses of an uninterrupted run of it."""
     path = tmp_path_factory.mktemp("reliability")
+    pins = [arg for pin in SMALL_OVERRIDES for arg in ("--set", pin)]
     assert fastml("plan", "--device", "cpu", "--seq", "64", "--global-batch-tokens", "256", "--steps", str(STEPS),
-                  "-o", "plan.json", cwd=path).returncode == 0
+                  *pins, "-o", "plan.json", cwd=path).returncode == 0
     result = run(path, "reference")
     assert result.returncode == 0, result.stderr
     return path
@@ -86,10 +88,18 @@ def test_resume_after_sigkill_repeats_the_same_losses(workdir, fault, survivors)
     assert losses(workdir, name) == losses(workdir, "reference")
 
 
+@pytest.fixture(scope="module")
+def six_steps(workdir):
+    """The checkpoints of a run stopped after 6 of its 8 steps (steps 2, 4, 6), and its log."""
+    assert run(workdir, "six", "--steps", "6").returncode == 0
+    return Path(workdir, "ck-six"), Path(workdir, "six.jsonl")
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no-meta"])
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(workdir, damage):
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(workdir, six_steps, damage):
     name = f"damage-{damage}"
-    assert run(workdir, name, "--steps", "6").returncode == 0
+    shutil.copytree(six_steps[0], Path(workdir, f"ck-{name}"))
+    shutil.copy(six_steps[1], Path(workdir, f"{name}.jsonl"))
     newest = Path(workdir, f"ck-{name}", "step-00000006")
     target = newest / {"truncate": "model.safetensors", "flip": "optimizer.safetensors", "delete": "rng.safetensors",
                        "no-meta": "fastml.json"}[damage]
@@ -196,14 +206,9 @@ def test_a_new_run_into_a_used_checkpoint_dir_is_refused_in_one_line(workdir):
 
 # ---- one run per checkpoint directory, in-process --------------------------------------------------------------
 
-# A model far smaller than the tiny preset: checkpoints of a few hundred kB write fast.
-SMALLER = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
-           "model.head_dim=16", "model.ffn_hidden_size=128"]
-
-
 def tiny_plan(root, steps=8, *overrides):
     return make_plan(seq_len=32, global_batch_tokens=64, steps=steps, device="cpu", overrides=[
-        *SMALLER, f"training.checkpoint_dir={root}", "training.checkpoint_interval=2", *overrides]).plan
+        *SMALL_OVERRIDES, f"training.checkpoint_dir={root}", "training.checkpoint_interval=2", *overrides]).plan
 
 
 def train_quietly(plan, **kwargs) -> str:
