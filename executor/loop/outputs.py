@@ -33,7 +33,8 @@ def prepare_outputs(plan: Plan, run_dir: Path | None, log_json, summary_json) ->
     if run_dir is not None:
         check_output_dir("--run-dir", run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        files += [("--run-dir", run_dir / name) for name in ("plan.json", RECORD_FILE, TRACE_FILE, LOG_FILE)]
+        files += [("--run-dir", run_dir / name)
+                  for name in ("plan.json", RECORD_FILE, TRACE_FILE, *([] if log_json else [LOG_FILE]))]
     for flag, path in files:
         if path:
             check_output_file(flag, path)
