@@ -211,8 +211,8 @@ def block_input_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
 def group_params(spec: ModelSpec) -> dict[str, int]:
     """Parameters of each parameter group (`fastml.plan.layer_of`), in model order: the embedding, the
     blocks, and the final norm with the LM head (the norm alone when the head is the tied embedding)."""
-    embedding = spec.vocab_size * spec.hidden_size
-    groups = {"embed": embedding} | {block_group(i): spec.layer_params() for i in range(spec.num_layers)}
+    embedding, block = spec.vocab_size * spec.hidden_size, spec.layer_params()
+    groups = {"embed": embedding} | {block_group(i): block for i in range(spec.num_layers)}
     groups["head"] = spec.hidden_size + (0 if spec.tied_embeddings else embedding)
     return groups
 

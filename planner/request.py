@@ -9,7 +9,7 @@ DEFAULT_MODEL = "tiny"
 TINY_SEQ_LEN = 256
 DEFAULT_SEQ_LEN = 2048
 SEQUENCES_PER_STEP = 16
-DEFAULT_TRIALS = 300
+DEFAULT_TRIALS = 100
 RANKING_MODEL = "llama-3.1-8b"
 """The model `fastml plan --hw A,B,...` ranks hardware for when no --model is given: the default tiny model is
 launch-bound on every GPU, so its ranking would tell them apart by nothing but price."""

@@ -200,7 +200,7 @@ def leanest(problem: Problem, candidates: list[Candidate]) -> Candidate:
 
 def traffic_s(sim: Simulation) -> float:
     """Seconds of the step's copies between host and GPU and of its collectives (busy time, overlapped or not)."""
-    return sum(d["duration"] for _, d in sim.graph.nodes(data=True) if d["category"] in ("offload", "comm"))
+    return sum(op.duration for op in sim.ops.values() if op.category in ("offload", "comm"))
 
 
 def _prediction(candidate: Candidate) -> tuple | None:
@@ -278,15 +278,68 @@ def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: 
         if trial.params and set(trial.params) == set(encoded):
             knobs = make_knobs(problem, {n: _decode(n, v) for n, v in trial.params.items()})
             seen.setdefault(knobs, None)
-    return rank(problem, [c or evaluate(problem, k) for k, c in seen.items()])
+    ranked = rank(problem, [c or evaluate(problem, k) for k, c in seen.items()])
+    if exhaustive_search:
+        return ranked
+    leaders: dict[int, Candidate] = {}  # the fastest plan of each micro-batch size, fastest first
+    for candidate in sorted((c for c in ranked if c.feasible), key=lambda c: -tokens_per_s(problem, c)):
+        leaders.setdefault(candidate.knobs.micro_batch_size, candidate)
+    for start in list(leaders.values())[:POLISHED_STARTS]:
+        _polish(problem, space, seen, start)
+    return rank(problem, list(seen.values()))
+
+
+POLISHED_STARTS = 3
+"""From how many plans the search climbs (`_polish`): the fastest of as many micro-batch sizes, since the best plans
+of two sizes often differ in many knobs at once (a larger micro-batch recomputing, a smaller one not)."""
+
+
+def _polish(problem: Problem, space: dict[str, tuple], seen: dict[Knobs, Candidate], start: Candidate) -> None:
+    """Climbs from `start` to a plan no single change makes faster: each round weighs every plan one knob away, and
+    where one does not fit, that change with one other knob a step toward less memory (trading memory between
+    knobs, as offloading the optimizer to keep activations does, takes both at once); it moves to the fastest.
+    The sampler finds the right region; this finds its best plan, which the sampler would need many more trials
+    to land on. Every plan weighed goes into `seen`."""
+    def speed(choice: dict) -> float:
+        knobs = make_knobs(problem, choice)
+        if seen.get(knobs) is None:
+            seen[knobs] = evaluate(problem, knobs)
+        return tokens_per_s(problem, seen[knobs])
+
+    current, best = {name: getattr(start.knobs, name) for name in space}, tokens_per_s(problem, start)
+    while True:
+        moves = []
+        for name, choices in space.items():
+            for value in choices:
+                if value == current[name]:
+                    continue
+                moved = {**current, name: value}
+                moves.append((speed(moved), moved))
+                if moves[-1][0] == 0:  # does not fit: with another knob a step toward less memory
+                    for other, step in _steps_to_less_memory(space, current, skip=name):
+                        repaired = {**moved, other: step}
+                        moves.append((speed(repaired), repaired))
+        fastest, choice = max(moves, key=lambda move: move[0])
+        if fastest <= best * (1 + 1e-9):
+            return
+        best, current = fastest, choice
+
+
+def _steps_to_less_memory(space: dict[str, tuple], current: dict, skip: str):
+    """(knob, value): for each knob but `skip`, its neighbouring choice toward the one that needs the least memory
+    (`smallest_choice`), where it is not there yet."""
+    least = smallest_choice(space)
+    for name, choices in space.items():
+        if name != skip and current[name] != least[name]:
+            here, there = choices.index(current[name]), choices.index(least[name])
+            yield name, choices[here + (1 if there > here else -1)]
 
 
 def _core_leaders(problem: Problem, space: dict[str, tuple], count: int = 5) -> list[tuple[dict, Candidate]]:
-    """The best few plans that offload, shard and lower nothing (every other knob at its first choice), found
-    exhaustively: a cheap, strong start for the sampler, which would seldom draw all those knobs at zero."""
-    core = {n: (c if n == "micro_batch_size" or (KNOBS[n].kind in ("recompute", "speed") and
-                                                 not KNOBS[n].lower_precision) else c[:1])
-            for n, c in space.items()}
+    """The best few plans of each micro-batch and recompute choice that offload, shard and lower nothing (every
+    other knob at its first choice), found exhaustively: a cheap, strong start for the sampler, which would seldom
+    draw all those knobs at zero. The speed knobs are left to the climb after it (`_polish`)."""
+    core = {n: (c if n == "micro_batch_size" or KNOBS[n].kind == "recompute" else c[:1]) for n, c in space.items()}
     if space_size(core) > 2000:
         return []
     return _ranked_choices(problem, _combinations(core), feasible_only=True)[:count]

@@ -12,11 +12,11 @@ duration stands for the rest; the trace repeats the middle one's ops in their pl
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import deque
 from dataclasses import dataclass, field
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from fastml.plan import TIME_COMPONENTS, Knobs, block_group, fp8_cached_blocks
 from fastml.planner.costs import Collective, costs, recomputed_weight_share
@@ -25,43 +25,97 @@ from fastml.planner.memory import (STREAM_BUFFER_LAYERS, block_input_bytes, grou
                                    placement)
 from fastml.spec import ModelSpec
 
+if TYPE_CHECKING:
+    import networkx as nx
+
 SIMULATED_MICRO_BATCHES = 3
 # Where the compute stream waits on an op of this kind, the wait is charged to this component.
 _WAIT_COMPONENT = {"comm": "exposed_comm", "offload": "exposed_offload", "optimizer": "optimizer"}
 
 
+class Op:
+    """One op of the step: what it runs on, for how long, after which ops, and when the schedule placed it."""
+
+    __slots__ = ("resource", "duration", "category", "deps", "start", "end", "blocker", "alloc", "free", "micro_batch")
+
+    def __init__(self, resource: str, duration: float, category: str, deps: tuple[str, ...], start: float,
+                 blocker: str | None, alloc=(), free=(), micro_batch: int | None = None):
+        self.resource, self.duration, self.category, self.deps = resource, duration, category, deps
+        self.start, self.end, self.blocker = start, start + duration, blocker
+        self.alloc, self.free, self.micro_batch = alloc, free, micro_batch
+
+
 @dataclass
 class Simulation:
-    graph: nx.DiGraph
+    ops: dict[str, Op] = field(repr=False)
+    """The step's ops by name, in program order (a topological order of the task graph)."""
     step_time_s: float
     time_s: dict[str, float]
-    critical_path: list[str]
-    activation_peak_bytes: int
-    memory_timeline: list[tuple[float, int]] = field(repr=False)
     repeated_window: tuple[float, float] | None = None
     """The simulated middle micro-batch, [start, end) on the graph's clock, where the step repeats it."""
     repeats: int = 0
     """How many more times the step runs that micro-batch than the graph does."""
 
+    # What the search does not need is worked out on demand.
+    @functools.cached_property
+    def critical_path(self) -> list[str]:
+        """The ops that held each other back, from the step's first to its last."""
+        path = [_last(self.ops)]
+        while self.ops[path[-1]].blocker is not None:
+            path.append(self.ops[path[-1]].blocker)
+        return path[::-1]
+
+    @functools.cached_property
+    def memory_timeline(self) -> list[tuple[float, int]]:
+        """Activation bytes resident on the GPU over the simulated ops: allocated when an op starts, freed when one
+        ends."""
+        sizes, events = {}, []
+        for op in self.ops.values():
+            for key, num_bytes in op.alloc:
+                sizes[key] = num_bytes
+                events.append((op.start, num_bytes))
+        for op in self.ops.values():
+            for key in op.free:
+                events.append((op.end, -sizes[key]))
+        timeline, resident = [(0.0, 0)], 0
+        for time, delta in sorted(events):  # frees first at equal times
+            resident += delta
+            timeline.append((time, resident))
+        return timeline
+
+    @property
+    def activation_peak_bytes(self) -> int:
+        return max(resident for _, resident in self.memory_timeline)
+
+    @functools.cached_property
+    def graph(self) -> nx.DiGraph:
+        """The ops as a networkx task graph: an edge from each op to the ops that wait for it; each node has its
+        op's fields as attributes."""
+        import networkx as nx
+
+        graph = nx.DiGraph()
+        for name, op in self.ops.items():
+            graph.add_node(name, **{key: getattr(op, key) for key in Op.__slots__ if key != "deps"})
+            graph.add_edges_from((dep, name) for dep in op.deps)
+        return graph
+
 
 def simulate(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Simulation:
-    graph = build_graph(spec, seq_len, knobs, machine)
-    _schedule(graph)
-    makespan = max(d["end"] for _, d in graph.nodes(data=True))
-    time_s = _breakdown(graph, 0.0, makespan)
+    ops = schedule(spec, seq_len, knobs, machine)
+    last = _last(ops)
+    time_s = _breakdown(ops, last, 0.0, ops[last].end)
     extra = max(0, knobs.grad_accum_steps - SIMULATED_MICRO_BATCHES)
     window = None
     if extra > 0:
-        window = tuple(_micro_batch_ends(graph)[:2])
-        middle = _breakdown(graph, *window)
+        window = tuple(_micro_batch_ends(ops)[:2])
+        middle = _breakdown(ops, last, *window)
         time_s = {k: time_s[k] + extra * middle[k] for k in TIME_COMPONENTS}
-    timeline = _memory_timeline(graph)
-    return Simulation(graph=graph, step_time_s=sum(time_s.values()), time_s=time_s,
-                      critical_path=_critical_path(graph), activation_peak_bytes=max(m for _, m in timeline),
-                      memory_timeline=timeline, repeated_window=window, repeats=extra)
+    return Simulation(ops=ops, step_time_s=sum(time_s.values()), time_s=time_s, repeated_window=window,
+                      repeats=extra)
 
 
-def build_graph(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> nx.DiGraph:
+def schedule(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> dict[str, Op]:
+    """The step's ops, each placed as it is added (`_StepGraph.add`)."""
     step = _StepGraph(spec, seq_len, knobs, machine)
     num_micro = min(knobs.grad_accum_steps, SIMULATED_MICRO_BATCHES)
     for m in range(num_micro):
@@ -69,23 +123,26 @@ def build_graph(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -
         step.head(m, last=m == num_micro - 1)
         step.backward(m, last=m == num_micro - 1)
     step.optimizer_step()
-    return step.graph
+    return step.ops
 
 
 class _StepGraph:
     """One optimizer step's ops, added in program order; each op depends on the ops named and, implicitly, on the
-    ops added before it to its resource. What crosses PCIe follows `memory.Placement`, the executor's offload:
+    ops added before it to its resource, and is scheduled as it is added: in-order list scheduling, since program
+    order is a topological order. What crosses PCIe follows `memory.Placement`, the executor's offload:
     streamed weights come up before each forward and backward pass of their block; an offloaded block input goes
     down after the block's forward pass and comes back before its backward pass; offloaded gradients go down after
     each backward pass and, from the second micro-batch on, come back before it to be added to. Each stream passes
     through STREAM_BUFFER_LAYERS GPU buffers, so a copy runs one block ahead of the compute using it."""
 
     def __init__(self, spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine):
-        self.graph = nx.DiGraph()
+        self.ops: dict[str, Op] = {}
+        self.resource_free: dict[str, tuple[float, str | None]] = {}  # when each resource is next free, after what
         self.c = costs(spec, seq_len, knobs, machine)
         self.step_overhead_s = machine.calibration.step_overhead_s
         self.knobs = knobs
         self.num_layers = spec.num_layers
+        self.groups = [block_group(layer) for layer in range(spec.num_layers)]  # by block: its parameter group
         self.multi = machine.num_gpus > 1
         self.device = "CPU" if machine.device == "cpu" else "GPU"  # the device's optimizer step, by name
         self.place = placement(spec, knobs)
@@ -105,10 +162,16 @@ class _StepGraph:
         self.last_grad: dict[int | str, str] = {}  # per group, the op after which its gradient is final (GPU or host)
 
     def add(self, name: str, resource: str, duration_s: float, category: str, deps=(), **attrs) -> str:
-        self.graph.add_node(name, resource=resource, duration=duration_s, category=category, **attrs)
+        """Adds the op and places it: it starts when its resource is free and its inputs (`deps`, None for none)
+        are ready; `blocker` is the op whose end it waited for last."""
+        start, blocker = self.resource_free.get(resource, (0.0, None))
+        ops = self.ops
         for dep in deps:
-            if dep is not None:
-                self.graph.add_edge(dep, name)
+            if dep is not None and ops[dep].end > start:
+                start, blocker = ops[dep].end, dep
+        op = ops[name] = Op(resource, duration_s, category, tuple(d for d in deps if d is not None) if None in deps
+                            else tuple(deps), start, blocker, **attrs)
+        self.resource_free[resource] = (op.end, name)
         return name
 
     def compute(self, name: str, duration_s: float, category: str, deps=(), **attrs) -> str:
@@ -142,7 +205,7 @@ class _StepGraph:
         (a streamed shard first up from the host), or in the backward pass their copy cached on the host."""
         k, c = self.knobs, self.c
         sharded = k.shard_weights and self.multi
-        streamed = block_group(layer) in self.place.streamed_weights
+        streamed = self.groups[layer] in self.place.streamed_weights
         if streamed and not sharded:  # the copies wait for the compute queued before them (the fp8 cache's cast)
             return self.add(f"h2d weights L{layer} {tag}", "h2d", c.layer_weights_h2d, "offload",
                             [self.buffer_free("weights"), self.cache_op])
@@ -159,20 +222,20 @@ class _StepGraph:
     def cache_weights(self, layer: int, forward_op: str) -> None:
         """ZeRO-3 with cache_weights_on_host: a block's gathered weights go to the host after its forward pass."""
         k = self.knobs
-        if self.multi and k.shard_weights and k.cache_weights_on_host and block_group(layer) not in \
+        if self.multi and k.shard_weights and k.cache_weights_on_host and self.groups[layer] not in \
                 self.place.streamed_weights:
             self.add(f"d2h cached weights L{layer} {forward_op.split()[-1]}", "d2h", self.c.layer_weights_h2d,
                      "offload", [forward_op])
 
     def weight_casts(self, layer: int, phase: str) -> float:
         """The casts of the block's weights to fp8 in a pass of `phase`, where the block does not cache them."""
-        if block_group(layer) in self.fp8_cached:
+        if self.groups[layer] in self.fp8_cached:
             return 0.0
         return self.c.layer_weight_cast_forward if phase == "forward" else self.c.layer_weight_cast_backward
 
     def release(self, kind: str, layer: int, op: str) -> None:
         """`op` is the last to use the block's GPU buffer of stream `kind`, if it has one: the buffer frees after it."""
-        if block_group(layer) in self.streamed[kind]:
+        if self.groups[layer] in self.streamed[kind]:
             self.buffer_users[kind].append(op)
 
     def forward(self, m: int) -> None:
@@ -184,7 +247,7 @@ class _StepGraph:
                                                                          [self.prefetch_slot()])])
         for layer in range(self.num_layers):
             ready = self.fetch_weights(layer, f"mb{m} fwd", backward=False)
-            offloaded = block_group(layer) in self.place.host_inputs
+            offloaded = self.groups[layer] in self.place.host_inputs
             kept = [(f"act {m} {layer}", self.act_bytes - offloaded * self.input_bytes)]
             if offloaded:
                 kept.append((f"input {m} {layer}", self.input_bytes))
@@ -211,7 +274,7 @@ class _StepGraph:
         for layer in reversed(range(self.num_layers)):
             deps = [self.fetch_weights(layer, f"mb{m} bwd", backward=True)]
             freed = [f"act {m} {layer}"]
-            if block_group(layer) in self.place.host_inputs:
+            if self.groups[layer] in self.place.host_inputs:
                 deps.append(self.add(f"h2d input L{layer} mb{m}", "h2d", c.layer_input_h2d, "offload",
                                      [f"d2h input L{layer} mb{m}", self.buffer_free("inputs")],
                                      alloc=[(f"input {m} {layer}", self.input_bytes)]))
@@ -228,7 +291,7 @@ class _StepGraph:
             self.release("inputs", layer, grad)
             if self.multi and (self.knobs.shard_gradients or last):
                 grad = self.collective(f"reduce grads L{layer} mb{m}", c.layer_grad_reduce, [grad])
-            if block_group(layer) in self.place.host_gradients and not (last and self.reduced_on_gpu()):
+            if self.groups[layer] in self.place.host_gradients and not (last and self.reduced_on_gpu()):
                 grad = self.gradients_down(layer, m, grad)
                 self.release("gradients", layer, grad)
             self.last_grad[layer] = grad
@@ -243,7 +306,7 @@ class _StepGraph:
 
     def sharded_host_gradients(self, layer: int) -> bool:
         """Whether the block's reduced gradient shard sums the micro-batches in host memory (executor/parallel/shard.py)."""
-        return self.multi and self.knobs.shard_gradients and block_group(layer) in self.place.host_gradients
+        return self.multi and self.knobs.shard_gradients and self.groups[layer] in self.place.host_gradients
 
     def gradients_down(self, layer: int, m: int, grad: str) -> str:
         """An offloaded block's gradients to the host after its backward pass (and reduction); a sharded one's sum
@@ -261,7 +324,7 @@ class _StepGraph:
         """What the backward pass of an offloaded-gradient block waits for: a free gradient buffer, and from the
         second micro-batch on the accumulated gradients, back from the host to be added to (unsharded: a sharded
         block adds to its shard after the reduction, `gradients_down`)."""
-        if block_group(layer) not in self.place.host_gradients:
+        if self.groups[layer] not in self.place.host_gradients:
             return []
         if self.sharded_host_gradients(layer):
             return [self.buffer_free("gradients")]
@@ -329,86 +392,52 @@ class _StepGraph:
         return self.add(f"h2d updated {group}", "h2d", up_bytes * self.c.h2d_per_byte, "offload", [step])
 
 
-def _schedule(graph: nx.DiGraph) -> None:
-    """In-order list scheduling: sets start, end and the op that held each op back ('blocker')."""
-    resource_free: dict[str, tuple[float, str | None]] = {}
-    for name, op in graph.nodes(data=True):  # insertion order is program order, hence topological
-        start, blocker = resource_free.get(op["resource"], (0.0, None))
-        for dep in graph.predecessors(name):
-            if graph.nodes[dep]["end"] > start:
-                start, blocker = graph.nodes[dep]["end"], dep
-        op.update(start=start, end=start + op["duration"], blocker=blocker)
-        resource_free[op["resource"]] = (op["end"], name)
-
-
-def _breakdown(graph: nx.DiGraph, window_start: float, window_end: float) -> dict[str, float]:
+def _breakdown(ops: dict[str, Op], last: str, window_start: float, window_end: float) -> dict[str, float]:
     """Splits [window_start, window_end] by what the compute stream did: its own ops by their category, and
-    its idle time by the kinds of op it was waiting for (`_charge_wait`)."""
+    its idle time by the kinds of op it was waiting for (`_charge_wait`); `last` is the op that ends the step."""
     time_s = dict.fromkeys(TIME_COMPONENTS, 0.0)
     cursor = window_start
-    ops = sorted((n for n, d in graph.nodes(data=True) if d["resource"] == "compute"),
-                 key=lambda n: graph.nodes[n]["start"])
-    for name in ops:
-        op = graph.nodes[name]
-        start, end = max(op["start"], window_start), min(op["end"], window_end)
+    for op in ops.values():  # the compute stream's ops in program order, which is the order they start in
+        if op.resource != "compute":
+            continue
+        start, end = max(op.start, window_start), min(op.end, window_end)
         if end <= start:
             continue
         if start > cursor:
-            _charge_wait(graph, op["blocker"], cursor, start, time_s)
-        time_s[op["category"]] += end - start
+            _charge_wait(ops, op.blocker, cursor, start, time_s)
+        time_s[op.category] += end - start
         cursor = end
     if window_end > cursor:  # the step ends with work off the compute stream (CPU optimizer, transfers, comm)
-        last = max(graph.nodes, key=lambda n: graph.nodes[n]["end"])
-        _charge_wait(graph, last, cursor, window_end, time_s)
+        _charge_wait(ops, last, cursor, window_end, time_s)
     return time_s
 
 
-def _charge_wait(graph: nx.DiGraph, name: str | None, wait_start: float, wait_end: float,
+def _charge_wait(ops: dict[str, Op], name: str | None, wait_start: float, wait_end: float,
                  time_s: dict[str, float]) -> None:
     """Charges the compute stream's wait [wait_start, wait_end), which op `name` ends, along the chain of ops that
     held each other back (each starts when its blocker ends): each op's part of the wait to the component of its
     kind, so a transfer that waited for the CPU's optimizer step counts as optimizer time."""
     while name is not None:
-        op = graph.nodes[name]
-        start, end = max(op["start"], wait_start), min(op["end"], wait_end)
+        op = ops[name]
+        start, end = max(op.start, wait_start), min(op.end, wait_end)
         if end > start:
-            time_s[_WAIT_COMPONENT.get(op["category"], "other")] += end - start
-        if op["start"] <= wait_start:
+            time_s[_WAIT_COMPONENT.get(op.category, "other")] += end - start
+        if op.start <= wait_start:
             return
-        name = op["blocker"]
+        name = op.blocker
 
 
-def _micro_batch_ends(graph: nx.DiGraph) -> list[float]:
+def _last(ops: dict[str, Op]) -> str:
+    """The op that ends the step (the first added, of those ending last)."""
+    return max(ops, key=lambda n: ops[n].end)
+
+
+def _micro_batch_ends(ops: dict[str, Op]) -> list[float]:
     ends: dict[int, float] = {}
-    for _, d in graph.nodes(data=True):
-        if "micro_batch" in d:
-            ends[d["micro_batch"]] = max(ends.get(d["micro_batch"], 0.0), d["end"])
+    for op in ops.values():
+        if op.micro_batch is not None:
+            ends[op.micro_batch] = max(ends.get(op.micro_batch, 0.0), op.end)
     return [ends[m] for m in sorted(ends)]
-
-
-def _critical_path(graph: nx.DiGraph) -> list[str]:
-    name = max(graph.nodes, key=lambda n: graph.nodes[n]["end"])
-    path = [name]
-    while graph.nodes[path[-1]]["blocker"] is not None:
-        path.append(graph.nodes[path[-1]]["blocker"])
-    return path[::-1]
-
-
-def _memory_timeline(graph: nx.DiGraph) -> list[tuple[float, int]]:
-    """Activation bytes resident on the GPU over the step: allocated when an op starts, freed when one ends."""
-    sizes, events = {}, []
-    for _, d in graph.nodes(data=True):
-        for key, num_bytes in d.get("alloc", ()):
-            sizes[key] = num_bytes
-            events.append((d["start"], num_bytes))
-    for _, d in graph.nodes(data=True):
-        for key in d.get("free", ()):
-            events.append((d["end"], -sizes[key]))
-    timeline, resident = [(0.0, 0)], 0
-    for time, delta in sorted(events, key=lambda e: (e[0], e[1])):  # frees first at equal times
-        resident += delta
-        timeline.append((time, resident))
-    return timeline
 
 
 def chrome_trace(sim: Simulation) -> dict:
@@ -417,11 +446,11 @@ def chrome_trace(sim: Simulation) -> dict:
     the middle one's ops are repeated in its place and the later ops shifted, so the trace ends with the step."""
     tracks = {}
     events = []
-    for name, d in sim.graph.nodes(data=True):
-        tid = tracks.setdefault(d["resource"], len(tracks))
-        for op_name, start_s in _op_placements(sim, name, d["start"]):
-            events.append({"name": op_name, "cat": d["category"], "ph": "X", "pid": 0, "tid": tid,
-                           "ts": start_s * 1e6, "dur": d["duration"] * 1e6})
+    for name, op in sim.ops.items():
+        tid = tracks.setdefault(op.resource, len(tracks))
+        for op_name, start_s in _op_placements(sim, name, op.start):
+            events.append({"name": op_name, "cat": op.category, "ph": "X", "pid": 0, "tid": tid,
+                           "ts": start_s * 1e6, "dur": op.duration * 1e6})
     for resource, tid in tracks.items():
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": resource}})
     for time, resident in sim.memory_timeline:

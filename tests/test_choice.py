@@ -3,7 +3,6 @@ say what limits the chosen plan and why it beats the first runner-up."""
 
 import dataclasses
 
-import networkx as nx
 import pytest
 
 from fastml.plan import MEMORY_CATEGORIES, TIME_COMPONENTS, Knobs, Plan, Predicted, Training
@@ -14,7 +13,7 @@ from fastml.planner.memory import Memory, memory
 from fastml.planner.planner import make_plan
 from fastml.planner.search import (LEAN_MARGIN, Candidate, Problem, evaluate, knob_space, make_knobs, rank, search,
                                    smallest_choice, tokens_per_s)
-from fastml.planner.simulate import Simulation, simulate
+from fastml.planner.simulate import Op, Simulation, simulate
 from fastml.spec import PRESETS
 
 GIB = 2**30
@@ -83,10 +82,8 @@ def test_rank_keeps_one_of_identical_predictions_and_prefers_fewer_knobs_set():
 
 def made_up(step_s: float, host_gib: float, gpu_gib: float, busy_links_s: float = 0.0) -> Candidate:
     """A feasible candidate with this step time, host and GPU memory, and seconds of copies and collectives."""
-    graph = nx.DiGraph()
-    graph.add_node("gather", category="comm", duration=busy_links_s)
-    sim = Simulation(graph=graph, step_time_s=step_s, time_s=dict.fromkeys(TIME_COMPONENTS, 0.0) | {"compute": step_s},
-                     critical_path=[], activation_peak_bytes=0, memory_timeline=[])
+    ops = {"gather": Op("comm", busy_links_s, "comm", deps=(), start=0.0, blocker=None)}
+    sim = Simulation(ops=ops, step_time_s=step_s, time_s=dict.fromkeys(TIME_COMPONENTS, 0.0) | {"compute": step_s})
     gib_of = lambda n: dict.fromkeys(MEMORY_CATEGORIES, 0) | {"weights": int(n * GIB)}  # noqa: E731
     return Candidate(knobs=Knobs(micro_batch_size=16), memory=Memory(gpu=gib_of(gpu_gib), host=gib_of(host_gib)),
                      simulation=sim, gpu_over_bytes=-1, host_over_bytes=-1)
@@ -151,8 +148,8 @@ def test_search_reports_each_trial_with_the_best_so_far():
     bests = [best for _, best in reports]
     assert bests == sorted(bests) and bests[-1] > 0
     speeds = [tokens_per_s(p, c) for c in ranked]
-    assert bests[-1] == pytest.approx(max(speeds))  # the fastest; ranked first, the leanest near it (test below)
-    assert speeds[0] >= (1 - LEAN_MARGIN) * max(speeds)
+    assert bests[-1] in speeds and max(speeds) >= bests[-1]  # the climb after the trials may find faster ones
+    assert speeds[0] >= (1 - LEAN_MARGIN) * max(speeds)  # ranked first: the leanest near the fastest (test below)
 
 
 # --- what limits a plan, on plans built so the answer is known
