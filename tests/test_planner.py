@@ -387,7 +387,7 @@ def test_the_trace_of_an_accumulated_step_covers_the_whole_step():
 
 def test_a_plan_request_holds_the_defaults_of_the_command_line():
     from fastml.cli import parser
-    from fastml.planner.request import DEFAULT_TRIALS, PlanRequest
+    from fastml.planner.request import PlanRequest
 
     args = parser().parse_args(["plan"])
     assert (args.steps, args.data, args.trials) == (PlanRequest.steps, PlanRequest.data, PlanRequest.trials)
