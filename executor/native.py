@@ -75,12 +75,17 @@ def _load(library: Library, verbose: bool) -> None:
         if library.name in _loaded:
             return
         build_dir = build_directory(library)
-        if (build_dir / "complete").is_file():
+        if is_built(library):
             _load_built(library, build_dir / f"{library.name}.so")  # no compiler needed once built
         else:
             _build(library, build_dir, verbose)
             (build_dir / "complete").touch()  # after the build: an interrupted one is built again next time
         _loaded.add(library.name)
+
+
+def is_built(library: Library = CPU_OPS) -> bool:
+    """Whether `library` is built for this environment (its first use will not compile it)."""
+    return (build_directory(library) / "complete").is_file()
 
 
 def build_directory(library: Library = CPU_OPS) -> Path:

@@ -413,6 +413,9 @@ def _add_plan_command(sub) -> None:
     plan.add_argument("--host-mem", help="host memory per node, e.g. 256GiB (default: the profile's; for this "
                                          "machine, its memory)")
     plan.add_argument("--device", choices=["cpu", "cuda"], help="without --hw: plan for this machine's CPU or GPU")
+    plan.add_argument("--no-profile", dest="measure", action="store_false",
+                      help="on a GPU machine never profiled: plan with the shipped profile's figures instead of "
+                           "measuring it first (about 20 s, once)")
     plan.add_argument("--trials", type=int, default=PlanRequest.trials,
                       help=f"search trials (default: {PlanRequest.trials})")
     plan.add_argument("--study", help="keep the search in this SQLite file, to resume or extend it")

@@ -38,45 +38,83 @@ ADAM_ROUNDS = 7
 
 
 def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None, nvlink: bool = False,
-                 peak_fp8_flops: float | None = None) -> dict:
+                 peak_fp8_flops: float | None = None, build_ops: bool = True) -> dict:
     """Every rate, by the profile field it is written to (`profile.profile_json`); `on_step(what)` before each.
     With several GPUs also those between them (hwprofiles/between_gpus.py); `nvlink`: their peer copies go over
     NVLink, whose rate the profile then takes from the copy. fp8 where the profile has an fp8 peak
-    (`peak_fp8_flops`)."""
+    (`peak_fp8_flops`). Without `build_ops`, what needs fastml's C++ or CUDA ops built first (about a minute on
+    first use) is measured only where they are built already: the profile keeps its base's figures for the rest
+    (`not_built`). How long each part took is under `seconds`."""
     import torch
 
+    from fastml.executor import native
+    from fastml.hwprofiles.host import measure_host_overhead
+
     copy_bytes = QUICK_COPY_BYTES if quick else COPY_BYTES
-    measured = {}
-    on_step("bf16 GEMMs")
+    measured, seconds = {}, {}
+
+    def step(what: str):
+        on_step(what)
+        seconds[what] = time.perf_counter()
+
+    def done(what: str):
+        seconds[what] = round(time.perf_counter() - seconds[what], 2)
+
+    def built(library) -> bool:
+        return build_ops or native.is_built(library)
+
+    step("bf16 GEMMs")
     sizes = QUICK_SQUARE_SIZES if quick else SQUARE_SIZES
     measured["gpu.gemm_efficiency"] = [[g, round(_gemm_flops(g, g, g) / peak_bf16_flops, 4)] for g in sizes]
+    done("bf16 GEMMs")
     if not quick:
-        on_step("the presets' linear layers")
+        step("the presets' linear layers")
         for field, gemm_flops in (("gpu.gemm_shapes", _linear_flops),
                                   ("gpu.backward_gemm_shapes", _linear_backward_flops)):
             rates = {shape: _if_it_fits(gemm_flops, *shape) for shape in _model_shapes()}
             measured[field] = [[m, n, k, round(flops / peak_bf16_flops, 4)] for (m, n, k), flops in rates.items()
                                if flops]
-    on_step("attention")
+        done("the presets' linear layers")
+    step("attention")
     measured["gpu.attention_shapes"] = _attention_efficiencies(peak_bf16_flops, quick)
-    if peak_fp8_flops:
-        on_step("the fp8 cast" if quick else "fp8 GEMMs and the fp8 cast")
+    done("attention")
+    not_built = []
+    if peak_fp8_flops and built(native.CUDA_OPS):
+        step("the fp8 cast" if quick else "fp8 GEMMs and the fp8 cast")
         measured |= _fp8(peak_fp8_flops, quick)
-    on_step("HBM")
+        done("the fp8 cast" if quick else "fp8 GEMMs and the fp8 cast")
+    elif peak_fp8_flops:
+        not_built.append("gpu.fp8_cast_bytes_per_s")
+    step("HBM")
     measured["gpu.hbm_bytes_per_s"] = _hbm_bytes_per_s(copy_bytes)
-    on_step("pinned host copies")
+    done("HBM")
+    step("pinned host copies")
     up, down = _host_copies(0, copy_bytes)
     measured["gpu.pcie.h2d_bytes_per_s"], measured["gpu.pcie.d2h_bytes_per_s"] = up, down
     measured["node.h2d_all_gpus_bytes_per_s"] = _all_gpus_up(copy_bytes) if torch.cuda.device_count() > 1 else up
-    on_step("kernel launches")
+    done("pinned host copies")
+    step("kernel launches")
     measured["launch_s"] = _launch_s()
-    on_step("host memory")
+    done("kernel launches")
+    step("the training loop's host time")
+    measured |= {f"host_overhead.{name}": value for name, value in measure_host_overhead("cuda").items()}
+    done("the training loop's host time")
+    step("host memory")
     measured["node.host_copy_bytes_per_s"] = _host_copy_bytes_per_s(copy_bytes // 2)
-    on_step("C++ CPU AdamW")
-    measured["node.cpu_adam_params_per_s"] = _cpu_adam_params_per_s()
+    done("host memory")
+    if built(native.CPU_OPS):
+        step("C++ CPU AdamW")
+        measured["node.cpu_adam_params_per_s"] = _cpu_adam_params_per_s()
+        done("C++ CPU AdamW")
+    else:
+        not_built.append("node.cpu_adam_params_per_s")
     if torch.cuda.device_count() > 1:
+        step("between GPUs")
         measured |= _between_gpus(quick, on_step, nvlink)
-    return measured
+        done("between GPUs")
+    if not_built:
+        measured["not_built"] = not_built
+    return measured | {"seconds": seconds}
 
 
 def _between_gpus(quick: bool, on_step, nvlink: bool) -> dict:

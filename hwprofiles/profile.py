@@ -300,6 +300,35 @@ def profile(output: str | None = None, console: Console | None = None, quick: bo
     return data
 
 
+FIRST_USE_S = 20
+"""About how long the first-use measurement takes (`measure_on_first_use`), as said before it starts."""
+
+
+def measure_on_first_use(say=None) -> dict:
+    """`fastml plan` on a GPU machine nobody has profiled: the quick profile, without building fastml's native ops
+    (what needs them keeps the shipped figures until `fastml profile` measures it), cached where `fastml profile`
+    caches its own; one line before, one after. Returns the profile."""
+    from fastml.hwprofiles.measure import measure_gpus
+
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    topology = detect_topology()
+    gpus = topology["gpus"]
+    path = hwprofiles.machine_profile_path(gpus[0]["name"], len(gpus))
+    say(f"measuring this machine's {len(gpus)} x {gpus[0]['name']} for planning, once (about {FIRST_USE_S} s; "
+        f"cached in {path}; `fastml profile` measures more, --no-profile plans with the shipped figures)")
+    base, _ = _base_profile(gpus[0]["name"], gpus[0]["memory_bytes"])
+    peaks = hwprofiles.load(base)["gpu"]["peak_flops"]
+    start = time.perf_counter()
+    measured = measure_gpus(peaks["bf16"], quick=True, nvlink=all(g["num_nvlinks"] for g in gpus),
+                            peak_fp8_flops=peaks.get("fp8"), build_ops=False)
+    data = profile_json(topology, {**measured, "quick": True, "date": topology["date"]})
+    hwprofiles.save_machine_profile(data)
+    kept = f"; kept {base}'s {', '.join(measured['not_built'])} (fastml's native ops are not built yet)" \
+        if measured.get("not_built") else ""
+    say(f"measured in {time.perf_counter() - start:.0f} s{kept}")
+    return data
+
+
 def _measure(topology: dict, quick: bool, console: Console) -> dict:
     from rich.progress import Progress
 

@@ -130,6 +130,23 @@ class Calibration:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostOverhead:
+    """The host's share of a step where the GPU waits for it: fastml's training loop on a model whose kernels take
+    no time (the tiny preset, one sequence per micro-batch), its step times at two depths and two micro-batch counts
+    fitted as below (hwprofiles/host.py). Python, the dispatcher and the kernel launches of a pass cost about the
+    same whatever the model's width, so a pass takes the longer of this and its GPU work (planner/costs.py)."""
+
+    block_pass_s: float
+    """One block's forward and backward pass over one micro-batch."""
+    head_s: float
+    """The embedding, the final norm, the LM head and the loss, forward and backward, over one micro-batch."""
+    optimizer_per_block_s: float
+    """The optimizer step of one block's parameter group (its clipping and AdamW launches)."""
+    step_s: float
+    """What every step adds besides: the loop, the loss's and the gradient norm's synchronisations, the data."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class HardwareProfile:
     name: str
     source: str
@@ -143,6 +160,8 @@ class HardwareProfile:
     """None where nobody rents it by the hour (a CPU): plans on it are not priced."""
     power: Power | None = None
     calibration: Calibration = Calibration()
+    host_overhead: HostOverhead | None = None
+    """None: the host's time is not priced (a profile of a GPU nobody measured it on, or a CPU)."""
 
 
 # Keys a profile may carry for people and for the tools that wrote it, not read by the planner: the raw topology

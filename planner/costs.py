@@ -75,6 +75,9 @@ class Costs:
     """The embedding's and head's gradients reduced, as a block's are (`layer_grad_reduce`)."""
     shard_h2d: float
     """A streamed block's weight shard to the GPU, before it is gathered (ZeRO-3 with streamed weights)."""
+    step_host_s: float = 0.0
+    """The host's time each step adds besides its passes: the loop's, and the optimizer's per block
+    (`HostOverhead`), wherever its states are (the CPU's steps are the host's work too)."""
 
 
 @dataclass(frozen=True)
@@ -173,11 +176,46 @@ def optimizer_step_bytes(knobs: Knobs) -> int:
 
 
 def costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Costs:
-    """The durations, times the machine's calibration (`Calibration`: measured over modelled time of the blocks'
-    forward passes, of the GPU's other work, of the CPU's optimizer steps and of transfers, and what each pass of a
-    block adds)."""
-    modelled = _modelled_costs(spec, seq_len, knobs, machine)
-    cal = machine.calibration
+    """The durations: the GPU's work times the machine's calibration (`calibrated`), each pass at least the host's
+    time for it (`with_host_time`)."""
+    return with_host_time(calibrated(_modelled_costs(spec, seq_len, knobs, machine), knobs, machine.calibration),
+                          spec, knobs, machine)
+
+
+FORWARD_OPS = 50
+BACKWARD_OPS = 74
+"""The aten ops a block's forward and backward pass dispatch on a GPU without recompute (bf16, eager), counted by
+benchmarks/host_overhead.py (results/host_overhead-h200.json, `pass_ops`): the host's time of a block pass is split
+between its forward and backward in this ratio."""
+RECOMPUTE_OPS = {"attention": 27, "ffn": 17, "block": 79}
+"""The aten ops recompute adds to a block's backward pass, by part of knobs.recompute (counted there too; attention
+and ffn together add their sum, 44). "norm" and "qkv", which the search does not weigh, are not counted."""
+
+
+def with_host_time(c: Costs, spec: ModelSpec, knobs: Knobs, machine: Machine) -> Costs:
+    """Each block pass and the head take at least the host's time for them: the GPU runs kernels as fast as the
+    host launches them, so the longer of the two paces the stream (the host runs ahead while the GPU is the slower);
+    the step's own host work (the loop, the optimizer's launches) comes on top, as the step waits for it. The host's time of a block pass (`HostOverhead`, measured by `fastml profile`)
+    is shared out by the ops each pass dispatches. A torch.compile'd block costs the host as much: measured on the
+    H200, 2.03 ms a block pass eager and compiled alike (results/host_overhead-h200.json)."""
+    host = machine.host_overhead
+    if host is None:
+        return c
+    per_op = host.block_pass_s / (FORWARD_OPS + BACKWARD_OPS)
+    parts = ("block",) if "block" in knobs.recompute else knobs.recompute
+    recomputed = sum(RECOMPUTE_OPS.get(part, 0) for part in parts)
+    return dataclasses.replace(
+        c, layer_forward=max(c.layer_forward, FORWARD_OPS * per_op),
+        layer_backward=max(c.layer_backward, BACKWARD_OPS * per_op),
+        layer_recompute=max(c.layer_recompute, recomputed * per_op),
+        head_forward_backward=max(c.head_forward_backward, host.head_s),
+        step_host_s=host.step_s + spec.num_layers * host.optimizer_per_block_s)
+
+
+def calibrated(modelled: Costs, knobs: Knobs, cal: Calibration) -> Costs:
+    """The GPU's work times the calibration (`Calibration`: measured over modelled time of the blocks' forward
+    passes, of the GPU's other work, of the CPU's optimizer steps and of transfers, and what each pass of a block
+    adds)."""
     if cal == Calibration():
         return modelled
     compute = ("grad_accumulate", "grad_clip", "gpu_adam_per_param", "layer_weight_cast_backward",

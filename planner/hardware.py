@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fastml import hwprofiles
 from fastml.config import check_range, fail, read_json
-from fastml.hwprofiles.schema import Calibration, HardwareProfile, NodeSection as Node, parse_profile
+from fastml.hwprofiles.schema import Calibration, HardwareProfile, HostOverhead, NodeSection as Node, parse_profile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +122,8 @@ class Machine:
     calibration: Calibration = Calibration()
     """How measured runs on this machine differ from the model (planner/calibrate.py); applied by costs.py,
     simulate.py and memory.py."""
+    host_overhead: HostOverhead | None = None
+    """The host's time per pass and step, where the GPU may wait for it (costs.py); None: not priced."""
 
     @property
     def shares_host_memory(self) -> bool:
@@ -241,7 +243,8 @@ def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
         collective_latency_s=p.collectives.latency_s, bus_bytes_per_s=dict(p.collectives.bus_bytes_per_s),
         host_routed_bus_bytes_per_s=p.collectives.host_routed_bus_bytes_per_s or math.inf,
         usd_per_gpu_hour=p.price.usd_per_gpu_hour if p.price else 0.0,
-        watts_per_gpu=p.power.watts_per_gpu if p.power else 0.0, calibration=p.calibration)
+        watts_per_gpu=p.power.watts_per_gpu if p.power else 0.0, calibration=p.calibration,
+        host_overhead=p.host_overhead)
 
 
 def _checked_rows(name: str, rows: tuple[tuple[float, ...], ...], length: int) -> tuple[tuple[float, ...], ...]:

@@ -17,7 +17,7 @@ from fastml.planner.calibrate import stale_calibration
 from fastml.planner.explain import limit
 from fastml.planner.hardware import Machine, check_cpu_options, load_machine, parse_bytes
 from fastml.planner.memory import Memory, memory
-from fastml.hwprofiles.profile import this_cpu_profile
+from fastml.hwprofiles.profile import measure_on_first_use, this_cpu_profile
 from fastml.planner.request import DEFAULT_MODEL, SEQUENCES_PER_STEP, PlanRequest
 from fastml.planner.pins import Device, checked_pins, pinned_space
 from fastml.planner.search import (HOST_USABLE_FRACTION, MAX_MICRO_BATCH, Candidate, Problem, evaluate, knob_space,
@@ -258,11 +258,13 @@ def _this_machine(r: PlanRequest, spec: ModelSpec, seq_len: int) -> _Target:
     if gpus_here is None:
         fail("--device", "'cuda' was asked for, but this machine has no CUDA GPU")
     name, present = gpus_here
-    measured = hwprofiles.machine_profile(name, present)  # `fastml profile` on this machine
+    measured = hwprofiles.machine_profile(name, present)  # `fastml profile` on this machine, or its first use
+    if measured is None and r.measure:
+        measured = measure_on_first_use()
     profile = hwprofiles.for_device_name(name)
     if profile is None and measured is None:
-        fail("--hw", f"no shipped profile for the GPU {name!r}; run `fastml profile`, which measures this machine "
-                     f"for the plans made on it, or pass --hw with the nearest of {', '.join(hwprofiles.names())}")
+        fail("--no-profile", f"no shipped profile for the GPU {name!r}: leave out --no-profile to measure this "
+                             f"machine first, or pass --hw with the nearest of {', '.join(hwprofiles.names())}")
     gpus = r.gpus or present
     _check_gpu_count(gpus, present, profile or "PROFILE")
     machine = load_machine(measured or profile, gpus, None, r.gpu_mem, r.host_mem or hwprofiles.host_memory_bytes())

@@ -39,6 +39,9 @@ class PlanRequest:
     """Default: the profile's; for this machine, its physical memory."""
     device: str | None = None
     """Without hw: "cpu" or "cuda" of this machine (default: its GPU if it has one)."""
+    measure: bool = True
+    """Without hw, on a GPU machine without a measured profile: measure it first (the quick profile, cached);
+    False plans with the shipped profile of its GPU."""
     trials: int = DEFAULT_TRIALS
     study: str | None = None
     lower_precision: bool | None = None

@@ -139,7 +139,7 @@ class _StepGraph:
         self.ops: dict[str, Op] = {}
         self.resource_free: dict[str, tuple[float, str | None]] = {}  # when each resource is next free, after what
         self.c = costs(spec, seq_len, knobs, machine)
-        self.step_overhead_s = machine.calibration.step_overhead_s
+        self.step_overhead_s = machine.calibration.step_overhead_s + self.c.step_host_s
         self.knobs = knobs
         self.num_layers = spec.num_layers
         self.groups = [block_group(layer) for layer in range(spec.num_layers)]  # by block: its parameter group
@@ -357,8 +357,8 @@ class _StepGraph:
         updated += [self.cpu_step(group, clip, cpu_inputs[group]) for group in on_cpu]
         if self.multi and self.knobs.shard_optimizer and not self.knobs.shard_weights:
             self.collective("gather updated weights", self.c.step_weight_gather, updated)
-        if self.step_overhead_s:  # the CPU's own work of a step, which the GPU waits for (calibrated)
-            self.compute("step overhead", self.step_overhead_s, "other")
+        if self.step_overhead_s:  # the host's own work of a step, after its optimizer steps (measured, calibrated)
+            self.compute("step overhead", self.step_overhead_s, "other", updated)
 
     def share(self, group: str) -> float:
         """The parameters of `group` that this GPU's optimizer steps."""

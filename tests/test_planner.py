@@ -154,7 +154,7 @@ def test_a_serial_step_is_the_sum_of_its_ops():
     """One GPU, nothing to overlap: the step is its ops one after another, so its time and breakdown follow from
     the op costs alone, here for more micro-batches than are simulated (the rest are extrapolated)."""
     spec = PRESETS["tinyllama-1.1b"]
-    machine = load_machine("h200", 1)
+    machine = dataclasses.replace(load_machine("h200", 1), host_overhead=None)  # the host's time: test below
     knobs = Knobs(micro_batch_size=2, grad_accum_steps=7, recompute=("block",))
     c, n, layers = costs(spec, 2048, knobs, machine), knobs.grad_accum_steps, spec.num_layers
     sim = simulate(spec, 2048, knobs, machine)
@@ -164,6 +164,28 @@ def test_a_serial_step_is_the_sum_of_its_ops():
     expected = {"compute": compute, "recompute": n * layers * c.layer_recompute, "optimizer": optimizer}
     assert sim.time_s == pytest.approx(dict.fromkeys(TIME_COMPONENTS, 0.0) | expected)
     assert sim.step_time_s == pytest.approx(sum(expected.values()))
+
+
+@pytest.mark.parametrize("layers, micro_batches", [(2, 1), (8, 4), (4, 16)])
+def test_a_step_the_host_paces_is_the_host_time_measured(layers, micro_batches):
+    """The tiny preset at one sequence a micro-batch launches kernels that take no time: its predicted step is the
+    training loop's host time as `fastml profile` fits it (hwprofiles/host.py), the same sum the measurement was
+    fitted to."""
+    spec = dataclasses.replace(PRESETS["tiny"], num_layers=layers)
+    machine = load_machine("h200", 1)
+    host = machine.host_overhead
+    knobs = Knobs(micro_batch_size=1, grad_accum_steps=micro_batches)
+    step = simulate(spec, 256, knobs, machine).step_time_s
+    fitted = host.step_s + layers * host.optimizer_per_block_s + micro_batches * (host.head_s +
+                                                                                 layers * host.block_pass_s)
+    assert step == pytest.approx(fitted, rel=0.02)  # within the GPU's own work of the clipping and AdamW
+    recomputed = simulate(spec, 256, dataclasses.replace(knobs, recompute=("block",)), machine).step_time_s
+    assert recomputed > step  # recompute's ops cost the host too
+    wide, plan = PRESETS["llama-3.1-8b"], Knobs(micro_batch_size=4, grad_accum_steps=4)
+    gpu_alone = simulate(wide, 2048, plan, dataclasses.replace(machine, host_overhead=None)).time_s
+    with_host = simulate(wide, 2048, plan, machine).time_s
+    assert with_host["compute"] == gpu_alone["compute"]  # a wide model's passes: the GPU paces them
+    assert with_host["other"] == pytest.approx(host.step_s + wide.num_layers * host.optimizer_per_block_s)
 
 
 @pytest.mark.parametrize("model, knobs", [
@@ -176,7 +198,7 @@ def test_the_work_by_kind_is_the_simulated_step(model, knobs):
     kernels) adds up to the simulated step, fp8 casts, recompute and accumulation included; a calibrated profile is
     priced as the uncalibrated one."""
     spec, knobs = PRESETS[model], Knobs(**knobs)
-    machine = load_machine("h200", 1)
+    machine = dataclasses.replace(load_machine("h200", 1), host_overhead=None)  # the GPU's work alone
     work = step_work(spec, 2048, knobs, machine)
     assert sum(work.values()) == pytest.approx(simulate(spec, 2048, knobs, machine).step_time_s, rel=1e-12)
     assert (work.get("fp8 cast", 0) > 0) == (knobs.matmul_dtype == "fp8")
@@ -350,7 +372,7 @@ def test_a_cpu_peak_measured_under_load_gives_no_mfu_above_100_percent(fake_cpu,
 def test_more_gpus_than_this_machine_has_is_one_error(monkeypatch):
     fake_gpus(monkeypatch, 1)
     with pytest.raises(UserError, match="--gpus: 2: this machine has 1 GPU"):
-        make_plan(gpus=2, trials=10)
+        make_plan(gpus=2, trials=10, measure=False)
 
 
 @pytest.mark.parametrize("env, p2p", [({}, True), ({"NCCL_P2P_DISABLE": "1"}, False)])
@@ -358,15 +380,15 @@ def test_a_plan_for_this_machine_takes_all_its_gpus_and_their_links(monkeypatch,
     fake_gpus(monkeypatch, 2)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    plan = make_plan(trials=10).plan
+    plan = make_plan(trials=10, measure=False).plan
     assert (plan.hardware.num_gpus, plan.hardware.gpus_per_node) == (2, 2)
-    assert make_plan(trials=10, gpus=1).plan.hardware.num_gpus == 1
-    assert _this_machine(PlanRequest(), PRESETS["tiny"], 256).machine_for(16).gpu.p2p is p2p
+    assert make_plan(trials=10, gpus=1, measure=False).plan.hardware.num_gpus == 1
+    assert _this_machine(PlanRequest(measure=False), PRESETS["tiny"], 256).machine_for(16).gpu.p2p is p2p
 
 
 def test_gpu_options_apply_to_this_machines_gpu(monkeypatch):
     fake_gpus(monkeypatch, 2)
-    plan = make_plan(gpus=1, gpu_mem="16GiB", trials=20).plan
+    plan = make_plan(gpus=1, gpu_mem="16GiB", trials=20, measure=False).plan
     assert plan.hardware.profile == "h200" and plan.hardware.device == "cuda" and plan.hardware.num_gpus == 1
     assert plan.hardware.gpu_memory_bytes == 16 * 2**30 and plan.predicted.peak_memory_bytes < 16 * 2**30
     assert plan.hardware.host_memory_bytes == hwprofiles.host_memory_bytes()  # not the profile's 2 TiB

@@ -251,6 +251,38 @@ def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(mon
     assert plan.hardware.profile == "detected-h200" and plan.hardware.num_gpus == 2
 
 
+def test_a_gpu_machine_is_measured_on_first_use_then_planned_from_its_cache(monkeypatch, tmp_path, capsys):
+    """Issue 23: `fastml plan` on a GPU machine nobody profiled measures it first (the quick profile, without building
+    the native ops), says so, caches it, and plans with it; the next plan reads the cache; --no-profile plans with
+    the shipped figures."""
+    from fastml.hwprofiles import measure
+    from fastml.planner.planner import make_plan
+
+    use(monkeypatch, fake_nvml(h200s(), p2p_status=0, level=lambda a, b: 50))
+    monkeypatch.setenv("FASTML_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    calls = []
+
+    def measure_gpus(*args, **kwargs):
+        calls.append(kwargs)
+        return {**MEASURED, "not_built": ["node.cpu_adam_params_per_s"],
+                "host_overhead.block_pass_s": 0.002, "host_overhead.head_s": 0.001,
+                "host_overhead.optimizer_per_block_s": 1e-4, "host_overhead.step_s": 0.004}
+    monkeypatch.setattr(measure, "measure_gpus", measure_gpus)
+    assert make_plan(trials=10, measure=False).plan.hardware.profile == "h200" and not calls
+    plan = make_plan(trials=10).plan
+    assert plan.hardware.profile == "detected-h200" and len(calls) == 1 and calls[0]["build_ops"] is False
+    said = capsys.readouterr().err
+    assert "measuring this machine's 2 x NVIDIA H200 for planning, once" in said
+    assert "kept h200's node.cpu_adam_params_per_s (fastml's native ops are not built yet)" in said
+    machine = load_machine(hwprofiles.machine_profile("NVIDIA H200", 2))
+    assert machine.host_overhead.block_pass_s == 0.002 and machine.gpu.hbm_bytes_per_s == 4.0e12
+    assert make_plan(trials=10).plan.hardware.fingerprint == plan.hardware.fingerprint and len(calls) == 1
+
+
 def assert_attention_takes_the_measured_rates(machine) -> None:
     """Attention's forward time is its FLOPs at the measured efficiency of its head size (the nearest measured), in
     log sequence length between the lengths measured and flat beyond; without measurements, the GEMM curve's."""
@@ -352,6 +384,8 @@ def test_real_detection_on_gpus(tmp_path, monkeypatch):
     assert data["gpu"]["hbm_bytes_per_s"] == measured["gpu.hbm_bytes_per_s"] > 1e11
     assert data["gpu"]["pcie"]["h2d_bytes_per_s"] > 1e9 and data["node"]["cpu_adam_params_per_s"] > 1e7
     assert 0 < measured["launch_s"] < 1e-3
+    host = data["host_overhead"]  # the training loop's host time: a block pass is many launches, not a second
+    assert 10 * measured["launch_s"] < host["block_pass_s"] < 0.1 and 0 <= host["step_s"] < 1
     attention = data["gpu"]["attention_shapes"]  # --quick: two lengths for each of two head sizes
     assert [row[:2] for row in attention] == [[64, 2048], [64, 8192], [128, 2048], [128, 8192]]
     assert all(0.05 < e < 1.0 for _, _, e in attention)

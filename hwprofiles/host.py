@@ -1,0 +1,67 @@
+"""The host's time in a step (the profile's `host_overhead`): fastml's own training loop, run here on the tiny preset
+with one sequence per micro-batch, whose kernels take next to no time, so that its step time is the host's.
+
+Steps at two depths and two micro-batch counts are fitted as
+    step = step_s + blocks x optimizer_per_block_s + micro-batches x (head_s + blocks x block_pass_s),
+the four figures of `HostOverhead` (planner/costs.py prices them).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+LAYERS = (2, 8)
+MICRO_BATCHES = (1, 4)
+STEPS = 12
+SKIPPED_STEPS = 4
+"""The first steps of a run warm up (allocator, autotuning, first launches); the median of the rest is the figure."""
+
+
+def measure_host_overhead(device: str = "cuda") -> dict[str, float]:
+    """The fitted figures of the training loop on `device` (profile field names, under host_overhead)."""
+    rows = [(layers, micro, _step_time_s(layers, micro, device)) for layers in LAYERS for micro in MICRO_BATCHES]
+    return fit(rows)
+
+
+def fit(rows: list[tuple[int, int, float]]) -> dict[str, float]:
+    """Least squares of (blocks, micro-batches, step seconds) rows; a figure the noise makes negative is 0."""
+    import numpy as np
+
+    a = np.array([[1, layers, micro, layers * micro] for layers, micro, _ in rows], dtype=float)
+    b = np.array([seconds for _, _, seconds in rows])
+    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
+    names = ("step_s", "optimizer_per_block_s", "head_s", "block_pass_s")
+    return {name: max(0.0, float(value)) for name, value in zip(names, coef)}
+
+
+def _step_time_s(layers: int, micro_batches: int, device: str) -> float:
+    from rich.console import Console
+
+    from fastml.executor.loop.train import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "log.jsonl"
+        train(tiny_plan(layers, micro_batches, device), steps=STEPS, log_json=log, show_progress=False,
+              console=Console(quiet=True))
+        times = [json.loads(line)["step_time_s"] for line in log.read_text().splitlines()]
+    return statistics.median(times[SKIPPED_STEPS:])
+
+
+def tiny_plan(layers: int, micro_batches: int, device: str):
+    """The tiny preset cut to `layers` blocks, `micro_batches` micro-batches of one sequence a step, on one `device`,
+    with the default knobs (fp32 on a CPU, as the executor's CPU path trains)."""
+    import dataclasses
+
+    from fastml.plan import Hardware, Knobs, Plan, Training
+    from fastml.planner.planner import CPU_KNOBS
+    from fastml.planner.request import TINY_SEQ_LEN
+    from fastml.spec import PRESETS
+
+    spec = dataclasses.replace(PRESETS["tiny"], num_layers=layers)
+    knobs = Knobs(micro_batch_size=1, grad_accum_steps=micro_batches, **(CPU_KNOBS if device == "cpu" else {}))
+    training = Training(seq_len=TINY_SEQ_LEN, global_batch_tokens=TINY_SEQ_LEN * micro_batches, steps=STEPS)
+    return Plan(model=spec, training=training, hardware=Hardware(device=device, num_gpus=1, gpus_per_node=1),
+                knobs=knobs)
