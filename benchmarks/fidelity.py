@@ -4,6 +4,7 @@ memory, plans pinned and plans the planner chose itself, and a grid of neighbour
 
     python benchmarks/fidelity.py run [--parts calibrate,planner,pinned,grid,lower] [--out DIR] [--deadline S]  # GPU
     python benchmarks/fidelity.py score [--gemm-shapes-from P] [--fp8-from P] [--attention-from P]  # anywhere
+    python benchmarks/fidelity.py score --shipped  # anywhere: the runs predicted with hwprofiles/h200.json as shipped
 
 `run` writes into DIR (default benchmarks/results) `fidelity-runs-<gpu>.jsonl`, one line per run as it ends, and
 `fidelity-profile-<gpu>.json`, the measured profile (with, after the calibration part, its fitted calibration,
@@ -353,6 +354,28 @@ def score(runs: Path, profile_path: Path, shapes_from: Path | None = None, fp8_f
               f"({g['best']})")
 
 
+def score_shipped(runs: Path, tag: str) -> None:
+    """Every run predicted with the shipped profile of its GPU as a user gets it (hwprofiles/<tag>.json: its measured
+    tables and its calibration, fitted to the calibration set's runs, which are flagged), nothing fitted here; writes
+    fidelity-shipped.json and its plot."""
+    from fastml import hwprofiles
+
+    rows = {r["name"]: r for r in _latest(_rows(runs))}
+    records, unreadable = _read(list(rows.values()))
+    calibration_names = {c.name for c in CALIBRATION}
+    plans = [_scored(rows[name], record, hwprofiles.load(tag), name in calibration_names)
+             for name, record in records.items()]
+    scored = [p for p in plans if p["set"] == "scored"]
+    figures = {"profile": "shipped", "plans": plans, "failed": unreadable, "targets": TARGETS,
+               "scored_plans": len(scored), **_errors(scored, "predicted"),
+               "all_plans": {"count": len(plans), **_errors(plans, "predicted")}}
+    path = write_result("fidelity-shipped.json", figures, machine=plans[0]["machine"] if plans else None)
+    _plot(scored, RESULTS / "fidelity-shipped.png")
+    print(f"wrote {path}: {len(scored)} scored plans with the shipped {tag} profile, step time MAPE "
+          f"{figures['step_time_mape']:.1%}, peak memory MAPE {figures['peak_memory_mape'] or 0:.1%} (lowest "
+          f"{figures['peak_memory_lowest']:+.1%}), Spearman within model {figures['spearman_within_model']:.3f}")
+
+
 def _scoring_profile(profile_path: Path, shapes_from: Path | None, fp8_from: Path | None,
                      attention_from: Path | None) -> dict:
     """The runs' measured profile, uncalibrated, with the rates of the later profiles (`score`) written over it."""
@@ -413,10 +436,20 @@ def _errors(plans: list[dict], key: str) -> dict:
     def error(plan: dict, figure: str) -> float | None:
         measured = plan["measured"][figure]
         return plan[key][figure] / measured - 1 if measured else None
+    def spearman(group: list[dict]) -> float:
+        return float(spearmanr([p[key]["tokens_per_s"] for p in group],
+                               [p["measured"]["tokens_per_s"] for p in group]).statistic)
+    by_model = {m: [p for p in plans if p["model"] == m] for m in sorted({p["model"] for p in plans})}
+    within = {m: spearman(group) for m, group in by_model.items() if len(group) >= MIN_PLANS_PER_MODEL}
+    memory_errors = [e for e in (error(p, "peak_memory_bytes") for p in plans) if e is not None]
     return {"step_time_mape": _mape(error(p, "step_time_s") for p in plans),
-            "peak_memory_mape": _mape(error(p, "peak_memory_bytes") for p in plans),
-            "spearman": float(spearmanr([p[key]["tokens_per_s"] for p in plans],
-                                        [p["measured"]["tokens_per_s"] for p in plans]).statistic)}
+            "peak_memory_mape": _mape(memory_errors), "peak_memory_lowest": min(memory_errors, default=None),
+            "spearman": spearman(plans), "spearman_by_model": within,
+            "spearman_within_model": min(within.values(), default=None)}
+
+
+MIN_PLANS_PER_MODEL = 4
+"""A model's plans are ranked against each other (`spearman_within_model`) where it has at least this many."""
 
 
 def _mape(errors) -> float | None:
@@ -485,6 +518,8 @@ def main() -> None:
     scoring = sub.add_parser("score")
     scoring.add_argument("--runs", type=Path)
     scoring.add_argument("--profile", type=Path)
+    scoring.add_argument("--shipped", action="store_true",
+                         help="predict every run with the shipped profile as it is (no calibration fitted here)")
     scoring.add_argument("--gemm-shapes-from", type=Path, metavar="PROFILE",
                          help="take the GEMM rates at the linear layers' shapes from this later profile of the machine")
     scoring.add_argument("--fp8-from", type=Path, metavar="PROFILE",
@@ -503,6 +538,8 @@ def main() -> None:
             parser.error(f"--again: no case named {', '.join(sorted(set(args.again) - names))}")
         run_parts(parts, args.out, args.out / f"fidelity-profile-{gpu_tag()}.json", args.deadline,
                   frozenset(args.again))
+    elif args.shipped:
+        score_shipped(args.runs or RESULTS / "fidelity-runs-h200.jsonl", "h200")
     else:
         tag = "h200"  # the results kept in the repository
         score(args.runs or RESULTS / f"fidelity-runs-{tag}.jsonl",

@@ -7,7 +7,7 @@ A figure is written in the Markdown as
 
 FILE a file of benchmarks/results/, PATH where the number is in it (keys separated by dots, `[llama-3.1-8b]` a key
 that holds dots, `[3]` a list index, `[name=capped]` the list element whose `name` is `capped`), FORMAT a Python format spec (`,.0f`, `.1%`, `.2f`; `GiB.1f`
-writes bytes in GiB). The
+writes bytes in GiB, `ms.2f` seconds in milliseconds). The
 text between the markers is what the renderer writes; the comments do not show on a rendered page.
 
     python benchmarks/figures.py            # rewrites the figures of README.md and docs/*.md from the results
@@ -58,6 +58,8 @@ def render(match: re.Match, results: dict[str, dict]) -> str:
     value, spec = value_at(results[file], match["path"]), match["format"]
     if spec.startswith("GiB"):  # bytes, written in GiB
         value, spec = value / 2**30, spec.removeprefix("GiB")
+    if spec.startswith("ms"):  # seconds, written in milliseconds
+        value, spec = value * 1000, spec.removeprefix("ms")
     text = format(value, spec)
     return f"<!--fig {file} {match['path']} {match['format']}-->{text}<!--/fig-->"
 

@@ -15,12 +15,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from record import gpu_tag, write_result
 
+from fastml.hwprofiles.host import fit
 from fastml.plan import Knobs
 from fastml.spec import PRESETS
 
@@ -73,15 +73,6 @@ def step_time_s(layers: int, micro_batches: int, compile: bool, workdir: Path) -
             times[len(times) // 2], "predicted_step_time_s": predicted}
 
 
-def fit(rows: list[dict]) -> dict[str, float]:
-    """step = fixed + layers x per_block_step + micro_batches x (head + layers x block_passes), least squares."""
-    a = np.array([[1, r["layers"], r["micro_batches"], r["layers"] * r["micro_batches"]] for r in rows], float)
-    b = np.array([r["measured_step_time_s"] for r in rows])
-    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
-    return dict(zip(("step_s", "optimizer_per_block_s", "head_per_micro_batch_s", "block_passes_s"),
-                    map(float, coef)))
-
-
 def main() -> None:
     spec = PRESETS["tiny"]
     counts = {",".join(r) or "none": pass_ops(spec, r, "cuda") for r in RECOMPUTE}
@@ -94,7 +85,8 @@ def main() -> None:
             rows = [step_time_s(layers, micro, compile, Path(tmp)) for layers in LAYERS for micro in MICRO_BATCHES]
             for row in rows:
                 print(json.dumps(row), flush=True)
-            figures["compiled" if compile else "eager"] = {"runs": rows, "fit": fit(rows)}
+            fitted = fit([(r["layers"], r["micro_batches"], r["measured_step_time_s"]) for r in rows])
+            figures["compiled" if compile else "eager"] = {"runs": rows, "fit": fitted}
             print(json.dumps(figures["compiled" if compile else "eager"]["fit"]), flush=True)
     write_result(f"host_overhead-{gpu_tag()}.json", figures)
 

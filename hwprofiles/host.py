@@ -20,9 +20,9 @@ SKIPPED_STEPS = 4
 """The first steps of a run warm up (allocator, autotuning, first launches); the median of the rest is the figure."""
 
 
-def measure_host_overhead(device: str = "cuda") -> dict[str, float]:
-    """The fitted figures of the training loop on `device` (profile field names, under host_overhead)."""
-    rows = [(layers, micro, _step_time_s(layers, micro, device)) for layers in LAYERS for micro in MICRO_BATCHES]
+def measure_host_overhead() -> dict[str, float]:
+    """The fitted figures of the training loop on this machine's GPU (profile field names, under host_overhead)."""
+    rows = [(layers, micro, _step_time_s(layers, micro)) for layers in LAYERS for micro in MICRO_BATCHES]
     return fit(rows)
 
 
@@ -37,31 +37,28 @@ def fit(rows: list[tuple[int, int, float]]) -> dict[str, float]:
     return {name: max(0.0, float(value)) for name, value in zip(names, coef)}
 
 
-def _step_time_s(layers: int, micro_batches: int, device: str) -> float:
+def _step_time_s(layers: int, micro_batches: int) -> float:
     from rich.console import Console
 
     from fastml.executor.loop.train import train
 
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "log.jsonl"
-        train(tiny_plan(layers, micro_batches, device), steps=STEPS, log_json=log, show_progress=False,
+        train(tiny_plan(layers, micro_batches), steps=STEPS, log_json=log, show_progress=False,
               console=Console(quiet=True))
         times = [json.loads(line)["step_time_s"] for line in log.read_text().splitlines()]
     return statistics.median(times[SKIPPED_STEPS:])
 
 
-def tiny_plan(layers: int, micro_batches: int, device: str):
-    """The tiny preset cut to `layers` blocks, `micro_batches` micro-batches of one sequence a step, on one `device`,
-    with the default knobs (fp32 on a CPU, as the executor's CPU path trains)."""
+def tiny_plan(layers: int, micro_batches: int):
+    """The tiny preset cut to `layers` blocks, `micro_batches` micro-batches of one sequence (the plan's default
+    length) a step, on one GPU, with the default knobs."""
     import dataclasses
 
     from fastml.plan import Hardware, Knobs, Plan, Training
-    from fastml.planner.planner import CPU_KNOBS
-    from fastml.planner.request import TINY_SEQ_LEN
     from fastml.spec import PRESETS
 
-    spec = dataclasses.replace(PRESETS["tiny"], num_layers=layers)
-    knobs = Knobs(micro_batch_size=1, grad_accum_steps=micro_batches, **(CPU_KNOBS if device == "cpu" else {}))
-    training = Training(seq_len=TINY_SEQ_LEN, global_batch_tokens=TINY_SEQ_LEN * micro_batches, steps=STEPS)
-    return Plan(model=spec, training=training, hardware=Hardware(device=device, num_gpus=1, gpus_per_node=1),
-                knobs=knobs)
+    spec, seq_len = dataclasses.replace(PRESETS["tiny"], num_layers=layers), Training().seq_len
+    training = Training(seq_len=seq_len, global_batch_tokens=seq_len * micro_batches, steps=STEPS)
+    return Plan(model=spec, training=training, hardware=Hardware(device="cuda", num_gpus=1, gpus_per_node=1),
+                knobs=Knobs(micro_batch_size=1, grad_accum_steps=micro_batches))

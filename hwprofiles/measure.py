@@ -97,7 +97,7 @@ def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None,
     measured["launch_s"] = _launch_s()
     done("kernel launches")
     step("the training loop's host time")
-    measured |= {f"host_overhead.{name}": value for name, value in measure_host_overhead("cuda").items()}
+    measured |= {f"host_overhead.{name}": value for name, value in measure_host_overhead().items()}
     done("the training loop's host time")
     step("host memory")
     measured["node.host_copy_bytes_per_s"] = _host_copy_bytes_per_s(copy_bytes // 2)

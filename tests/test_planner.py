@@ -198,7 +198,8 @@ def test_the_work_by_kind_is_the_simulated_step(model, knobs):
     kernels) adds up to the simulated step, fp8 casts, recompute and accumulation included; a calibrated profile is
     priced as the uncalibrated one."""
     spec, knobs = PRESETS[model], Knobs(**knobs)
-    machine = dataclasses.replace(load_machine("h200", 1), host_overhead=None)  # the GPU's work alone
+    # the GPU's work alone, uncalibrated
+    machine = dataclasses.replace(load_machine("h200", 1), host_overhead=None, calibration=Calibration())
     work = step_work(spec, 2048, knobs, machine)
     assert sum(work.values()) == pytest.approx(simulate(spec, 2048, knobs, machine).step_time_s, rel=1e-12)
     assert (work.get("fp8 cast", 0) > 0) == (knobs.matmul_dtype == "fp8")
