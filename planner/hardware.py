@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -51,7 +52,17 @@ class Gpu:
         """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this shape (in fp8, the
         fp8 GEMMs' where measured; `backward`: one of the two backward GEMMs of the forward GEMM (m, n, k), at their
         own rate where measured), else at this size (interpolated in log g; the curve is measured in bf16 and
-        applied to fp8 too)."""
+        applied to fp8 too). Kept per shape: the search prices the same few shapes in every plan."""
+        key = (m, n, k, dtype, backward)
+        if key not in self._gemm_seconds:
+            self._gemm_seconds[key] = self._priced_gemm_seconds(m, n, k, dtype, backward)
+        return self._gemm_seconds[key]
+
+    @functools.cached_property
+    def _gemm_seconds(self) -> dict[tuple, float]:
+        return {}
+
+    def _priced_gemm_seconds(self, m: int, n: int, k: int, dtype: str, backward: bool) -> float:
         tables = [self.gemm_shapes]
         if dtype == "fp8":
             tables = [self.fp8_backward_gemm_shapes] * backward + [self.fp8_gemm_shapes] + tables

@@ -256,7 +256,8 @@ def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: 
     encoded = {name: [_encode(v) for v in choices] for name, choices in space.items()}
     seen: dict[Knobs, Candidate] = {}
     if not exhaustive_search:
-        for choice, candidate in [*_core_leaders(problem, space), *_relaxations(problem, space)]:
+        # Footholds from the smallest plan only where no core plan fits: else the climbs reach that region.
+        for choice, candidate in _core_leaders(problem, space) or _relaxations(problem, space):
             seen[candidate.knobs] = candidate
             study.enqueue_trial({n: _encode(v) for n, v in choice.items()}, skip_if_exists=True)
 

@@ -161,7 +161,8 @@ class _StepGraph:
         self.buffer_users = {kind: deque(maxlen=STREAM_BUFFER_LAYERS) for kind in self.streamed}
         self.last_grad: dict[int | str, str] = {}  # per group, the op after which its gradient is final (GPU or host)
 
-    def add(self, name: str, resource: str, duration_s: float, category: str, deps=(), **attrs) -> str:
+    def add(self, name: str, resource: str, duration_s: float, category: str, deps=(), alloc=(), free=(),
+            micro_batch: int | None = None) -> str:
         """Adds the op and places it: it starts when its resource is free and its inputs (`deps`, None for none)
         are ready; `blocker` is the op whose end it waited for last."""
         start, blocker = self.resource_free.get(resource, (0.0, None))
@@ -170,13 +171,15 @@ class _StepGraph:
             if dep is not None and ops[dep].end > start:
                 start, blocker = ops[dep].end, dep
         op = ops[name] = Op(resource, duration_s, category, tuple(d for d in deps if d is not None) if None in deps
-                            else tuple(deps), start, blocker, **attrs)
+                            else tuple(deps), start, blocker, alloc, free, micro_batch)
         self.resource_free[resource] = (op.end, name)
         return name
 
-    def compute(self, name: str, duration_s: float, category: str, deps=(), **attrs) -> str:
+    def compute(self, name: str, duration_s: float, category: str, deps=(), alloc=(), free=(),
+                micro_batch: int | None = None) -> str:
         previous = self.compute_ops[-1] if self.compute_ops else None
-        self.compute_ops.append(self.add(name, "compute", duration_s, category, [previous, *deps], **attrs))
+        self.compute_ops.append(self.add(name, "compute", duration_s, category, [previous, *deps], alloc, free,
+                                         micro_batch))
         return name
 
     def prefetch_slot(self) -> str | None:
