@@ -1,7 +1,8 @@
 """The search over knobs: memory first (cheap, analytic), then the simulated step time of what fits.
 
-Optuna's TPE sampler explores large spaces; a space no larger than the trial budget is enumerated exhaustively
-(Optuna's brute-force sampler), so small searches are exact. Studies can live in SQLite to resume.
+Optuna's TPE sampler explores large spaces, and a climb from its best plans of a few micro-batch sizes finishes
+the search (`_polish`); a space no larger than the trial budget is enumerated exhaustively (Optuna's brute-force
+sampler), so small searches are exact. Studies can live in SQLite to resume.
 """
 
 from __future__ import annotations
@@ -279,8 +280,9 @@ def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: 
     for trial in study.trials:  # trials of an earlier session of a resumed study
         if trial.params and set(trial.params) == set(encoded):
             knobs = make_knobs(problem, {n: _decode(n, v) for n, v in trial.params.items()})
-            seen.setdefault(knobs, None)
-    ranked = rank(problem, [c or evaluate(problem, k) for k, c in seen.items()])
+            if seen.get(knobs) is None:
+                seen[knobs] = evaluate(problem, knobs)
+    ranked = rank(problem, list(seen.values()))
     if exhaustive_search:
         return ranked
     leaders: dict[int, Candidate] = {}  # the fastest plan of each micro-batch size, fastest first

@@ -246,3 +246,15 @@ def test_knob_differences_name_only_what_differs():
     chosen = Knobs(micro_batch_size=8, grad_accum_steps=2, recompute=("ffn",), compile=True)
     other = Knobs(micro_batch_size=4, grad_accum_steps=4, compile=True, offload_gradients=0.5)
     assert knob_differences(chosen, other) == "mb 4 x 4  recompute=none  offload_gradients=0.5"
+
+
+def test_a_study_kept_in_sqlite_resumes_with_its_earlier_trials(tmp_path):
+    """`fastml plan --study FILE`: a second search of the same study weighs the first's trials too (each of them is
+    evaluated again where this process has not), and finds at least as fast a plan."""
+    p = problem()
+    space = knob_space(p, lower_precision=False)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    first = search(p, space, num_trials=8, storage=storage)
+    again = search(p, space, num_trials=4, storage=storage)
+    assert first[0].feasible and again[0].feasible
+    assert max(tokens_per_s(p, c) for c in again) >= max(tokens_per_s(p, c) for c in first)
