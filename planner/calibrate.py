@@ -35,14 +35,16 @@ TIME_BOUNDS = {"forward": (0.3, 4.0), "compute": (0.5, 4.0), "cpu_optimizer": (0
                "layer_overhead_s": (0.0, 0.05), "step_overhead_s": (0.0, 5.0)}
 MEMORY_BOUNDS = {"compiled_activations": (0.2, 1.5), "fragmentation": (0.0, 0.5)}
 FIT_ROUNDS = 3
-MODEL_VERSION = 2
+MODEL_VERSION = 3
 """The version of the time and memory models (costs.py, memory.py, simulate.py) that a calibration is fitted to.
 Bump it with any change that moves predictions (tests/test_calibrate.py pins this version's): a profile
 calibrated before the change is then said to be stale, since its terms correct the old model's errors (issue 11:
 an old fit's compiled_activations of 0.81 discounted FFN tensors the new model no longer counted, and the plan
 made with it ran out of memory). Version 1 is the first kept: it calls every earlier calibration stale, though
 some were fitted to the same models, since nothing tells them apart. Version 2: the host's time (a profile's
-host_overhead) paces the passes where it is the longer, and the step's host work follows its optimizer step."""
+host_overhead) paces the passes where it is the longer, and the step's host work follows its optimizer step.
+Version 3: a chunked LM head's matmuls at a chunk's tokens, its recomputed forward tensors, its weight gradient
+added up chunk by chunk and the aten ops of each chunk; a GEMM takes at least the time of its operands' bytes."""
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,10 @@ def check_machine(records: dict[str, RunRecord], profile: dict) -> None:
                        f"with its own runs")
 
 
-def calibrate(records: dict[str, RunRecord], profile: dict) -> tuple[dict, list[Fit]]:
-    """`profile` (a profile's JSON) with its calibration fitted to `records` (by name), and each record's fit."""
+def calibrate(records: dict[str, RunRecord], profile: dict,
+              held: frozenset[str] = frozenset()) -> tuple[dict, list[Fit]]:
+    """`profile` (a profile's JSON) with its calibration fitted to `records` (by name), and each record's fit; the
+    time terms named in `held` stay at 1 (no correction)."""
     if not records:
         fail("calibrate", "give at least one run record")
     check_machine(records, profile)
@@ -92,7 +96,8 @@ def calibrate(records: dict[str, RunRecord], profile: dict) -> tuple[dict, list[
     time_terms = {name: getattr(Calibration(), name) for name in TIME_BOUNDS}
     for _ in range(FIT_ROUNDS):  # overlap makes the waits on transfers change with the terms: linearize again
         now = with_calibration(profile, Calibration(**time_terms))
-        time_terms = _fit_time(records, {name: _predict(r.plan, now) for name, r in records.items()}, time_terms)
+        time_terms = _fit_time(records, {name: _predict(r.plan, now) for name, r in records.items()}, time_terms,
+                               held)
     terms = time_terms | _fit_memory(records, before)
     fitted = with_calibration(profile, Calibration(**terms, records=len(records), model_version=MODEL_VERSION))
     fits = []
@@ -156,8 +161,8 @@ def _predict(plan: Plan, profile: dict) -> _Prediction:
                        cpu_step_s)
 
 
-def _fit_time(records: dict[str, RunRecord], predicted: dict[str, _Prediction],
-              terms: dict[str, float]) -> dict[str, float]:
+def _fit_time(records: dict[str, RunRecord], predicted: dict[str, _Prediction], terms: dict[str, float],
+              held: frozenset[str] = frozenset()) -> dict[str, float]:
     """Measured step = forward x (the blocks' forward passes) + compute x (the GPU's other work) + cpu_optimizer x
     (the CPU's optimizer steps) + transfer x (waits on copies and collectives) + layer_overhead_s x passes +
     step_overhead_s + the rest, in relative terms;
@@ -176,7 +181,8 @@ def _fit_time(records: dict[str, RunRecord], predicted: dict[str, _Prediction],
         rest = s["other"] - terms["step_overhead_s"]
         rows.append(np.array([forward, other_work, cpu_step, waits, p.passes, 1.0]) / measured)
         target.append(1.0 - rest / measured)
-    bounds = np.array(list(TIME_BOUNDS.values())).T
+    bounds = np.array([(terms[name], terms[name] + 1e-12) if name in held else TIME_BOUNDS[name]
+                       for name in TIME_BOUNDS]).T
     matrix = np.array(rows)
     solution = lsq_linear(matrix, np.array(target), bounds=(bounds[0], bounds[1])).x
     # A term no record tells (no CPU optimizer step, no exposed copy among them) keeps the value it had.

@@ -21,8 +21,8 @@ from fastml.config import fail
 from fastml.plan import KNOBS, MEMCPY_ROW_BYTES, Knobs, fp8_cached_blocks
 from fastml.hwprofiles.schema import ATTENTION_BACKWARD_FACTOR, FP8_CAST_BYTES, Calibration
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, group_params,
-                                   has_fp32_masters, loss_tensor_bytes, param_bytes)
+from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, LOSS_FORWARD_TENSORS, activation_bytes, block_input_bytes,
+                                   group_params, has_fp32_masters, loss_tensor_bytes, param_bytes)
 from fastml.spec import ModelSpec
 
 @dataclass(frozen=True)
@@ -192,6 +192,12 @@ RECOMPUTE_OPS = {"attention": 27, "ffn": 17, "block": 79}
 and ffn together add their sum, 44). "norm" and "qkv", which the search does not weigh, are not counted."""
 
 
+LM_HEAD_CHUNK_OPS = 30
+"""The aten ops each chunk of a chunked LM head dispatches (its forward, recomputed in the backward pass, and its
+backward), counted against the unchunked head's in tests/test_planner_vs_model.py: the host's time of a head pass
+grows by these at the host's time per op."""
+
+
 def with_host_time(c: Costs, spec: ModelSpec, knobs: Knobs, machine: Machine) -> Costs:
     """Each block pass and the head take at least the host's time for them: the GPU runs kernels as fast as the
     host launches them, so the longer of the two paces the stream (the host runs ahead while the GPU is the slower);
@@ -204,11 +210,12 @@ def with_host_time(c: Costs, spec: ModelSpec, knobs: Knobs, machine: Machine) ->
     per_op = host.block_pass_s / (FORWARD_OPS + BACKWARD_OPS)
     parts = ("block",) if "block" in knobs.recompute else knobs.recompute
     recomputed = sum(RECOMPUTE_OPS.get(part, 0) for part in parts)
+    chunk_ops = LM_HEAD_CHUNK_OPS * knobs.lm_head_chunks if knobs.lm_head_chunks > 1 else 0
     return dataclasses.replace(
         c, layer_forward=max(c.layer_forward, FORWARD_OPS * per_op),
         layer_backward=max(c.layer_backward, BACKWARD_OPS * per_op),
         layer_recompute=max(c.layer_recompute, recomputed * per_op),
-        head_forward_backward=max(c.head_forward_backward, host.head_s),
+        head_forward_backward=max(c.head_forward_backward, host.head_s + chunk_ops * per_op),
         step_host_s=host.step_s + spec.num_layers * host.optimizer_per_block_s)
 
 
@@ -284,11 +291,18 @@ def layer_work(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) ->
                                 {"matmul": gemms("gate_up", "down"),
                                  "fp8 cast": input_casts["gate_up"] + input_casts["down"]},
                                 {"matmul": gemms("qkv"), "fp8 cast": input_casts["qkv"]}, attention, elementwise)
-    # Every (tokens x vocab) tensor of the loss is written once and read once (memory.loss_tensor_bytes).
-    forward_passes = head_gemm_passes(knobs.lm_head_chunks) - 2  # the forward, again where chunks recompute it
-    head = {"matmul": forward_passes * gpu.gemm_seconds(t, *spec.lm_head_shape(), other_dtype) +
-            2 * gpu.gemm_seconds(t, *spec.lm_head_shape(), other_dtype, backward=True),
-            "loss": hbm(2 * sum(loss_tensor_bytes(knobs).values()) * t * spec.vocab_size)}
+    # Every (tokens x vocab) tensor of the loss is written once and read once (memory.loss_tensor_bytes); chunks
+    # write the forward's again when they recompute it, each chunk's matmuls of a chunk's tokens.
+    chunks = knobs.lm_head_chunks
+    chunk = -(-t // chunks)
+    forward_passes = head_gemm_passes(chunks) - 2  # the forward, again where chunks recompute it
+    loss_bytes = loss_tensor_bytes(knobs)
+    forward_bytes = sum(loss_bytes[name] for name in LOSS_FORWARD_TENSORS if name in loss_bytes)
+    head = {"matmul": chunks * (forward_passes * gpu.gemm_seconds(chunk, *spec.lm_head_shape(), other_dtype) +
+                                2 * gpu.gemm_seconds(chunk, *spec.lm_head_shape(), other_dtype, backward=True)),
+            "loss": hbm(2 * (sum(loss_bytes.values()) + (chunks > 1) * forward_bytes) * t * spec.vocab_size +
+                        # each chunk after the first adds its weight gradient to the head's, as micro-batches do
+                        (chunks - 1) * 2 * spec.vocab_size * spec.hidden_size * param_bytes(knobs))}
     return LayerWork(forward, backward, recompute, head)
 
 

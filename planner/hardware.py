@@ -21,6 +21,10 @@ from fastml.config import check_range, fail, read_json
 from fastml.hwprofiles.schema import Calibration, HardwareProfile, HostOverhead, NodeSection as Node, parse_profile
 
 
+GEMM_OPERAND_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
+"""Bytes of a GEMM's input elements by dtype; an fp8 GEMM writes bf16."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Gpu:
     memory_bytes: int
@@ -70,7 +74,11 @@ class Gpu:
             tables = [self.backward_gemm_shapes] * backward + tables
         measured = next((e for table in tables if (e := _shape_efficiency(table, m, n, k))), None)
         efficiency = measured or self.gemm_efficiency_at((m * n * k) ** (1 / 3))
-        return 2.0 * m * n * k / (self.peak_flops_for(dtype) * efficiency)
+        # At least the time to read its operands and write its result: a GEMM with one small side (an LM head's
+        # chunk of tokens) is bound by its weight's bytes, which the curve in g does not see.
+        operand, result = GEMM_OPERAND_BYTES[dtype], GEMM_OPERAND_BYTES["bf16" if dtype == "fp8" else dtype]
+        memory_s = ((m * k + k * n) * operand + m * n * result) / self.hbm_bytes_per_s
+        return max(2.0 * m * n * k / (self.peak_flops_for(dtype) * efficiency), memory_s)
 
     def peak_flops_for(self, dtype: str) -> float:
         if dtype not in self.peak_flops:

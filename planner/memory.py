@@ -165,13 +165,17 @@ def loss_tensor_bytes(knobs: Knobs) -> dict[str, int]:
 # their gradient and writes the logits' gradient (the forward pass peaks lower: logits and their fp32 copy, or the
 # fp32 copy and the log-probs).
 LOSS_PEAK_TENSORS = ("log_probs", "grad.log_probs", "grad.logits.fp32")
+LOSS_FORWARD_TENSORS = ("logits", "logits.fp32", "log_probs")
+"""Those the forward pass makes: made again where a chunked head recomputes its chunks in the backward pass."""
 
 
 def loss_workspace_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
     """Peak bytes of the LM head and cross-entropy of one slice of tokens (LOSS_PEAK_TENSORS); with chunks only
     one slice exists at a time."""
     per_logit = sum(loss_tensor_bytes(knobs)[name] for name in LOSS_PEAK_TENSORS)
-    return per_logit * spec.vocab_size * -(-tokens // knobs.lm_head_chunks)
+    # A chunk after the first makes its head weight's gradient beside the one it is added to.
+    weight_gradient = spec.vocab_size * spec.hidden_size * param_bytes(knobs) if knobs.lm_head_chunks > 1 else 0
+    return per_logit * spec.vocab_size * -(-tokens // knobs.lm_head_chunks) + weight_gradient
 
 
 def model_state_bytes(num_params: int, knobs: Knobs, num_gpus: int,

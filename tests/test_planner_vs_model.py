@@ -21,7 +21,8 @@ from fastml.executor.model.apply import apply_recompute
 from fastml.executor.model.fp8 import MIN_CAPABILITY, convert_to_fp8
 from fastml.executor.model.transformer import Transformer, _lm_loss_sum, build_model, rotary_tables
 from fastml.plan import KNOBS, Knobs
-from fastml.planner.costs import ATTENTION_BACKWARD_FACTOR, head_flops, layer_flops, layer_gemms
+from fastml.planner.costs import (ATTENTION_BACKWARD_FACTOR, LM_HEAD_CHUNK_OPS, head_flops, layer_flops,
+                                  layer_gemms)
 from fastml.planner.memory import (LOSS_PEAK_TENSORS, layer_activation_bytes, loss_tensor_bytes,
                                    loss_workspace_bytes, memory, saved_bytes_per_token)
 from fastml.spec import PRESETS
@@ -117,6 +118,42 @@ def test_model_flops_match_the_planner_and_the_mfu_definition(name, num_chunks):
     causal_attention = counted(counter, ATTENTION) / 2
     recomputed_head = head_flops(spec, num_tokens, num_chunks) - head_flops(spec, num_tokens, 1)
     assert counted(counter, MATMULS) - recomputed_head + causal_attention == spec.flops_per_token(SEQ) * num_tokens
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it: what the host launches, one by one."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_chunk_of_the_lm_head_dispatches_the_ops_the_planner_prices():
+    """The host's time of a chunked head grows by LM_HEAD_CHUNK_OPS a chunk (planner/costs.py `with_host_time`): the
+    loss's forward and backward at 4 and 8 chunks differ by 4 chunks' ops."""
+    spec = dataclasses.replace(PRESETS["tiny"], num_layers=1)
+    model = Transformer(spec)
+    tokens = torch.randint(0, spec.vocab_size, (BATCH, SEQ))
+    ops = {}
+    for chunks in (4, 8):
+        with OpCounter() as counter:
+            model.loss(tokens, tokens, chunks).backward()
+        ops[chunks] = counter.ops
+    assert ops[8] - ops[4] == 4 * LM_HEAD_CHUNK_OPS
+
+
+def test_a_gemm_of_few_tokens_takes_at_least_its_weights_read():
+    """An LM head's chunk of a few tokens against a 128k-word vocabulary is bound by reading the weight, which the
+    efficiency curve (in the geometric mean of M, N and K) does not see."""
+    from fastml.planner.hardware import load_machine
+
+    gpu = load_machine("h200", 1).gpu
+    vocab, hidden = PRESETS["llama-3.1-8b"].vocab_size, PRESETS["llama-3.1-8b"].hidden_size
+    assert gpu.gemm_seconds(16, vocab, hidden, "bf16") >= vocab * hidden * 2 / gpu.hbm_bytes_per_s
 
 
 # ---------------------------------------------------------------------------------------------------- activations
