@@ -16,11 +16,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from record import gpu_tag, write_result
 
-from fastml.hwprofiles.host import fit
+from fastml.hwprofiles.host import fit, op_counter
 from fastml.plan import Knobs
 from fastml.spec import PRESETS
 
@@ -28,16 +27,6 @@ LAYERS = (2, 8)
 MICRO_BATCHES = (1, 4)
 STEPS = 40
 RECOMPUTE = ((), ("attention",), ("ffn",), ("ffn", "attention"), ("block",))
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def pass_ops(spec, recompute: tuple[str, ...], device: str) -> dict[str, int]:
@@ -49,9 +38,9 @@ def pass_ops(spec, recompute: tuple[str, ...], device: str) -> dict[str, int]:
     materialize(model, device, torch.bfloat16 if device == "cuda" else torch.float32)
     x = torch.randn(1, 64, spec.hidden_size, device=device, dtype=next(model.parameters()).dtype, requires_grad=True)
     cos, sin = rotary_tables(spec, 64, x.device, x.dtype)
-    with _Count() as forward:
+    with op_counter() as forward:
         y = model.blocks[0](x, cos, sin)
-    with _Count() as backward:
+    with op_counter() as backward:
         y.sum().backward()
     return {"forward": forward.ops, "backward": backward.ops}
 

@@ -26,6 +26,19 @@ def measure_host_overhead() -> dict[str, float]:
     return fit(rows)
 
 
+def op_counter():
+    """A context that counts the aten ops dispatched inside it (its `ops`): what the host launches, one by one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCounter(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+    return OpCounter()
+
+
 def fit(rows: list[tuple[int, int, float]]) -> dict[str, float]:
     """Least squares of (blocks, micro-batches, step seconds) rows; a figure the noise makes negative is 0."""
     import numpy as np

@@ -156,10 +156,10 @@ def num_knobs_set(knobs: Knobs) -> int:
 
 LEAN_MARGIN = 0.02
 """Plans predicted within this share of the fastest plan's tokens/s are as fast as far as the prediction can tell, and
-the one that needs the least is chosen among them (`rank`). The prediction's step time errs by 4-5% on average on
-the H200 (benchmarks/results/fidelity.json: 4.9%, 4.2% cross-validated), but much of that error is shared by
-neighbouring plans (rank correlation 0.995): among a plan's neighbours the planner's pick reached 97.5% of the best
-one measured (its `grids`). 2% is below that resolution, and is all the speed a lean choice may give up."""
+the one that needs the least is chosen among them (`rank`). The prediction's step time errs by about 4% on average on
+the H200 (benchmarks/results/fidelity.json), but much of that error is shared by neighbouring plans (rank correlation
+0.99 over all plans). 2% is below that resolution, and is all the speed a lean choice may give up where the models
+price what it costs: before model version 3 they priced a chunked LM head at 2% where it cost the 8B plans 6-13%."""
 
 
 def rank(problem: Problem, candidates) -> list[Candidate]:

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from fastml.executor import native
+from fastml.hwprofiles.host import op_counter
 from fastml.executor.model.apply import apply_recompute
 from fastml.executor.model.fp8 import MIN_CAPABILITY, convert_to_fp8
 from fastml.executor.model.transformer import Transformer, _lm_loss_sum, build_model, rotary_tables
@@ -120,18 +121,6 @@ def test_model_flops_match_the_planner_and_the_mfu_definition(name, num_chunks):
     assert counted(counter, MATMULS) - recomputed_head + causal_attention == spec.flops_per_token(SEQ) * num_tokens
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it: what the host launches, one by one."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_each_chunk_of_the_lm_head_dispatches_the_ops_the_planner_prices():
     """The host's time of a chunked head grows by LM_HEAD_CHUNK_OPS a chunk (planner/costs.py `with_host_time`): the
     loss's forward and backward at 4 and 8 chunks differ by 4 chunks' ops."""
@@ -140,7 +129,7 @@ def test_each_chunk_of_the_lm_head_dispatches_the_ops_the_planner_prices():
     tokens = torch.randint(0, spec.vocab_size, (BATCH, SEQ))
     ops = {}
     for chunks in (4, 8):
-        with OpCounter() as counter:
+        with op_counter() as counter:
             model.loss(tokens, tokens, chunks).backward()
         ops[chunks] = counter.ops
     assert ops[8] - ops[4] == 4 * LM_HEAD_CHUNK_OPS
