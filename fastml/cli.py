@@ -219,16 +219,17 @@ def _trial_progress(console, trials: int, hw: str | None):
 
 def cmd_run(args: argparse.Namespace) -> None:
     from fastml.plan import load_plan, parse_assignment, with_overrides
-    from fastml.executor.parallel.launch import WorkersFailed
-    from fastml.executor.loop.train import TrainingStopped, train
-    from fastml.executor.parallel.world import EXIT_OTHER_RANK, launched
 
     overrides = list(args.set)
     if args.checkpoint_dir is not None:
         overrides.append(f"training.checkpoint_dir={args.checkpoint_dir}")
     if args.checkpoint_interval is not None:
         overrides.append(f"training.checkpoint_interval={args.checkpoint_interval}")
-    plan = with_overrides(load_plan(args.plan), overrides)
+    plan = with_overrides(load_plan(args.plan), overrides)  # before torch's import: a bad plan is said at once
+    from fastml.executor.parallel.launch import WorkersFailed
+    from fastml.executor.loop.train import TrainingStopped, train
+    from fastml.executor.parallel.world import EXIT_OTHER_RANK, launched
+
     if args.gpu_mem is not None:
         from fastml.executor.loop.device import with_gpu_memory_cap
         from fastml.planner.hardware import parse_bytes

@@ -10,9 +10,11 @@ in rank order (the memcpy collectives, and gloo at these sizes), the order is th
 """
 
 import dataclasses
+import io
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from rich.console import Console
 from safetensors.torch import load_file
 
 from fastml.config import to_dict
@@ -58,6 +61,11 @@ def one_process(p: Plan) -> Plan:
     k = p.knobs
     return dataclasses.replace(p, hardware=Hardware(device="cpu"), knobs=dataclasses.replace(
         k, grad_accum_steps=k.grad_accum_steps * p.hardware.num_gpus))
+
+
+def with_checkpoints(p: Plan, root: Path, interval: int = 2) -> Plan:
+    return dataclasses.replace(p, training=dataclasses.replace(p.training, checkpoint_dir=str(root),
+                                                               checkpoint_interval=interval))
 
 
 def records(log: Path) -> list[dict]:
@@ -104,12 +112,14 @@ def torchrun(tmp_path: Path, runs: list[dict], ranks: int, nodes: int = 1, env=N
     return done
 
 
-def job(tmp_path: Path, plans: dict[str, Plan], ranks: int, nodes: int = 1) -> dict[str, list[dict]]:
-    """Each plan trained by one job of `ranks` processes (started once for all of them): its records by name (and
-    its run record in tmp_path/name)."""
+def job(tmp_path: Path, plans: dict[str, Plan], ranks: int, nodes: int = 1,
+        more: list[dict] = ()) -> dict[str, list[dict]]:
+    """Each plan trained by one job of `ranks` processes (started once for all of them, with the `more` runs of
+    other tests after them: a start costs seconds of imports per process): its records by name (and its run record
+    in tmp_path/name)."""
     runs = [{"plan": p, "log": tmp_path / f"{name}.jsonl", "run_dir": str(tmp_path / name)}
             for name, p in plans.items()]
-    for agent in torchrun(tmp_path, runs, ranks, nodes):
+    for agent in torchrun(tmp_path, [*runs, *more], ranks, nodes):
         assert agent.returncode == 0, agent.stderr[-3000:]
     return {name: records(tmp_path / f"{name}.jsonl") for name in plans}
 
@@ -134,10 +144,19 @@ def two_rank_plans() -> dict[str, Plan]:
     return plans
 
 
+NAN_PLAN = plan(2, steps=4)
+NAN_FAULTS = "nan-loss@2:1"
+SHARDED_CHECKPOINTS = plan(2, steps=4, **ZERO[2])
+
+
 @pytest.fixture(scope="module")
 def two_ranks_dir(tmp_path_factory):
+    """The one job of 2 ranks of this module: two_rank_plans(), then a NaN on rank 1 (nan.jsonl) and a ZeRO-2 run
+    that checkpoints every 2 steps (sharded.jsonl, ck/), read by the tests of those below."""
     path = tmp_path_factory.mktemp("two-ranks")
-    job(path, two_rank_plans(), ranks=2)
+    job(path, two_rank_plans(), ranks=2, more=[
+        {"plan": NAN_PLAN, "log": path / "nan.jsonl", "faults": NAN_FAULTS},
+        {"plan": with_checkpoints(SHARDED_CHECKPOINTS, path / "ck"), "log": path / "sharded.jsonl"}])
     return path
 
 
@@ -211,10 +230,43 @@ def wider_plans(ranks: int, nodes: int) -> dict[str, Plan]:
     return plans
 
 
+@pytest.fixture(scope="module")
+def four_ranks_dir(tmp_path_factory, two_ranks_dir):
+    """The one job of 4 ranks on one node: wider_plans(4, 1), then the 2 ranks' sharded checkpoint of step 2 resumed
+    (resumed-4.jsonl)."""
+    path = tmp_path_factory.mktemp("four-ranks")
+    root = path / "resumed-4"
+    shutil.copytree(two_ranks_dir / "ck" / "step-00000002", root / "step-00000002")
+    job(path, wider_plans(4, 1), 4, more=[{"plan": with_checkpoints(plan(4, steps=4, **ZERO[3]), root),
+                                           "log": path / "resumed-4.jsonl", "resume": True}])
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_nodes_job(tmp_path_factory):
+    """The one job of 2 nodes x 2 ranks, each torchrun agent in a working directory of its own: wider_plans(4, 2),
+    then one checkpoint directory both nodes see (an absolute path) and one they do not (the relative "ck", another
+    directory on each node), which ends the job. Its directory and its agents."""
+    path = tmp_path_factory.mktemp("two-nodes")
+    cwds = [path / "agent-a", path / "agent-b"]
+    for cwd in cwds:
+        cwd.mkdir()
+    runs = [{"plan": p, "log": path / f"{name}.jsonl", "run_dir": str(path / name)}
+            for name, p in wider_plans(4, 2).items()]
+    runs += [{"plan": with_checkpoints(plan(4, 2, steps=1), path / "shared"), "log": path / "shared.jsonl"},
+             {"plan": with_checkpoints(plan(4, 2, steps=1), Path("ck")), "log": path / "per-node.jsonl"}]
+    return path, torchrun(path, runs, 4, 2, cwds=cwds)
+
+
 @pytest.mark.parametrize("ranks, nodes", [(4, 1), (4, 2)])
-def test_four_ranks_and_two_nodes_train_as_one_process(tmp_path, ranks, nodes):
+def test_four_ranks_and_two_nodes_train_as_one_process(tmp_path, request, ranks, nodes):
     plans = wider_plans(ranks, nodes)
-    trained = job(tmp_path, plans, ranks, nodes)
+    if nodes == 1:
+        path = request.getfixturevalue("four_ranks_dir")
+    else:  # a job that ends in the refusal of its last run: the runs before it trained
+        path, agents = request.getfixturevalue("two_nodes_job")
+        assert all((path / f"{name}.jsonl").is_file() for name in plans), agents[0].stderr[-3000:]
+    trained = {name: records(path / f"{name}.jsonl") for name in plans}
     for name, p in plans.items():
         alone = trained_alone(tmp_path, one_process(p), name)
         got = [r["loss"] for r in trained[name]]
@@ -224,16 +276,11 @@ def test_four_ranks_and_two_nodes_train_as_one_process(tmp_path, ranks, nodes):
             assert got == alone
 
 
-def test_nodes_that_see_different_checkpoint_directories_are_refused(tmp_path):
+def test_nodes_that_see_different_checkpoint_directories_are_refused(two_nodes_job):
     """2 nodes x 2 ranks on one machine, each torchrun agent in a working directory of its own: a relative checkpoint
     directory names another directory on each node, as a disk of each node's would. Every rank refuses it before
     training; a directory both see (an absolute path here) passes the same check and trains."""
-    cwds = [tmp_path / "agent-a", tmp_path / "agent-b"]
-    for cwd in cwds:
-        cwd.mkdir()
-    runs = [{"plan": with_checkpoints(plan(4, 2, steps=1), tmp_path / "shared"), "log": tmp_path / "shared.jsonl"},
-            {"plan": with_checkpoints(plan(4, 2, steps=1), Path("ck")), "log": tmp_path / "per-node.jsonl"}]
-    agents = torchrun(tmp_path, runs, 4, 2, cwds=cwds)
+    tmp_path, agents = two_nodes_job
     assert (tmp_path / "shared" / "step-00000001").is_dir() and len(records(tmp_path / "shared.jsonl")) == 1
     for agent in agents:
         assert agent.returncode != 0
@@ -244,10 +291,12 @@ def test_nodes_that_see_different_checkpoint_directories_are_refused(tmp_path):
 
 # --- the collectives, data, NaN, checkpoints, failures -----------------------------------------------------------
 
-def check_collectives(device: str, ranks: int, env=None) -> int:
-    """tests/check_collectives.py as a job of `ranks` processes; how many ranks found every result equal."""
+def check_collectives(device: str, ranks: int, env=None, row_bytes: int | None = None) -> int:
+    """tests/check_collectives.py as a job of `ranks` processes (with rows of `row_bytes`, where given); how many
+    ranks found every result equal."""
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                             str(ranks), str(ROOT / "tests" / "check_collectives.py"), device], capture_output=True,
+                             str(ranks), str(ROOT / "tests" / "check_collectives.py"), device,
+                             *([str(row_bytes)] if row_bytes else [])], capture_output=True,
                             text=True, env={**os.environ, **(env or {})}, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.count("memcpy collectives equal")
@@ -255,7 +304,10 @@ def check_collectives(device: str, ranks: int, env=None) -> int:
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_memcpy_collectives_equal_the_sums_in_rank_order(ranks):
-    assert check_collectives("cpu", ranks) == ranks
+    """With rows of 64 KiB: the shards of several rounds are tens of thousands of elements, not millions. (The
+    training runs above use the full rows, and tests/test_gpu_distributed.py checks them on a GPU.)"""
+    assert check_collectives("cpu", ranks, row_bytes=2**16) == ranks
+
 
 @pytest.fixture
 def one_rank_group(tmp_path, monkeypatch):
@@ -339,18 +391,16 @@ def test_each_step_reads_the_sequences_of_one_process_once(ranks):
         assert len(together) == len(set(together)) == SEQUENCES and set(together) == one
 
 
-def test_a_nan_on_one_rank_skips_the_step_on_all(tmp_path):
-    p = plan(2, steps=4)
-    runs = [{"plan": p, "log": tmp_path / "nan.jsonl"}]
-    assert all(a.returncode == 0 for a in torchrun(tmp_path, runs, 2, env={"FASTML_FAULTS": "nan-loss@2:1"}))
-    got = records(tmp_path / "nan.jsonl")
+def test_a_nan_on_one_rank_skips_the_step_on_all(tmp_path, two_ranks_dir):
+    """NAN_FAULTS: rank 1's loss of step 2 is NaN (in the 2 ranks' job)."""
+    got = records(two_ranks_dir / "nan.jsonl")
     assert [r["skipped"] for r in got] == [False, True, False, False]
     os.environ["FASTML_FAULTS"] = "nan-loss@2"
     try:
         from fastml.executor.loop import faults
 
         faults._planned.cache_clear()
-        alone = trained_alone(tmp_path, one_process(p), "alone")
+        alone = trained_alone(tmp_path, one_process(NAN_PLAN), "alone")
     finally:
         del os.environ["FASTML_FAULTS"]
         faults._planned.cache_clear()
@@ -358,37 +408,24 @@ def test_a_nan_on_one_rank_skips_the_step_on_all(tmp_path):
                                                                         rel=1e-5)
 
 
-def with_checkpoints(p: Plan, root: Path, interval: int = 2) -> Plan:
-    return dataclasses.replace(p, training=dataclasses.replace(p.training, checkpoint_dir=str(root),
-                                                               checkpoint_interval=interval))
-
-
-def test_a_sharded_checkpoint_resumes_at_one_and_at_four_ranks(tmp_path):
-    """Written by 2 ranks, each its shard of the optimizer state; resumed by 1 and by 4 (sharded another way): the
-    loss curve goes on as the 2 ranks' did. `fastml convert --to-hf` reads it."""
-    whole = with_checkpoints(plan(2, steps=4, **ZERO[2]), tmp_path / "ck")
-    assert all(a.returncode == 0 for a in torchrun(tmp_path, [{"plan": whole, "log": tmp_path / "two.jsonl"}], 2))
-    two = losses(tmp_path / "two.jsonl")
-    step2 = tmp_path / "ck" / "step-00000002"
+def test_a_sharded_checkpoint_resumes_at_one_and_at_four_ranks(tmp_path, two_ranks_dir, four_ranks_dir):
+    """Written by 2 ranks, each its shard of the optimizer state; resumed by 1 (here) and by 4 (sharded another way,
+    in the 4 ranks' job): the loss curve goes on as the 2 ranks' did. `fastml convert --to-hf` reads it."""
+    two = losses(two_ranks_dir / "sharded.jsonl")
+    step2 = two_ranks_dir / "ck" / "step-00000002"
     assert sorted(p.name for p in step2.iterdir() if p.name.startswith("optimizer")) == [
         "optimizer-00000.safetensors", "optimizer-00001.safetensors"]
     # Each rank's RNG states, its own: seeded from training.seed + rank.
     rng = [load_file(step2 / name)["cpu"] for name in ("rng.safetensors", "rng-00001.safetensors")]
     assert not torch.equal(*rng)
     assert read_manifest(step2).training.world_size == 2
-    for ranks, knobs in ((1, {}), (4, ZERO[3])):
-        root = tmp_path / f"resumed-{ranks}"
-        root.mkdir()
-        subprocess.run(["cp", "-r", str(step2), str(root)], check=True)
-        p = with_checkpoints(plan(ranks, steps=4, **knobs), root)
-        log = tmp_path / f"resumed-{ranks}.jsonl"
-        if ranks == 1:
-            train(p, log_json=log, show_progress=False, resume=True)
-        else:
-            agents = torchrun(tmp_path, [{"plan": p, "log": log, "resume": True}], ranks)
-            assert all(a.returncode == 0 for a in agents), agents[0].stderr[:3000]
-        assert losses(log) == pytest.approx(two[2:], rel=1e-5), ranks
-    converted = subprocess.run([sys.executable, "-m", "fastml", "convert", str(tmp_path / "ck" / "step-00000004"),
+    root = tmp_path / "resumed-1"
+    shutil.copytree(step2, root / step2.name)
+    train(with_checkpoints(plan(1, steps=4), root), log_json=tmp_path / "resumed-1.jsonl", show_progress=False,
+          resume=True)
+    for log in (tmp_path / "resumed-1.jsonl", four_ranks_dir / "resumed-4.jsonl"):
+        assert losses(log) == pytest.approx(two[2:], rel=1e-5), log
+    converted = subprocess.run([sys.executable, "-m", "fastml", "convert", str(two_ranks_dir / "ck" / "step-00000004"),
                                 "--to-hf", str(tmp_path / "hf")], capture_output=True, text=True)
     assert converted.returncode == 0, converted.stderr
     assert (tmp_path / "hf" / "model.safetensors").is_file()
@@ -402,10 +439,12 @@ def fastml(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
 def test_the_main_job_on_two_cpu_processes_trains_as_one(tmp_path):
     """`fastml plan --device cpu --gpus 2 -o p.json && fastml run p.json`: two gloo processes started by fastml
     itself, one progress display and one summary (rank 0's), and the losses of one process."""
+    from fastml.cli import main
+
     pins = [arg for pin in SMALL_OVERRIDES for arg in ("--set", pin)]
-    planned = fastml("plan", "--device", "cpu", "--gpus", "2", "--seq", "64", "--trials", "20", *pins, "-o", "p.json",
-                     cwd=tmp_path)
-    assert planned.returncode == 0, planned.stderr
+    # The plan in this process (`fastml plan` runs as a command in tests/test_cli.py): a start costs seconds.
+    assert main(["plan", "--device", "cpu", "--gpus", "2", "--seq", "64", "--trials", "20", *pins, "-o",
+                 str(tmp_path / "p.json")]) == 0
     p = load_plan(tmp_path / "p.json")
     assert (p.hardware.num_gpus, p.hardware.device) == (2, "cpu")
     ran = fastml("run", "p.json", "--steps", "3", "--log-json", "log.jsonl", "--summary-json", "summary.json",
@@ -481,11 +520,16 @@ def test_a_hung_rank_stops_the_job_within_the_timeout_and_is_named(tmp_path):
 
 
 def test_a_rank_killed_while_writing_a_checkpoint_leaves_the_previous_one_usable(tmp_path):
+    """The 2 ranks' checkpoint of step 2, both shards of its optimizer state, resumes (in this process: a resume at
+    another number of ranks is the sharded checkpoint's test above, and it reads every shard)."""
     root = tmp_path / "ck"
-    save_plan(with_checkpoints(plan(2, steps=4, **ZERO[1]), root), tmp_path / "p.json")
+    p = with_checkpoints(plan(2, steps=4, **ZERO[1]), root)
+    save_plan(p, tmp_path / "p.json")
     killed = fastml("run", "p.json", "--no-progress", cwd=tmp_path, env={"FASTML_FAULTS": "kill-mid-checkpoint@4:1"})
     assert killed.returncode == 128 + 9, killed.stderr
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["step-00000002"]
-    resumed = fastml("run", "p.json", "--no-progress", "--resume", "--log-json", "log.jsonl", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stderr and [r["step"] for r in records(tmp_path / "log.jsonl")] == [3, 4]
+    said = io.StringIO()
+    train(one_process(p), resume=True, log_json=tmp_path / "log.jsonl", show_progress=False,
+          console=Console(file=said, width=10_000))
+    assert f"resumed from {root / 'step-00000002'}" in said.getvalue()
+    assert [r["step"] for r in records(tmp_path / "log.jsonl")] == [3, 4]

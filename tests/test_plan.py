@@ -1,6 +1,7 @@
 """The contract: plan.json validation, overrides, and model specs."""
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -15,8 +16,14 @@ def cpu_plan(**kwargs):
     return make_plan(device="cpu", **kwargs).plan
 
 
+@functools.cache
+def _plan_json() -> str:
+    return cpu_plan(steps=5).to_json()
+
+
 def plan_dict() -> dict:
-    return json.loads(cpu_plan(steps=5).to_json())
+    """The default CPU plan as a dict of the test's own to edit (searched once for the module's tests)."""
+    return json.loads(_plan_json())
 
 
 def test_default_plan_round_trips_through_json(tmp_path):
@@ -110,12 +117,14 @@ def test_pinned_pins_every_searched_knob():
 
 
 def test_pinned_micro_batch_derives_accumulation():
-    plan = cpu_plan(model="tiny", seq_len=128, global_batch_tokens=128 * 12, overrides=["knobs.micro_batch_size=4"])
-    assert (plan.knobs.micro_batch_size, plan.knobs.grad_accum_steps) == (4, 3)
-    with pytest.raises(UserError, match="must divide the 12 sequences"):
-        cpu_plan(seq_len=128, global_batch_tokens=128 * 12, overrides=["knobs.micro_batch_size=5"])
+    # tiny's own seq 256 and 16 sequences, whose shapes the default plan has had measured on this CPU (others would
+    # be measured first)
+    plan = cpu_plan(model="tiny", seq_len=256, global_batch_tokens=256 * 16, overrides=["knobs.micro_batch_size=4"])
+    assert (plan.knobs.micro_batch_size, plan.knobs.grad_accum_steps) == (4, 4)
+    with pytest.raises(UserError, match="must divide the 16 sequences"):
+        cpu_plan(seq_len=256, global_batch_tokens=256 * 16, overrides=["knobs.micro_batch_size=5"])
     with pytest.raises(UserError, match="multiple of the sequence length"):
-        cpu_plan(seq_len=128, global_batch_tokens=1000)
+        cpu_plan(seq_len=256, global_batch_tokens=1000)
 
 
 def test_unknown_model_names_the_presets():

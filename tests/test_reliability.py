@@ -2,8 +2,10 @@
 run per checkpoint directory: fresh starts, --start-over, what --resume may change, pruning.
 
 The fault runs go through the real `fastml` command, with faults injected by FASTML_FAULTS (executor/loop/faults.py); the
-checkpoint-directory tests train tiny plans in this process."""
+checkpoint-directory tests train tiny plans in this process. Runs that do not wait for each other start together: a
+start is seconds of imports on one core, and the test machine has two."""
 
+import dataclasses
 import io
 import json
 import os
@@ -21,6 +23,7 @@ from rich.console import Console
 from safetensors.torch import load_file, save_file
 
 from fastml.config import UserError
+from fastml.plan import load_plan
 from fastml.planner.planner import make_plan
 from fastml.executor.storage import checkpoints as run_checkpoints
 from fastml.executor import train
@@ -42,21 +45,42 @@ def fastml(*args, cwd, faults="", wait=True):
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+def finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    """A small CPU plan, and the losses of an uninterrupted run of it."""
+def first_runs(tmp_path_factory):
+    """A small CPU plan (planned in this process: `fastml plan` runs as a command in tests/test_cli.py), then at once
+    an uninterrupted run of it ("reference"), the runs killed mid-step (at step 5) and mid-checkpoint (of step 4),
+    and one stopped after 6 of its 8 steps ("six"): the directory, and the runs by name."""
+    from fastml.cli import main
+
     path = tmp_path_factory.mktemp("reliability")
     pins = [arg for pin in SMALL_OVERRIDES for arg in ("--set", pin)]
-    assert fastml("plan", "--device", "cpu", "--seq", "64", "--global-batch-tokens", "256", "--steps", str(STEPS),
-                  *pins, "-o", "plan.json", cwd=path).returncode == 0
-    result = run(path, "reference")
-    assert result.returncode == 0, result.stderr
+    assert main(["plan", "--device", "cpu", "--seq", "64", "--global-batch-tokens", "256", "--steps", str(STEPS),
+                 *pins, "-o", str(path / "plan.json")]) == 0
+    started = {"reference": run(path, "reference", wait=False),
+               "kill-mid-step": run(path, "kill-mid-step", faults="kill-mid-step@5", wait=False),
+               "kill-mid-checkpoint": run(path, "kill-mid-checkpoint", faults="kill-mid-checkpoint@4", wait=False),
+               "six": run(path, "six", "--steps", "6", wait=False)}
+    return path, {name: finished(process) for name, process in started.items()}
+
+
+@pytest.fixture(scope="module")
+def workdir(first_runs):
+    """The plan, and the losses of an uninterrupted run of it."""
+    path, runs = first_runs
+    assert runs["reference"].returncode == 0, runs["reference"].stderr
     return path
 
 
-def run(path, name, *extra, faults=""):
+def run(path, name, *extra, faults="", wait=True):
+    """Its own run directory: runs started in one second in one directory would share the one named after it."""
     return fastml("run", "plan.json", "--checkpoint-dir", f"ck-{name}", "--checkpoint-interval", "2",
-                  "--log-json", f"{name}.jsonl", "--no-progress", *extra, cwd=path, faults=faults)
+                  "--log-json", f"{name}.jsonl", "--no-progress", "--run-dir", f"runs/{name}", *extra, cwd=path,
+                  faults=faults, wait=wait)
 
 
 def losses(path, name):
@@ -73,10 +97,10 @@ def hidden(path, name):
 
 @pytest.mark.parametrize("fault, survivors", [("kill-mid-step@5", ["step-00000002", "step-00000004"]),
                                                ("kill-mid-checkpoint@4", ["step-00000002"])])
-def test_resume_after_sigkill_repeats_the_same_losses(workdir, fault, survivors):
+def test_resume_after_sigkill_repeats_the_same_losses(workdir, first_runs, fault, survivors):
     name = fault.split("@")[0]
-    killed = run(workdir, name, faults=fault)
-    assert killed.returncode == -signal.SIGKILL
+    killed = first_runs[1][name]  # run with FASTML_FAULTS=fault
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert checkpoints(workdir, name) == survivors  # a checkpoint being written is never visible half-done
     leftovers = hidden(workdir, name)
     assert len(leftovers) == (name == "kill-mid-checkpoint")  # its hidden temporary directory
@@ -88,39 +112,59 @@ def test_resume_after_sigkill_repeats_the_same_losses(workdir, fault, survivors)
     assert losses(workdir, name) == losses(workdir, "reference")
 
 
+DAMAGES = ["truncate", "flip", "delete", "no-meta"]
+
+
 @pytest.fixture(scope="module")
-def six_steps(workdir):
-    """The checkpoints of a run stopped after 6 of its 8 steps (steps 2, 4, 6), and its log."""
-    assert run(workdir, "six", "--steps", "6").returncode == 0
-    return Path(workdir, "ck-six"), Path(workdir, "six.jsonl")
+def damaged_resumed(workdir, first_runs):
+    """For each damage, a copy of the checkpoints of the run stopped after 6 of its 8 steps (steps 2, 4, 6) and of
+    its log, the newest checkpoint damaged so, then resumed (all at once): the resumed runs by damage."""
+    assert first_runs[1]["six"].returncode == 0, first_runs[1]["six"].stderr
+    started = {}
+    for damage in DAMAGES:
+        name = f"damage-{damage}"
+        shutil.copytree(Path(workdir, "ck-six"), Path(workdir, f"ck-{name}"))
+        shutil.copy(Path(workdir, "six.jsonl"), Path(workdir, f"{name}.jsonl"))
+        newest = Path(workdir, f"ck-{name}", "step-00000006")
+        target = newest / {"truncate": "model.safetensors", "flip": "optimizer.safetensors",
+                           "delete": "rng.safetensors", "no-meta": "fastml.json"}[damage]
+        if damage == "truncate":
+            target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+        elif damage == "flip":
+            data = bytearray(target.read_bytes())
+            data[-10] ^= 0xFF
+            target.write_bytes(bytes(data))
+        else:
+            target.unlink()
+        started[damage] = run(workdir, name, "--resume", wait=False)
+    return {damage: finished(process) for damage, process in started.items()}
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no-meta"])
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(workdir, six_steps, damage):
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(workdir, damaged_resumed, damage):
     name = f"damage-{damage}"
-    shutil.copytree(six_steps[0], Path(workdir, f"ck-{name}"))
-    shutil.copy(six_steps[1], Path(workdir, f"{name}.jsonl"))
-    newest = Path(workdir, f"ck-{name}", "step-00000006")
-    target = newest / {"truncate": "model.safetensors", "flip": "optimizer.safetensors", "delete": "rng.safetensors",
-                       "no-meta": "fastml.json"}[damage]
-    if damage == "truncate":
-        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
-    elif damage == "flip":
-        data = bytearray(target.read_bytes())
-        data[-10] ^= 0xFF
-        target.write_bytes(bytes(data))
-    else:
-        target.unlink()
-    resumed = run(workdir, name, "--resume")
+    resumed = damaged_resumed[damage]
     assert resumed.returncode == 0, resumed.stderr
     stderr = resumed.stderr.replace("\n", "")
     assert "skipping checkpoint" in stderr and "step-00000004" in stderr
     assert losses(workdir, name) == losses(workdir, "reference")
 
 
-def test_a_nan_step_is_skipped_and_leaves_the_state_untouched(workdir):
-    result = fastml("run", "plan.json", "--checkpoint-dir", "ck-nan", "--checkpoint-interval", "1", "--log-json",
-                    "nan.jsonl", "--no-progress", "--steps", "4", cwd=workdir, faults="nan-loss@3")
+@pytest.fixture(scope="module")
+def nan_runs(workdir):
+    """Two runs started together: a NaN loss at step 3, checkpointing every step ("nan"); NaN losses from step 3 on,
+    at most 3 in a row ("nans")."""
+    started = {"nan": fastml("run", "plan.json", "--checkpoint-dir", "ck-nan", "--checkpoint-interval", "1",
+                             "--log-json", "nan.jsonl", "--no-progress", "--steps", "4", "--run-dir", "runs/nan",
+                             cwd=workdir, faults="nan-loss@3", wait=False),
+               "nans": fastml("run", "plan.json", "--checkpoint-dir", "ck-nans", "--checkpoint-interval", "2",
+                              "--no-progress", "--max-nonfinite-steps", "3", "--run-dir", "runs/nans", cwd=workdir,
+                              faults="nan-loss@3-8", wait=False)}
+    return {name: finished(process) for name, process in started.items()}
+
+
+def test_a_nan_step_is_skipped_and_leaves_the_state_untouched(workdir, nan_runs):
+    result = nan_runs["nan"]
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (workdir / "nan.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records] == [False, False, True, False]
@@ -132,10 +176,9 @@ def test_a_nan_step_is_skipped_and_leaves_the_state_untouched(workdir):
     assert re.search(r"steps skipped \(loss or gradient not finite\)\s*│\s*1\s*│", result.stdout)
 
 
-def test_too_many_nan_steps_in_a_row_stop_the_run(workdir):
-    result = fastml("run", "plan.json", "--checkpoint-dir", "ck-nans", "--checkpoint-interval", "2", "--no-progress",
-                    "--max-nonfinite-steps", "3", cwd=workdir, faults="nan-loss@3-8")
-    assert result.returncode == 3
+def test_too_many_nan_steps_in_a_row_stop_the_run(nan_runs):
+    result = nan_runs["nans"]
+    assert result.returncode == 3, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert "step 5: loss or gradient norm not finite 3 steps in a row" in last
     assert "ck-nans/step-00000004" in last
@@ -164,9 +207,10 @@ def test_a_plan_for_other_hardware_warns_or_is_refused(workdir):
     plan = json.loads((workdir / "plan.json").read_text())
     plan["hardware"]["profile"] = "rtx4090"
     (workdir / "other.json").write_text(json.dumps(plan))
-    warned = fastml("run", "other.json", "--steps", "1", "--no-progress", cwd=workdir)
+    started = [fastml("run", "other.json", "--steps", "1", *flags, cwd=workdir, wait=False)
+               for flags in (["--no-progress", "--run-dir", "runs/warned"], ["--strict", "--run-dir", "runs/refused"])]
+    warned, refused = [finished(process) for process in started]
     assert warned.returncode == 0 and "made for rtx4090" in warned.stderr.replace("\n", " ")
-    refused = fastml("run", "other.json", "--steps", "1", "--strict", cwd=workdir)
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
     assert "hardware.profile" in refused.stderr
 
@@ -183,21 +227,23 @@ def test_a_training_checkpoint_exports_to_hf(workdir):
 
 
 def test_resuming_a_finished_run_trains_nothing(workdir):
-    result = run(workdir, "reference", "--resume")
-    assert result.returncode == 0, result.stderr
-    assert f"already at step {STEPS} of {STEPS}: nothing to train" in result.stdout.replace("\n", " ")
+    """(In this process: the resumes above run as commands.)"""
+    plan = load_plan(workdir / "plan.json")
+    plan = dataclasses.replace(plan, training=dataclasses.replace(
+        plan.training, checkpoint_dir=str(workdir / "ck-reference"), checkpoint_interval=2))
+    assert f"already at step {STEPS} of {STEPS}: nothing to train" in train_quietly(plan, resume=True)
 
 
 def test_a_new_run_into_a_used_checkpoint_dir_is_refused_in_one_line(workdir):
-    """Through the CLI: exit 2 and one line; --start-over is wired through to the run."""
-    refused = run(workdir, "reference")
+    """Through the CLI: exit 2 and one line; --start-over is wired through to the run (in a copy, at once)."""
+    shutil.copytree(workdir / "ck-reference", workdir / "ck-again")
+    refused, again = [finished(process) for process in (
+        run(workdir, "reference", wait=False), run(workdir, "again", "--start-over", "--steps", "2", wait=False))]
     assert refused.returncode == 2, refused.stderr
     assert refused.stderr.strip().splitlines() == [
         "fastml: error: ck-reference: holds 3 checkpoints (steps 4, 6, 8) of an earlier run; continue that run with "
         "--resume, or start a new one with --start-over (which moves them into a new directory "
         "ck-reference/old-run-TIME)"]
-    shutil.copytree(workdir / "ck-reference", workdir / "ck-again")
-    again = run(workdir, "again", "--start-over", "--steps", "2")
     assert again.returncode == 0, again.stderr
     (aside,) = Path(workdir, "ck-again").glob("old-run-*")
     assert checkpoints(workdir, "again") == [aside.name, "step-00000002"]
