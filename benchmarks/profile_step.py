@@ -6,10 +6,13 @@ in --out.
 
     python benchmarks/profile_step.py --model llama-3.1-8b --case bf16 --case fp8 [--steps 4] [--out DIR]
     python benchmarks/profile_step.py --model tinyllama-1.1b --case bf16-mb16 --sequences 32
+    python benchmarks/profile_step.py --fidelity p-8b-s2048 --fidelity p-3b-s2048-12gib
     python benchmarks/profile_step.py --repredict results/profile_step-h200.json --hw PROFILE  # anywhere
 
 Beside each case's kernel times, the planner's prices of the same step by kind, before calibration
 (`predicted_vs_measured`: where the model is off, kind by kind); `--repredict` writes them into an earlier file.
+`--fidelity NAME` profiles the plan a fidelity run measured (benchmarks/fidelity.py's results/fidelity-runs-<gpu>.jsonl,
+written to profile_step-<gpu>-fidelity.json).
 """
 
 from __future__ import annotations
@@ -79,9 +82,24 @@ def case_plan(model: str, case: str, steps: int, sequences: int, hw: str | None 
                      lower_precision=False, overrides=pinned(**CASES[case]), hw=hw).plan
 
 
-def profile(model: str, case: str, steps: int, sequences: int, out: Path) -> dict:
-    plan = case_plan(model, case, steps, sequences)
-    run_dir = out / f"{model}-{case}"
+def fidelity_plan(name: str, gpu: str | None = None):
+    """The plan that benchmarks/fidelity.py's run `name` measured on this kind of GPU, or `gpu` (its last row of that
+    name)."""
+    from fastml.config import from_dict
+    from fastml.plan import Plan
+
+    runs = Path(__file__).parent / "results" / f"fidelity-runs-{gpu or gpu_tag()}.jsonl"
+    rows = [json.loads(line) for line in runs.read_text().splitlines()]
+    row = next((r for r in reversed(rows) if r["name"] == name and "record" in r), None)
+    if row is None:
+        raise SystemExit(f"{runs} holds no measured run named {name!r}")
+    return from_dict(Plan, row["record"]["plan"], name)
+
+
+def profile(plan, name: str, out: Path) -> dict:
+    """Runs `plan` (its own steps) and traces the step before the last: the kernels by kind beside the planner's
+    prices."""
+    run_dir, steps = out / name, plan.training.steps
     summary = train(plan, show_progress=False, run_dir=run_dir, trace_step=steps - 1)
     trace = json.loads((run_dir / "trace.json").read_text())
     measured = summarize(trace)
@@ -134,7 +152,8 @@ def repredict(path: Path, hw: str) -> None:
     for case, result in results["cases"].items():
         if "by_kind_s" not in result:
             continue
-        plan = case_plan(results["model"], case, args.steps, args.sequences, hw)
+        plan = fidelity_plan(case, results["machine"].split(",")[0].split()[-1].lower()) if args.fidelity else \
+            case_plan(results["model"], case, args.steps, args.sequences, hw)
         if describe_knobs(plan.knobs) != result["knobs"]:
             raise SystemExit(f"{case}: planned as {describe_knobs(plan.knobs)!r} on {hw}, but the file ran "
                              f"{result['knobs']!r}")
@@ -147,6 +166,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--case", action="append", choices=sorted(CASES), default=[])
+    parser.add_argument("--fidelity", action="append", default=[], metavar="NAME",
+                        help="profile the plan of this fidelity run (results/fidelity-runs-<gpu>.jsonl)")
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the one before the last is traced")
     parser.add_argument("--sequences", type=int, default=16, help="sequences per optimizer step")
     parser.add_argument("--out", type=Path, default=None, help="where the runs and traces go (default: a temp dir)")
@@ -163,16 +184,21 @@ def main() -> None:
         if not args.hw:
             parser.error("--repredict needs --hw, the profile of the machine that measured the file")
         return repredict(args.repredict, args.hw)
-    if not args.case:
-        parser.error("give at least one --case")
+    if bool(args.case) == bool(args.fidelity):
+        parser.error("give --case (with --model) or --fidelity, at least once")
     out = args.out or Path(tempfile.mkdtemp(prefix="fastml-profile-"))
+    plans = {case: lambda case=case: case_plan(args.model, case, args.steps, args.sequences) for case in args.case}
+    plans |= {name: lambda name=name: fidelity_plan(name) for name in args.fidelity}
     results = {}
-    for case in args.case:
+    for name, plan in plans.items():
         try:
-            results[case] = profile(args.model, case, args.steps, args.sequences, out)
+            results[name] = profile(plan(), name, out)
         except Exception as e:  # noqa: BLE001: one case's failure (out of memory) is its result
-            results[case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-        print(case, json.dumps(results[case], indent=1), flush=True)
+            results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        print(name, json.dumps(results[name], indent=1), flush=True)
+    if args.fidelity:
+        write_result(f"profile_step-{gpu_tag()}-fidelity.json", {"cases": results})
+        return
     name = "" if args.model == DEFAULT_MODEL else f"-{args.model}"
     write_result(f"profile_step-{gpu_tag()}{name}.json", {"model": args.model, "seq_len": SEQ_LEN, "cases": results})
 

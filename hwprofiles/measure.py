@@ -67,6 +67,9 @@ def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None,
     sizes = QUICK_SQUARE_SIZES if quick else SQUARE_SIZES
     measured["gpu.gemm_efficiency"] = [[g, round(_gemm_flops(g, g, g) / peak_bf16_flops, 4)] for g in sizes]
     done("bf16 GEMMs")
+    step("sustained GEMMs")
+    measured["gpu.sustained_compute_share"] = _sustained_compute_share()
+    done("sustained GEMMs")
     if not quick:
         step("the presets' linear layers")
         for field, gemm_flops in (("gpu.gemm_shapes", _linear_flops),
@@ -77,6 +80,7 @@ def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None,
         done("the presets' linear layers")
     step("attention")
     measured["gpu.attention_shapes"] = _attention_efficiencies(peak_bf16_flops, quick)
+    measured |= _attention_half_rate(peak_bf16_flops, measured["gpu.attention_shapes"])
     done("attention")
     not_built = []
     if peak_fp8_flops and built(native.CUDA_OPS):
@@ -228,6 +232,31 @@ accumulation over them) and the head size: TinyLlama's 64 reached 325 TFLOP/s on
 results/fidelity-profile-h200.json)."""
 ATTENTION_HEADS = (32, 8)
 """Query and key/value heads measured: grouped-query attention, as the Llama 3 presets have."""
+ATTENTION_QUERY_TILE = 128
+"""Query rows of one thread block of a flash-attention kernel (the H200's cuDNN and flash kernels: 64-128): what
+`attention_half_rate_tiles` counts the work in flight in."""
+OCCUPANCY_SHAPE = (128, 2048)
+"""(head_dim, seq_len) measured at one sequence as well, for attention's rate at few sequences (the 8B's shape)."""
+
+
+def attention_tiles(sequences: int, heads: int, seq_len: int) -> float:
+    """Query tiles of a causal attention pass in flight at once: one thread block each."""
+    return sequences * heads * -(-seq_len // ATTENTION_QUERY_TILE)
+
+
+def measured_attention_tiles(seq_len: int) -> float:
+    """The tiles in flight where attention_shapes is measured: ATTENTION_TOKENS' sequences of seq_len, 32 heads."""
+    return attention_tiles(max(1, ATTENTION_TOKENS // seq_len), ATTENTION_HEADS[0], seq_len)
+
+
+def half_rate_tiles(tiles: float, rate_share: float, full_tiles: float) -> float:
+    """x0 of rate(x) = full x x / (x + x0) from the share of the full rate (`full_tiles` in flight) reached with
+    `tiles` in flight; 0 where the fewer tiles lose nothing."""
+    if rate_share >= 1:
+        return 0.0
+    if rate_share * full_tiles <= tiles:  # slower than the model can be: fewer tiles than this cannot go slower
+        rate_share = 1.01 * tiles / full_tiles
+    return tiles * full_tiles * (1 - rate_share) / (rate_share * full_tiles - tiles)
 
 
 def _attention_efficiencies(peak_bf16_flops: float, quick: bool) -> list[list[float]]:
@@ -252,6 +281,25 @@ def _attention_efficiencies(peak_bf16_flops: float, quick: bool) -> list[list[fl
     return rows
 
 
+def _attention_half_rate(peak_bf16_flops: float, full: list[list[float]]) -> dict[str, float]:
+    """gpu.attention_half_rate_tiles from one sequence of OCCUPANCY_SHAPE against its rate with many (in `full`,
+    attention_shapes' rows); nothing where that shape was not measured."""
+    import torch
+
+    head_dim, seq_len = OCCUPANCY_SHAPE
+    many = next((e for d, s, e in full if (d, s) == OCCUPANCY_SHAPE), None)
+    if not many:
+        return {}
+    heads, kv_heads = ATTENTION_HEADS
+    try:
+        seconds = _cuda_seconds(_attention_pass(1, seq_len, heads, kv_heads, head_dim))
+    except (torch.cuda.OutOfMemoryError, RuntimeError):
+        return {}
+    one = (1 + ATTENTION_BACKWARD_FACTOR) * 2.0 * seq_len * seq_len * heads * head_dim / seconds / peak_bf16_flops
+    tiles = half_rate_tiles(attention_tiles(1, heads, seq_len), one / many, measured_attention_tiles(seq_len))
+    return {"gpu.attention_half_rate_tiles": round(tiles, 1)}
+
+
 def _attention_pass(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int):
     """Causal SDPA forward and backward in bf16 as executor/model/transformer.py runs it: (B, T, H, D) tensors seen as
     (B, H, T, D), the output's gradient too, and grouped-query heads."""
@@ -271,7 +319,14 @@ def _attention_pass(batch: int, seq_len: int, heads: int, kv_heads: int, head_di
     return run
 
 
-def _cuda_seconds(run, repeats: int = 10, warmups: int = 2) -> float:
+QUEUE_CYCLES = 4_000_000
+"""GPU clock cycles (about 2 ms) the stream is held before each timed run, so that the host has queued the run's
+kernels when the GPU reaches them: the GPU's time, as in training, where the host runs ahead, not the host's pace of
+launching them (one sequence's attention measured 0.17 of the peak unqueued on the H200, 0.30 in a training step)."""
+
+
+def _cuda_seconds(run, repeats: int = 10, warmups: int = 2, queued: bool = True) -> float:
+    """The median GPU time of `run`'s work; `queued`: with its kernels queued before the first starts."""
     import torch
 
     for _ in range(warmups):
@@ -279,12 +334,39 @@ def _cuda_seconds(run, repeats: int = 10, warmups: int = 2) -> float:
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queued:
+            torch.cuda._sleep(QUEUE_CYCLES)
         start.record()
         run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+SUSTAINED_S = 3.0
+"""How long GEMMs run back to back for `_sustained_compute_share`: long enough for a power-limited GPU to settle at
+the clock it keeps (the H200 ran training steps at 600-700 W, its limit, and about 1,650 MHz of its 1,980)."""
+
+
+def _sustained_compute_share() -> float:
+    """The share of its rate on a short run of GEMMs (as the tables are measured) this GPU keeps when it runs them
+    for SUSTAINED_S, as a training run does: the clock a GPU at its power limit lowers to, and the tables with it."""
+    import torch
+
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    short = _cuda_seconds(lambda: a @ b)
+    started, batch, last = time.perf_counter(), 16, []
+    while time.perf_counter() - started < SUSTAINED_S:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(batch):
+            a @ b
+        end.record()
+        end.synchronize()
+        last = [*last[-9:], start.elapsed_time(end) / 1e3 / batch]  # the last ten batches: the settled clock
+    return round(min(1.0, short / statistics.median(last)), 4)
 
 
 def _gemm_flops(m: int, n: int, k: int) -> float:
@@ -403,7 +485,7 @@ def _launch_s(launches: int = 2000) -> float:
     def run() -> None:
         for _ in range(launches):
             x.add_(1)
-    return _cuda_seconds(run, repeats=3) / launches
+    return _cuda_seconds(run, repeats=3, queued=False) / launches
 
 
 def _host_copy_bytes_per_s(num_bytes: int) -> float:

@@ -52,7 +52,17 @@ class DeviceSection:
     attention_shapes: tuple[tuple[float, float, float], ...] = ()
     """(head_dim, seq_len, achieved / bf16 peak) of causal attention's forward and backward pass as the executor runs
     it (SDPA over grouped-query heads), FLOPs as planner/costs.py counts them; measured by `fastml profile` on a GPU.
-    Where none is measured, attention takes the efficiency of gemm_efficiency's curve at its size."""
+    Where none is measured, attention takes the efficiency of gemm_efficiency's curve at its size. Measured with
+    enough sequences to fill the GPU (hwprofiles/measure.py: ATTENTION_TOKENS, ATTENTION_HEADS)."""
+    attention_half_rate_tiles: float | None = None
+    """The query tiles in flight (sequences x heads x seq_len / ATTENTION_QUERY_TILE) at which causal attention runs
+    at half the rate it reaches with many, x0 of rate(x) = full x x / (x + x0): a micro-batch of few sequences and
+    heads leaves SMs idle while the causal mask's longest tiles finish. Measured by `fastml profile` from one
+    sequence's rate against attention_shapes'; None: every micro-batch at attention_shapes' rate."""
+    sustained_compute_share: float | None = None
+    """The share of the rates measured on short runs (gemm_efficiency, the GEMM tables, attention_shapes) that a
+    GPU keeps on compute-bound work run for seconds, as training runs it: one at its power limit lowers its clock.
+    Measured by `fastml profile` (GEMMs back to back for seconds against a short run of them); None: 1."""
     hbm_bytes_per_s: float
     """Device memory bandwidth (a CPU profile: a large tensor copy's rate in host memory)."""
     fp8_cast_bytes_per_s: float | None = None

@@ -35,7 +35,7 @@ TIME_BOUNDS = {"forward": (0.3, 4.0), "compute": (0.5, 4.0), "cpu_optimizer": (0
                "layer_overhead_s": (0.0, 0.05), "step_overhead_s": (0.0, 5.0)}
 MEMORY_BOUNDS = {"compiled_activations": (0.2, 1.5), "fragmentation": (0.0, 0.5)}
 FIT_ROUNDS = 3
-MODEL_VERSION = 3
+MODEL_VERSION = 4
 """The version of the time and memory models (costs.py, memory.py, simulate.py) that a calibration is fitted to.
 Bump it with any change that moves predictions (tests/test_calibrate.py pins this version's): a profile
 calibrated before the change is then said to be stale, since its terms correct the old model's errors (issue 11:
@@ -44,7 +44,9 @@ made with it ran out of memory). Version 1 is the first kept: it calls every ear
 some were fitted to the same models, since nothing tells them apart. Version 2: the host's time (a profile's
 host_overhead) paces the passes where it is the longer, and the step's host work follows its optimizer step.
 Version 3: a chunked LM head's matmuls at a chunk's tokens, its recomputed forward tensors, its weight gradient
-added up chunk by chunk and the aten ops of each chunk; a GEMM takes at least the time of its operands' bytes."""
+added up chunk by chunk and the aten ops of each chunk; a GEMM takes at least the time of its operands' bytes.
+Version 4: attention at few sequences slower (the profile's attention_half_rate_tiles); a gradient's accumulation
+reads both operands."""
 
 
 @dataclass(frozen=True)

@@ -357,7 +357,8 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
         layer_recompute=sum(work.recompute.values()), head_forward_backward=sum(work.head.values()),
         layer_weight_cast_forward=weight_casts[0], layer_weight_cast_backward=weight_casts[1],
         layer_weight_cache=weight_casts[2],
-        grad_accumulate=hbm(2 * p * param_bytes(knobs) / (machine.num_gpus if knobs.shard_gradients else 1)),
+        # a micro-batch's gradient added to the sum: both read, the sum written
+        grad_accumulate=hbm(3 * p * param_bytes(knobs) / (machine.num_gpus if knobs.shard_gradients else 1)),
         grad_clip=hbm(p * param_bytes(knobs)),
         gpu_adam_per_param=hbm(optimizer_step_bytes(knobs)), cpu_adam_per_param=1 / cpu_adam_rate(machine),
         h2d_per_byte=h2d, d2h_per_byte=d2h,
@@ -437,14 +438,15 @@ def _attention_s(flops: float, spec: ModelSpec, micro_batch_size: int, seq_len: 
                  dtype: str) -> float:
     """Forward attention's time (the backward's is ATTENTION_BACKWARD_FACTOR times it): at the rate the profile
     measured for attention at this head size and sequence length (bf16), else estimated from GEMMs."""
-    measured = machine.gpu.attention_efficiency(spec.head_dim, seq_len) if dtype == "bf16" else None
+    measured = machine.gpu.attention_efficiency(spec.head_dim, seq_len, micro_batch_size, spec.num_heads) \
+        if dtype == "bf16" else None
     if measured:
-        return flops / (machine.gpu.peak_flops_for(dtype) * measured)
+        return flops / (machine.gpu.sustained_flops_for(dtype) * measured)
     # Flash attention runs all heads and sequences at once: as efficient as one GEMM of (tokens x heads) rows,
     # seq_len columns and head_dim depth. On the H200 that was 2.3 times what attention reached at TinyLlama's shape
     # (results/fidelity-profile-h200.json's curve against results/attention-h200.json).
     size = (micro_batch_size * seq_len * spec.num_heads * seq_len * spec.head_dim) ** (1 / 3)
-    return flops / (machine.gpu.peak_flops_for(dtype) * machine.gpu.gemm_efficiency_at(size))
+    return flops / (machine.gpu.sustained_flops_for(dtype) * machine.gpu.gemm_efficiency_at(size))
 
 
 def _elementwise_elements(spec: ModelSpec, compiled: bool) -> float:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fastml import hwprofiles
 from fastml.config import check_range, fail, read_json
+from fastml.hwprofiles.measure import attention_tiles, measured_attention_tiles
 from fastml.hwprofiles.schema import Calibration, HardwareProfile, HostOverhead, NodeSection as Node, parse_profile
 
 
@@ -51,6 +52,10 @@ class Gpu:
     attention_shapes: dict[int, tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=dict)
     """head_dim -> ((seq_len, efficiency against the bf16 peak), ...) sorted, of causal attention forward and
     backward, measured."""
+    attention_half_rate_tiles: float | None = None
+    """Attention's rate against the query tiles in flight (the profile's gpu.attention_half_rate_tiles)."""
+    sustained_compute_share: float = 1.0
+    """The share of the measured GEMM and attention rates kept over a training run (the profile's)."""
 
     def gemm_seconds(self, m: int, n: int, k: int, dtype: str, backward: bool = False) -> float:
         """A GEMM's time: 2mnk FLOPs over the dtype's peak times the efficiency measured at this shape (in fp8, the
@@ -78,7 +83,7 @@ class Gpu:
         # chunk of tokens) is bound by its weight's bytes, which the curve in g does not see.
         operand, result = GEMM_OPERAND_BYTES[dtype], GEMM_OPERAND_BYTES["bf16" if dtype == "fp8" else dtype]
         memory_s = ((m * k + k * n) * operand + m * n * result) / self.hbm_bytes_per_s
-        return max(2.0 * m * n * k / (self.peak_flops_for(dtype) * efficiency), memory_s)
+        return max(2.0 * m * n * k / (self.sustained_flops_for(dtype) * efficiency), memory_s)
 
     def peak_flops_for(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -86,13 +91,25 @@ class Gpu:
                                        f"{', '.join(self.peak_flops)})")
         return self.peak_flops[dtype]
 
-    def attention_efficiency(self, head_dim: int, seq_len: int) -> float | None:
+    def sustained_flops_for(self, dtype: str) -> float:
+        """The peak scaled by the share a power-limited GPU keeps over a training run: what the efficiencies
+        measured on short runs apply to."""
+        return self.peak_flops_for(dtype) * self.sustained_compute_share
+
+    def attention_efficiency(self, head_dim: int, seq_len: int, sequences: int, heads: int) -> float | None:
         """Measured attention's efficiency at the nearest head size measured (in log), interpolated in log
-        seq_len and flat beyond the lengths measured; None where the profile measured none."""
+        seq_len and flat beyond the lengths measured, for `sequences` of `heads` query heads: the share of the rate
+        measured (with many sequences) their query tiles reach (`attention_half_rate_tiles`); None where the
+        profile measured none."""
         if not self.attention_shapes:
             return None
         nearest = min(self.attention_shapes, key=lambda d: (abs(math.log(d / head_dim)), d))
-        return _log_interpolated(self.attention_shapes[nearest], seq_len)
+        efficiency = _log_interpolated(self.attention_shapes[nearest], seq_len)
+        if not self.attention_half_rate_tiles:
+            return efficiency
+        x0 = self.attention_half_rate_tiles
+        tiles, measured = attention_tiles(sequences, heads, seq_len), measured_attention_tiles(seq_len)
+        return efficiency * (tiles / (tiles + x0)) / (measured / (measured + x0))
 
     def gemm_efficiency_at(self, g: float) -> float:
         sizes = [s for s, _ in self.gemm_efficiency]
@@ -257,6 +274,8 @@ def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
                 fp8_backward_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.fp8_backward_gemm_shapes},
                 fp8_cast_bytes_per_s=gpu.fp8_cast_bytes_per_s or gpu.hbm_bytes_per_s,
                 attention_shapes=_by_head_dim(_checked_rows("gpu.attention_shapes", gpu.attention_shapes, 3)),
+                attention_half_rate_tiles=gpu.attention_half_rate_tiles,
+                sustained_compute_share=gpu.sustained_compute_share or 1.0,
                 h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, p2p=gpu.p2p, nvlink_bytes_per_s=gpu.nvlink_bytes_per_s),
         node=node, num_gpus=node.gpus_per_node,
         collective_latency_s=p.collectives.latency_s, bus_bytes_per_s=dict(p.collectives.bus_bytes_per_s),

@@ -285,12 +285,17 @@ def test_a_gpu_machine_is_measured_on_first_use_then_planned_from_its_cache(monk
 
 def assert_attention_takes_the_measured_rates(machine) -> None:
     """Attention's forward time is its FLOPs at the measured efficiency of its head size (the nearest measured), in
-    log sequence length between the lengths measured and flat beyond; without measurements, the GEMM curve's."""
+    log sequence length between the lengths measured and flat beyond; without measurements, the GEMM curve's. Fewer
+    query tiles in flight than where it was measured run at the share x/(x+x0) gives (gpu.attention_half_rate_tiles)."""
     from fastml.planner.costs import _attention_s
 
-    def seconds(model: str, seq_len: int, on=machine) -> float:
+    few = dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, attention_half_rate_tiles=500.0))
+    machine = dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, attention_half_rate_tiles=None))
+
+    def seconds(model: str, seq_len: int, on=machine, sequences: int = 1) -> float:
         spec = PRESETS[model]
-        return _attention_s(spec.attention_forward_flops_per_token(seq_len) * seq_len, spec, 1, seq_len, on, "bf16")
+        return _attention_s(spec.attention_forward_flops_per_token(seq_len) * seq_len * sequences, spec, sequences,
+                            seq_len, on, "bf16") / sequences
 
     def at(model: str, seq_len: int, efficiency: float) -> float:
         spec = PRESETS[model]
@@ -301,10 +306,36 @@ def assert_attention_takes_the_measured_rates(machine) -> None:
     assert seconds("tinyllama-1.1b", 8192) == pytest.approx(at("tinyllama-1.1b", 8192, 0.45))
     assert seconds("llama-3.1-8b", 8192) == pytest.approx(at("llama-3.1-8b", 8192, 0.38))
     assert seconds("qwen2.5-0.5b", 512) == pytest.approx(at("qwen2.5-0.5b", 512, 0.25))  # head_dim 64 too
+    # the 8B at 2048: 32 heads of 16 tiles a sequence; measured with 8 sequences (4096 tiles), as fast as that
+    assert seconds("llama-3.1-8b", 2048, few, sequences=8) == pytest.approx(at("llama-3.1-8b", 2048, 0.38))
+    assert seconds("llama-3.1-8b", 2048, few) == pytest.approx(
+        at("llama-3.1-8b", 2048, 0.38 * (512 / (512 + 500)) / (4096 / (4096 + 500))))
     unmeasured = dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, attention_shapes={}))
     size = (2048 * 32 * 2048 * 64) ** (1 / 3)
     assert seconds("tinyllama-1.1b", 2048, unmeasured) == pytest.approx(
         at("tinyllama-1.1b", 2048, machine.gpu.gemm_efficiency_at(size)))
+
+
+def test_a_gpu_that_slows_under_sustained_load_prices_its_matmuls_and_attention_slower():
+    """The measured rates are of short runs; a training run keeps sustained_compute_share of them."""
+    from fastml.planner.costs import _attention_s
+
+    machine = load_machine(hwprofiles.load("h200"), 1)
+    slowed = dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, sustained_compute_share=0.8))
+    spec = PRESETS["llama-3.1-8b"]
+    assert slowed.gpu.gemm_seconds(8192, 14336, 4096, "bf16") == pytest.approx(
+        machine.gpu.gemm_seconds(8192, 14336, 4096, "bf16") / 0.8)
+    assert _attention_s(1e12, spec, 4, 2048, slowed, "bf16") == pytest.approx(
+        _attention_s(1e12, spec, 4, 2048, machine, "bf16") / 0.8)
+
+
+def test_attentions_half_rate_is_what_its_two_measured_rates_imply():
+    from fastml.hwprofiles.measure import half_rate_tiles
+
+    def share(tiles: float, x0: float, full_tiles: float) -> float:
+        return (tiles / (tiles + x0)) / (full_tiles / (full_tiles + x0))
+    assert half_rate_tiles(512, share(512, 300.0, 4096), 4096) == pytest.approx(300.0)
+    assert half_rate_tiles(512, 1.0, 4096) == 0.0  # one sequence as fast as many: nothing lost
 
 
 @pytest.mark.parametrize("field, row", [("attention_shapes", [64, 1024]), ("attention_shapes", [0, 1024, 0.3]),
@@ -389,6 +420,8 @@ def test_real_detection_on_gpus(tmp_path, monkeypatch):
     attention = data["gpu"]["attention_shapes"]  # --quick: two lengths for each of two head sizes
     assert [row[:2] for row in attention] == [[64, 2048], [64, 8192], [128, 2048], [128, 8192]]
     assert all(0.05 < e < 1.0 for _, _, e in attention)
+    assert 0 <= data["gpu"]["attention_half_rate_tiles"] < 1e5  # one sequence of the 8B's shape against eight
+    assert 0.3 < data["gpu"]["sustained_compute_share"] <= 1.0
     if torch.cuda.get_device_capability() >= (8, 9):  # --quick: the cast alone, no fp8 GEMM shapes
         assert "fp8_error" not in measured and data["gpu"]["fp8_cast_bytes_per_s"] > 1e11
     assert hwprofiles.machine_profile(torch.cuda.get_device_name(0), torch.cuda.device_count()) == \
