@@ -208,7 +208,7 @@ MEASURED = {"gpu.gemm_efficiency": [[1024, 0.1], [8192, 0.71]], "gpu.hbm_bytes_p
             "gpu.fp8_backward_gemm_shapes": [[8192, 4096, 4096, 0.5]],
             "gpu.attention_shapes": [[64, 1024, 0.25], [64, 4096, 0.45], [128, 2048, 0.38]],
             "gpu.gemm_shapes": [[8192, 4096, 4096, 0.7], [8192, 2048, 2048, 0.6]],
-            "gpu.backward_gemm_shapes": [[8192, 4096, 4096, 0.65]]}
+            "gpu.backward_gemm_shapes": [[8192, 4096, 4096, 0.65]], "gpu.sustained_compute_share": 0.9}
 
 
 def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(monkeypatch, tmp_path):
@@ -221,7 +221,8 @@ def test_measured_rates_are_written_over_the_base_profile_and_plans_use_them(mon
     assert (machine.gpu.h2d_bytes_per_s, machine.gpu.d2h_bytes_per_s) == (5.0e10, 5.1e10)
     assert machine.node.cpu_adam_params_per_s == 3.0e9 and machine.node.h2d_all_gpus_bytes_per_s == 9.0e10
     assert machine.gpu.fp8_cast_bytes_per_s == 3.0e12
-    fp8_peak, bf16_peak = machine.gpu.peak_flops["fp8"], machine.gpu.peak_flops["bf16"]
+    assert machine.gpu.sustained_compute_share == 0.9  # the tables' rates, as a training run keeps them
+    fp8_peak, bf16_peak = machine.gpu.peak_flops["fp8"] * 0.9, machine.gpu.peak_flops["bf16"] * 0.9
     assert machine.gpu.gemm_seconds(8192, 4096, 4096, "fp8") == pytest.approx(2 * 8192 * 4096**2 / (fp8_peak * 0.6))
     assert machine.gpu.gemm_seconds(8192, 4096, 4096, "fp8", backward=True) == pytest.approx(
         2 * 8192 * 4096**2 / (fp8_peak * 0.5))
@@ -299,7 +300,7 @@ def assert_attention_takes_the_measured_rates(machine) -> None:
 
     def at(model: str, seq_len: int, efficiency: float) -> float:
         spec = PRESETS[model]
-        return spec.attention_forward_flops_per_token(seq_len) * seq_len / (machine.gpu.peak_flops["bf16"] *
+        return spec.attention_forward_flops_per_token(seq_len) * seq_len / (machine.gpu.sustained_flops_for("bf16") *
                                                                              efficiency)
     assert seconds("tinyllama-1.1b", 1024) == pytest.approx(at("tinyllama-1.1b", 1024, 0.25))
     assert seconds("tinyllama-1.1b", 2048) == pytest.approx(at("tinyllama-1.1b", 2048, 0.35))  # halfway in log
@@ -320,8 +321,9 @@ def test_a_gpu_that_slows_under_sustained_load_prices_its_matmuls_and_attention_
     """The measured rates are of short runs; a training run keeps sustained_compute_share of them."""
     from fastml.planner.costs import _attention_s
 
-    machine = load_machine(hwprofiles.load("h200"), 1)
-    slowed = dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, sustained_compute_share=0.8))
+    shipped = load_machine(hwprofiles.load("h200"), 1)
+    machine, slowed = (dataclasses.replace(shipped, gpu=dataclasses.replace(shipped.gpu, sustained_compute_share=share))
+                       for share in (1.0, 0.8))
     spec = PRESETS["llama-3.1-8b"]
     assert slowed.gpu.gemm_seconds(8192, 14336, 4096, "bf16") == pytest.approx(
         machine.gpu.gemm_seconds(8192, 14336, 4096, "bf16") / 0.8)
