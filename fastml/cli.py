@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from fastml.config import UserError, check_range, fail, gib, plural, say_on_stderr, show
+from fastml.config import UserError, check_output_file, check_range, fail, gib, plural, say_on_stderr, show
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -130,7 +130,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     if hw is None:
         fail("--hw", f"the records were planned for {', '.join(names)}: name the profile to calibrate")
     output = Path(args.output or f"{Path(hw).stem}-calibrated.json")
-    check_output("-o", output)
+    check_output_file("-o", output)
     # This CPU's profile is measured for the records' own shapes (the plain "cpu" profile is measured for tiny's).
     profile = cpu_profile_for([r.plan for r in records.values()]) if hw == "cpu" and on_cpu else read_profile(hw)
     fitted, fits = calibrate(records, profile)
@@ -329,26 +329,7 @@ def check_args(args: argparse.Namespace) -> None:
         fail("--study", f"{args.study}: its directory does not exist")
     for name in getattr(args, "writes", ()):  # the files a subcommand writes at its end
         if getattr(args, name) is not None:
-            check_output("-o" if name == "output" else _option(name), getattr(args, name))
-
-
-def check_output(option: str, path: str | Path) -> None:
-    """A file a command writes after its work, refused before it where it cannot be written: a directory, a path in a
-    directory that does not exist, or one that cannot be opened for writing (tried: permissions alone do not tell,
-    root may write anywhere but a read-only or virtual file system)."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        fail(option, f"{path} is a directory: name a file to write (in it, if you like)")
-    if not path.parent.is_dir():
-        fail(option, f"{path}: no such directory {path.parent}")
-    existed = path.exists()
-    try:
-        with open(path, "a" if existed else "x"):  # appends nothing to a file that exists
-            pass
-        if not existed:
-            path.unlink()
-    except OSError as e:
-        fail(option, f"{path}: cannot write it ({e.strerror or e})")
+            check_output_file("-o" if name == "output" else _option(name), getattr(args, name))
 
 
 def _option(name: str) -> str:

@@ -108,14 +108,22 @@ def check_output_dir(where: str, path: str | Path) -> None:
 
 
 def check_output_file(where: str, path: str | Path) -> None:
-    """A file that a long job will write can be: not a directory, in a directory that exists (checked before the
-    work, which would otherwise be lost when the write fails at its end)."""
-    path = Path(path)
+    """A file that a long job will write after its work can be (checked before the work, which would otherwise be
+    lost when the write fails at its end): not a directory, in a directory that exists, and one that opens for
+    writing (tried: permissions alone do not tell, root may write anywhere but a read-only or virtual file system)."""
+    path = Path(path).expanduser()
     if path.is_dir():
         fail(where, f"{path} is a directory, not a file")
     if not path.parent.is_dir():
         fail(where, f"{path}: the directory {path.parent} does not exist")
-    _check_writable(where, path)
+    existed = path.exists()
+    try:
+        with open(path, "a" if existed else "x"):  # appends nothing to a file that exists
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as e:
+        fail(where, f"{path}: cannot write it ({e.strerror or e})")
 
 
 def _check_writable(where: str, path: Path) -> None:

@@ -86,6 +86,9 @@ class CpuMeasurements:
     attention_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     """Causal scaled-dot-product attention's forward and backward by "batch,seq,heads,kv_heads,head_dim" (and "@T"):
     the fastest seconds measured, for the models planned here so far."""
+    host_overhead: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    """The training loop's host time (hwprofiles/host.py, the profile's `host_overhead`) by torch threads ("2"): on a
+    CPU it adds to the arithmetic, per op."""
 
 
 def cache_dir() -> Path:

@@ -16,6 +16,7 @@ With several GPUs, also peer-to-peer copies and the collectives between them (hw
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import threading
 import time
@@ -53,69 +54,58 @@ def measure_gpus(peak_bf16_flops: float, quick: bool, on_step=lambda what: None,
     copy_bytes = QUICK_COPY_BYTES if quick else COPY_BYTES
     measured, seconds = {}, {}
 
+    @contextlib.contextmanager
     def step(what: str):
+        """One part of the measurement: said before it starts, its seconds kept under `seconds`."""
         on_step(what)
-        seconds[what] = time.perf_counter()
-
-    def done(what: str):
-        seconds[what] = round(time.perf_counter() - seconds[what], 2)
+        started = time.perf_counter()
+        yield
+        seconds[what] = round(time.perf_counter() - started, 2)
 
     def built(library) -> bool:
         return build_ops or native.is_built(library)
 
-    step("bf16 GEMMs")
-    sizes = QUICK_SQUARE_SIZES if quick else SQUARE_SIZES
-    measured["gpu.gemm_efficiency"] = [[g, round(_gemm_flops(g, g, g) / peak_bf16_flops, 4)] for g in sizes]
-    done("bf16 GEMMs")
-    step("sustained GEMMs")
-    measured["gpu.sustained_compute_share"] = _sustained_compute_share()
-    done("sustained GEMMs")
+    with step("bf16 GEMMs"):
+        sizes = QUICK_SQUARE_SIZES if quick else SQUARE_SIZES
+        measured["gpu.gemm_efficiency"] = [[g, round(_gemm_flops(g, g, g) / peak_bf16_flops, 4)] for g in sizes]
+    with step("sustained GEMMs"):
+        measured["gpu.sustained_compute_share"] = _sustained_compute_share()
     if not quick:
-        step("the presets' linear layers")
-        for field, gemm_flops in (("gpu.gemm_shapes", _linear_flops),
-                                  ("gpu.backward_gemm_shapes", _linear_backward_flops)):
-            rates = {shape: _if_it_fits(gemm_flops, *shape) for shape in _model_shapes()}
-            measured[field] = [[m, n, k, round(flops / peak_bf16_flops, 4)] for (m, n, k), flops in rates.items()
-                               if flops]
-        done("the presets' linear layers")
-    step("attention")
-    measured["gpu.attention_shapes"] = _attention_efficiencies(peak_bf16_flops, quick)
-    measured |= _attention_half_rate(peak_bf16_flops, measured["gpu.attention_shapes"])
-    done("attention")
+        with step("the presets' linear layers"):
+            for field, gemm_flops in (("gpu.gemm_shapes", _linear_flops),
+                                      ("gpu.backward_gemm_shapes", _linear_backward_flops)):
+                rates = {shape: _if_it_fits(gemm_flops, *shape) for shape in _model_shapes()}
+                measured[field] = [[m, n, k, round(flops / peak_bf16_flops, 4)] for (m, n, k), flops in rates.items()
+                                   if flops]
+    with step("attention"):
+        measured["gpu.attention_shapes"] = _attention_efficiencies(peak_bf16_flops, quick)
+        measured |= _attention_half_rate(peak_bf16_flops, measured["gpu.attention_shapes"])
     not_built = []
     if peak_fp8_flops and built(native.CUDA_OPS):
-        step("the fp8 cast" if quick else "fp8 GEMMs and the fp8 cast")
-        measured |= _fp8(peak_fp8_flops, quick)
-        done("the fp8 cast" if quick else "fp8 GEMMs and the fp8 cast")
+        with step("the fp8 cast" if quick else "fp8 GEMMs and the fp8 cast"):
+            measured |= _fp8(peak_fp8_flops, quick)
     elif peak_fp8_flops:
         not_built.append("gpu.fp8_cast_bytes_per_s")
-    step("HBM")
-    measured["gpu.hbm_bytes_per_s"] = _hbm_bytes_per_s(copy_bytes)
-    done("HBM")
-    step("pinned host copies")
-    up, down = _host_copies(0, copy_bytes)
-    measured["gpu.pcie.h2d_bytes_per_s"], measured["gpu.pcie.d2h_bytes_per_s"] = up, down
-    measured["node.h2d_all_gpus_bytes_per_s"] = _all_gpus_up(copy_bytes) if torch.cuda.device_count() > 1 else up
-    done("pinned host copies")
-    step("kernel launches")
-    measured["launch_s"] = _launch_s()
-    done("kernel launches")
-    step("the training loop's host time")
-    measured |= {f"host_overhead.{name}": value for name, value in measure_host_overhead().items()}
-    done("the training loop's host time")
-    step("host memory")
-    measured["node.host_copy_bytes_per_s"] = _host_copy_bytes_per_s(copy_bytes // 2)
-    done("host memory")
+    with step("HBM"):
+        measured["gpu.hbm_bytes_per_s"] = _hbm_bytes_per_s(copy_bytes)
+    with step("pinned host copies"):
+        up, down = _host_copies(0, copy_bytes)
+        measured["gpu.pcie.h2d_bytes_per_s"], measured["gpu.pcie.d2h_bytes_per_s"] = up, down
+        measured["node.h2d_all_gpus_bytes_per_s"] = _all_gpus_up(copy_bytes) if torch.cuda.device_count() > 1 else up
+    with step("kernel launches"):
+        measured["launch_s"] = _launch_s()
+    with step("the training loop's host time"):
+        measured |= {f"host_overhead.{name}": value for name, value in measure_host_overhead().items()}
+    with step("host memory"):
+        measured["node.host_copy_bytes_per_s"] = _host_copy_bytes_per_s(copy_bytes // 2)
     if built(native.CPU_OPS):
-        step("C++ CPU AdamW")
-        measured["node.cpu_adam_params_per_s"] = _cpu_adam_params_per_s()
-        done("C++ CPU AdamW")
+        with step("C++ CPU AdamW"):
+            measured["node.cpu_adam_params_per_s"] = _cpu_adam_params_per_s()
     else:
         not_built.append("node.cpu_adam_params_per_s")
     if torch.cuda.device_count() > 1:
-        step("between GPUs")
-        measured |= _between_gpus(quick, on_step, nvlink)
-        done("between GPUs")
+        with step("between GPUs"):
+            measured |= _between_gpus(quick, on_step, nvlink)
     if not_built:
         measured["not_built"] = not_built
     return measured | {"seconds": seconds}

@@ -424,27 +424,31 @@ def measure_cpu(shapes: list[tuple[int, int, int]], attention: list[tuple[int, .
                not in cached.linear_seconds]
     missing_attention = [s for s in attention if fresh or cached is None or _shape_key(s, threads, all_threads)
                          not in cached.attention_seconds]
-    if not missing and not missing_attention:
+    missing_host = fresh or cached is None or str(threads) not in cached.host_overhead
+    if not missing and not missing_attention and not missing_host:
         return cached
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     per_process = f" with {threads} of its {all_threads} threads (a process's share)" if threads < all_threads else ""
     say(f"measuring this CPU for planning: its peak and memory bandwidth, {len(missing)} GEMM and "
-        f"{len(missing_attention)} attention shapes{per_process} (cached in {hwprofiles.cpu_cache_path()})")
+        f"{len(missing_attention)} attention shapes{', the training loop' if missing_host else ''}{per_process} "
+        f"(cached in {hwprofiles.cpu_cache_path()})")
     load, num_cpus = os.getloadavg()[0], os.cpu_count() or 1
     if load > num_cpus / 2:
         say(f"warning: other work loads this CPU (load average {load:.1f} on {num_cpus} CPUs): its measured rates "
             f"may be low; measure again with `fastml profile` when it is idle")
     start = time.perf_counter()
-    progress = _Progress(say, 1 + 2 * (len(missing) + len(missing_attention)))
+    progress = _Progress(say, 1 + 2 * (len(missing) + len(missing_attention)) + missing_host)
     base = _measure_cpu_base()
     progress.step()
     with _torch_threads(threads):
         linear = _fastest_of_two(_linear_seconds, missing, progress)
         attention_s = _fastest_of_two(_attention_seconds, missing_attention, progress)
+        host = {str(threads): _cpu_host_overhead(progress)} if missing_host else {}
     keyed = {_shape_key(s, threads, all_threads): seconds for s, seconds in linear.items()}
     keyed_attention = {_shape_key(s, threads, all_threads): seconds for s, seconds in attention_s.items()}
     measured = _best(cached, base, keyed, keyed_attention) if cached else dataclasses.replace(
         base, linear_seconds=keyed, attention_seconds=keyed_attention)
+    measured = dataclasses.replace(measured, host_overhead={**measured.host_overhead, **host})
     measured = dataclasses.replace(measured, peak_fp32_flops_per_s=_peak(measured))
     hwprofiles.save_cpu(measured)
     say(f"measured in {time.perf_counter() - start:.1f} s")
@@ -518,6 +522,15 @@ def _fastest_of_two(seconds, shapes, progress: _Progress) -> dict[tuple, float]:
             progress.step()
         passes.append(timings)
     return {shape: min(p[shape] for p in passes) for shape in shapes}
+
+
+def _cpu_host_overhead(progress: _Progress) -> dict[str, float]:
+    """The training loop's host time on this CPU (hwprofiles/host.py), with the threads in effect."""
+    from fastml.hwprofiles.host import measure_host_overhead
+
+    measured = measure_host_overhead("cpu")
+    progress.step()
+    return measured
 
 
 def _measure_cpu_base() -> hwprofiles.CpuMeasurements:
@@ -620,6 +633,7 @@ def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[in
               "cpu_adam_params_per_s": bandwidth / ADAM_BYTES_PER_PARAM, "host_copy_bytes_per_s": bandwidth,
               "nic_bytes_per_s": 0.0},
         measured={"key": key, "date": measured.date, "processes": processes})
+    data["host_overhead"] = measured.host_overhead.get(str(threads))
     if topology is not None:
         data["detected"] = {**topology, "base_profile": "cpu", "base_match": "no CUDA GPU"}
     return data

@@ -200,7 +200,8 @@ grows by these at the host's time per op."""
 
 def with_host_time(c: Costs, spec: ModelSpec, knobs: Knobs, machine: Machine) -> Costs:
     """Each block pass and the head take at least the host's time for them: the GPU runs kernels as fast as the
-    host launches them, so the longer of the two paces the stream (the host runs ahead while the GPU is the slower);
+    host launches them, so the longer of the two paces the stream (the host runs ahead while the GPU is the slower;
+    on a CPU, the host's time adds to the arithmetic);
     the step's own host work (the loop, the optimizer's launches) comes on top, as the step waits for it. The host's time of a block pass (`HostOverhead`, measured by `fastml profile`)
     is shared out by the ops each pass dispatches. A torch.compile'd block costs the host as much: measured on the
     H200, 2.03 ms a block pass eager and compiled alike (results/host_overhead-h200.json)."""
@@ -211,11 +212,13 @@ def with_host_time(c: Costs, spec: ModelSpec, knobs: Knobs, machine: Machine) ->
     parts = ("block",) if "block" in knobs.recompute else knobs.recompute
     recomputed = sum(RECOMPUTE_OPS.get(part, 0) for part in parts)
     chunk_ops = LM_HEAD_CHUNK_OPS * knobs.lm_head_chunks if knobs.lm_head_chunks > 1 else 0
+    # A GPU runs its kernels while the host queues the next; a CPU's one thread of control does both in turn.
+    paced = (lambda work, host_s: work + host_s) if machine.device == "cpu" else max
     return dataclasses.replace(
-        c, layer_forward=max(c.layer_forward, FORWARD_OPS * per_op),
-        layer_backward=max(c.layer_backward, BACKWARD_OPS * per_op),
-        layer_recompute=max(c.layer_recompute, recomputed * per_op),
-        head_forward_backward=max(c.head_forward_backward, host.head_s + chunk_ops * per_op),
+        c, layer_forward=paced(c.layer_forward, FORWARD_OPS * per_op),
+        layer_backward=paced(c.layer_backward, BACKWARD_OPS * per_op),
+        layer_recompute=paced(c.layer_recompute, recomputed * per_op),
+        head_forward_backward=paced(c.head_forward_backward, host.head_s + chunk_ops * per_op),
         step_host_s=host.step_s + spec.num_layers * host.optimizer_per_block_s)
 
 

@@ -323,7 +323,7 @@ def test_a_plan_given_to_calibrate_is_named_a_plan(tmp_path, capsys):
 def test_cli_output_in_a_missing_directory_is_one_line(tmp_path, capsys):
     assert main(["plan", "--device", "cpu", "-o", str(tmp_path / "no" / "plan.json")]) == 2
     err = capsys.readouterr().err
-    assert err == f"fastml: error: -o: {tmp_path}/no/plan.json: no such directory {tmp_path}/no\n", err
+    assert err == f"fastml: error: -o: {tmp_path}/no/plan.json: the directory {tmp_path}/no does not exist\n", err
 
 
 @pytest.fixture

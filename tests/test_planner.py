@@ -188,6 +188,23 @@ def test_a_step_the_host_paces_is_the_host_time_measured(layers, micro_batches):
     assert with_host["other"] == pytest.approx(host.step_s + wide.num_layers * host.optimizer_per_block_s)
 
 
+def test_on_a_cpu_the_host_time_adds_to_the_arithmetic(fake_cpu):
+    """A CPU's one thread of control dispatches the ops and does their arithmetic in turn: a pass takes both (the
+    training loop's host time measured on this CPU, hwprofiles/host.py), where a GPU's takes the longer."""
+    from fastml.hwprofiles.profile import this_cpu_profile
+    from fastml.planner.costs import BACKWARD_OPS, FORWARD_OPS
+    from test_profile import FAKE_HOST
+
+    machine = load_machine(this_cpu_profile(PRESETS["tiny"], 256, (1,), say=lambda line: None))
+    knobs = Knobs(micro_batch_size=1, grad_accum_steps=1, param_dtype="fp32", matmul_dtype="fp32")
+    with_host, alone = (costs(PRESETS["tiny"], 256, knobs, m)
+                        for m in (machine, dataclasses.replace(machine, host_overhead=None)))
+    per_op = FAKE_HOST["block_pass_s"] / (FORWARD_OPS + BACKWARD_OPS)
+    assert with_host.layer_forward == pytest.approx(alone.layer_forward + FORWARD_OPS * per_op)
+    assert with_host.layer_backward == pytest.approx(alone.layer_backward + BACKWARD_OPS * per_op)
+    assert with_host.head_forward_backward == pytest.approx(alone.head_forward_backward + FAKE_HOST["head_s"])
+
+
 @pytest.mark.parametrize("model, knobs", [
     ("tinyllama-1.1b", dict(micro_batch_size=16, grad_accum_steps=2, compile=True)),
     ("qwen2.5-0.5b", dict(micro_batch_size=2, grad_accum_steps=5, recompute=("block",), matmul_dtype="fp8")),
@@ -565,4 +582,4 @@ def test_a_bad_request_is_refused_before_the_cpu_is_measured(fake_cpu, kwargs, f
     """REVIEW 9: `--global-batch-tokens 1000` measured the CPU first (and a bad --set value ran the whole search)."""
     with pytest.raises(UserError, match=fragment):
         make_plan(device="cpu", trials=10, **kwargs)
-    assert fake_cpu == {"base": 0, "linear": 0, "attention": 0}
+    assert fake_cpu == {"base": 0, "linear": 0, "attention": 0, "host": 0}

@@ -29,18 +29,21 @@ FAKE_BANDWIDTH = 2e10
 
 
 FAKE_THREADS = 4
+FAKE_HOST = {"step_s": 0.004, "optimizer_per_block_s": 0.001, "head_s": 0.003, "block_pass_s": 0.0025}
+"""The training loop's host time on the fake CPU (hwprofiles/host.py's figures)."""
 
 
 def fake_cpu_measurements(monkeypatch, tmp_path, one_thread_efficiency: float = 0.4) -> dict:
     """This CPU's measurements replaced by fixed numbers, cached under tmp_path, on FAKE_THREADS torch threads: a GEMM
     with all the threads at 40% of the peak plus 20 µs, and with one thread at `one_thread_efficiency` of its share
-    (1/FAKE_THREADS) of the peak plus 20 µs (a share of the threads in between); attention at 20%. Returns the counts
-    of measurements taken ("base": peak and bandwidth, "linear": GEMM shapes, "attention": attention shapes)."""
+    (1/FAKE_THREADS) of the peak plus 20 µs (a share of the threads in between); attention at 20%; the training
+    loop's host time FAKE_HOST. Returns the counts of measurements taken ("base": peak and bandwidth, "linear": GEMM
+    shapes, "attention": attention shapes, "host": the training loop)."""
     monkeypatch.setenv("FASTML_CACHE", str(tmp_path / "cache"))
     threads = {"now": FAKE_THREADS}
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads["now"])
     monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.update(now=n))
-    calls = {"base": 0, "linear": 0, "attention": 0}
+    calls = {"base": 0, "linear": 0, "attention": 0, "host": 0}
 
     def base():
         calls["base"] += 1
@@ -57,9 +60,14 @@ def fake_cpu_measurements(monkeypatch, tmp_path, one_thread_efficiency: float = 
         calls["attention"] += 1
         return 3.5 * 2 * batch * seq_len**2 * heads * head_dim / (0.2 * FAKE_PEAK * threads["now"] / FAKE_THREADS)
 
+    def host(progress):
+        calls["host"] += 1
+        return dict(FAKE_HOST)
+
     monkeypatch.setattr(profile_module, "_measure_cpu_base", base)
     monkeypatch.setattr(profile_module, "_linear_seconds", linear)
     monkeypatch.setattr(profile_module, "_attention_seconds", attention)
+    monkeypatch.setattr(profile_module, "_cpu_host_overhead", host)
     return calls
 
 
@@ -472,6 +480,7 @@ def test_the_cpu_measurements_are_cached_by_what_would_change_them(monkeypatch, 
     assert calls["linear"] > measured["linear"]  # only the new shapes
     assert calls["attention"] == measured["attention"] + 2  # one new shape, two passes
     assert calls["base"] == 2  # the peak, timed again with them (the best is kept: below)
+    assert calls["host"] == 1  # the training loop's host time: once for these threads
     key = {**hwprofiles.cpu_key(), "torch": "9.9.9"}
     monkeypatch.setattr(hwprofiles, "cpu_key", lambda threads=None: key)
     assert hwprofiles.this_cpu() is None
@@ -551,6 +560,8 @@ def test_measuring_this_cpu_for_real(monkeypatch, tmp_path):
     measured = measure_cpu([(64, 96, 128)], [(1, 64, 4, 2, 16)], say=lines.append)
     assert measured.peak_fp32_flops_per_s > 1e8 and measured.memory_bytes_per_s > 1e8
     assert measured.linear_seconds["64,96,128"] > 0 and measured.attention_seconds["1,64,4,2,16"] > 0
+    host = measured.host_overhead[str(torch.get_num_threads())]  # the training loop, narrowed: hwprofiles/host.py
+    assert 0 < host["block_pass_s"] < 1 and set(host) == {"step_s", "optimizer_per_block_s", "head_s", "block_pass_s"}
     assert "measuring this CPU" in lines[0]
     assert hwprofiles.this_cpu() == measured
 

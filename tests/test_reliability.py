@@ -32,6 +32,7 @@ from fastml.executor.model.transformer import build_model, materialize
 from fastml.executor.memory.optim import lr_at
 from fastml.executor.parallel.world import World
 from fastml.executor.storage.tensordir import read_manifest
+from in_process import fastml_here
 from small_model import SMALL_OVERRIDES
 
 STEPS = 8
@@ -76,11 +77,15 @@ def workdir(first_runs):
     return path
 
 
-def run(path, name, *extra, faults="", wait=True):
-    """Its own run directory: runs started in one second in one directory would share the one named after it."""
-    return fastml("run", "plan.json", "--checkpoint-dir", f"ck-{name}", "--checkpoint-interval", "2",
-                  "--log-json", f"{name}.jsonl", "--no-progress", "--run-dir", f"runs/{name}", *extra, cwd=path,
-                  faults=faults, wait=wait)
+def run(path, name, *extra, faults="", wait=True, here=False):
+    """Its own run directory: runs started in one second in one directory would share the one named after it.
+    `here`: in this process (tests/in_process.py), without faults."""
+    args = ("run", "plan.json", "--checkpoint-dir", f"ck-{name}", "--checkpoint-interval", "2", "--log-json",
+            f"{name}.jsonl", "--no-progress", "--run-dir", f"runs/{name}", *extra)
+    if here:
+        assert not faults
+        return fastml_here(*args, cwd=path)
+    return fastml(*args, cwd=path, faults=faults, wait=wait)
 
 
 def losses(path, name):
@@ -104,7 +109,7 @@ def test_resume_after_sigkill_repeats_the_same_losses(workdir, first_runs, fault
     assert checkpoints(workdir, name) == survivors  # a checkpoint being written is never visible half-done
     leftovers = hidden(workdir, name)
     assert len(leftovers) == (name == "kill-mid-checkpoint")  # its hidden temporary directory
-    resumed = run(workdir, name, "--resume")
+    resumed = run(workdir, name, "--resume", here=True)  # `fastml run --resume` as a process: the tests below
     assert resumed.returncode == 0, resumed.stderr
     said = resumed.stderr.replace("\n", "")  # the console wraps long lines
     assert hidden(workdir, name) == [] and all("removed" in said and leftover in said for leftover in leftovers)
@@ -118,7 +123,8 @@ DAMAGES = ["truncate", "flip", "delete", "no-meta"]
 @pytest.fixture(scope="module")
 def damaged_resumed(workdir, first_runs):
     """For each damage, a copy of the checkpoints of the run stopped after 6 of its 8 steps (steps 2, 4, 6) and of
-    its log, the newest checkpoint damaged so, then resumed (all at once): the resumed runs by damage."""
+    its log, the newest checkpoint damaged so, then resumed: the first damage by a `fastml run --resume` process,
+    the others in this process meanwhile. The resumed runs by damage."""
     assert first_runs[1]["six"].returncode == 0, first_runs[1]["six"].stderr
     started = {}
     for damage in DAMAGES:
@@ -136,8 +142,9 @@ def damaged_resumed(workdir, first_runs):
             target.write_bytes(bytes(data))
         else:
             target.unlink()
-        started[damage] = run(workdir, name, "--resume", wait=False)
-    return {damage: finished(process) for damage, process in started.items()}
+        started[damage] = run(workdir, name, "--resume", wait=False, here=damage != DAMAGES[0])
+    return {damage: finished(result) if isinstance(result, subprocess.Popen) else result
+            for damage, result in started.items()}
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
@@ -197,8 +204,8 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(workdir):
     assert "stopped by SIGTERM" in stderr and "--resume" in stderr
     done = len(log.read_text().splitlines())
     assert checkpoints(workdir, "term") == [f"step-{done:08d}"]
-    resumed = fastml("run", "plan.json", "--checkpoint-dir", "ck-term", "--log-json", "term.jsonl", "--no-progress",
-                     "--resume", cwd=workdir)
+    resumed = fastml_here("run", "plan.json", "--checkpoint-dir", "ck-term", "--log-json", "term.jsonl",
+                          "--no-progress", "--resume", cwd=workdir)  # (a resume as a process: the tests above)
     assert resumed.returncode == 0, resumed.stderr
     assert losses(workdir, "term") == losses(workdir, "reference")
 
@@ -207,9 +214,10 @@ def test_a_plan_for_other_hardware_warns_or_is_refused(workdir):
     plan = json.loads((workdir / "plan.json").read_text())
     plan["hardware"]["profile"] = "rtx4090"
     (workdir / "other.json").write_text(json.dumps(plan))
-    started = [fastml("run", "other.json", "--steps", "1", *flags, cwd=workdir, wait=False)
-               for flags in (["--no-progress", "--run-dir", "runs/warned"], ["--strict", "--run-dir", "runs/refused"])]
-    warned, refused = [finished(process) for process in started]
+    refused = fastml("run", "other.json", "--steps", "1", "--strict", "--run-dir", "runs/refused", cwd=workdir,
+                     wait=False)
+    warned = fastml_here("run", "other.json", "--steps", "1", "--no-progress", "--run-dir", "runs/warned", cwd=workdir)
+    refused = finished(refused)
     assert warned.returncode == 0 and "made for rtx4090" in warned.stderr.replace("\n", " ")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
     assert "hardware.profile" in refused.stderr
@@ -235,10 +243,12 @@ def test_resuming_a_finished_run_trains_nothing(workdir):
 
 
 def test_a_new_run_into_a_used_checkpoint_dir_is_refused_in_one_line(workdir):
-    """Through the CLI: exit 2 and one line; --start-over is wired through to the run (in a copy, at once)."""
+    """Through the CLI: exit 2 and one line; --start-over is wired through to the run (in a copy, at once, through
+    fastml.cli.main in this process)."""
     shutil.copytree(workdir / "ck-reference", workdir / "ck-again")
-    refused, again = [finished(process) for process in (
-        run(workdir, "reference", wait=False), run(workdir, "again", "--start-over", "--steps", "2", wait=False))]
+    refused = run(workdir, "reference", wait=False)
+    again = run(workdir, "again", "--start-over", "--steps", "2", here=True)  # in this process, meanwhile
+    refused = finished(refused)
     assert refused.returncode == 2, refused.stderr
     assert refused.stderr.strip().splitlines() == [
         "fastml: error: ck-reference: holds 3 checkpoints (steps 4, 6, 8) of an earlier run; continue that run with "

@@ -1,0 +1,28 @@
+"""`fastml` commands run in the test's own process, through fastml.cli.main: a `fastml run` started as a process spends
+seconds (most of its time, on the 2-core test machine) importing torch and its compiler, which this process imported
+once. Each command still runs as a real process in at least one test (tests/test_cli.py, tests/test_reliability.py)."""
+
+import contextlib
+import io
+import os
+import subprocess
+from pathlib import Path
+
+
+def fastml_here(*args, cwd: Path) -> subprocess.CompletedProcess:
+    """`fastml ARGS` in the working directory `cwd`, in this process: its exit code, stdout and stderr, as a process's
+    would be."""
+    from fastml.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(arg) for arg in args])
+            except SystemExit as e:  # argparse's usage errors, and cmd_run's exit codes
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(["fastml", *args], code, out.getvalue(), err.getvalue())
