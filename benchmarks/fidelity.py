@@ -339,8 +339,10 @@ def _errors(plans: list[dict], key: str) -> dict:
         measured = plan["measured"][figure]
         return plan[key][figure] / measured - 1 if measured else None
     def spearman(group: list[dict]) -> float:
-        return float(spearmanr([p[key]["tokens_per_s"] for p in group],
-                               [p["measured"]["tokens_per_s"] for p in group]).statistic)
+        # Rounded: a coefficient is a ratio of small integers (1 - 6 x 2 / (5 x 24) = 0.9 for one swap in five), which
+        # scipy's floating point leaves a few ulps off (0.8999999999999998).
+        return round(float(spearmanr([p[key]["tokens_per_s"] for p in group],
+                                     [p["measured"]["tokens_per_s"] for p in group]).statistic), 9)
     by_model = {m: [p for p in plans if p["model"] == m] for m in sorted({p["model"] for p in plans})}
     within = {m: spearman(group) for m, group in by_model.items() if len(group) >= MIN_PLANS_PER_MODEL}
     memory_errors = [e for e in (error(p, "peak_memory_bytes") for p in plans) if e is not None]

@@ -17,9 +17,12 @@ from pathlib import Path
 
 LAYERS = (2, 8)
 MICRO_BATCHES = (1, 4)
-STEPS = 12
+STEPS = 28
 SKIPPED_STEPS = 4
-"""The first steps of a run warm up (allocator, autotuning, first launches); the median of the rest is the figure."""
+"""The first steps of a run warm up (allocator, autotuning, first launches); the median of the rest is the figure.
+The host's speed wanders: on the H200's 16-core VM (2026-12-03) a point's steps spread by 20% and a stretch of a few
+steps ran twice as slow, so that medians of 8 steps gave fits whose prediction of the main job ranged from 0.8 to
+1.4 times its measured step; 24 steps a point cost about 2 s more there."""
 
 
 def measure_host_overhead(device: str = "cuda") -> dict[str, float]:

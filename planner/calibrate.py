@@ -35,7 +35,7 @@ TIME_BOUNDS = {"forward": (0.3, 4.0), "compute": (0.5, 4.0), "cpu_optimizer": (0
                "layer_overhead_s": (0.0, 0.05), "step_overhead_s": (0.0, 5.0)}
 MEMORY_BOUNDS = {"compiled_activations": (0.2, 1.5), "fragmentation": (0.0, 0.5)}
 FIT_ROUNDS = 3
-MODEL_VERSION = 4
+MODEL_VERSION = 5
 """The version of the time and memory models (costs.py, memory.py, simulate.py) that a calibration is fitted to.
 Bump it with any change that moves predictions (tests/test_calibrate.py pins this version's): a profile
 calibrated before the change is then said to be stale, since its terms correct the old model's errors (issue 11:
@@ -46,7 +46,9 @@ host_overhead) paces the passes where it is the longer, and the step's host work
 Version 3: a chunked LM head's matmuls at a chunk's tokens, its recomputed forward tensors, its weight gradient
 added up chunk by chunk and the aten ops of each chunk; a GEMM takes at least the time of its operands' bytes.
 Version 4: attention at few sequences slower (the profile's attention_half_rate_tiles); a gradient's accumulation
-reads both operands."""
+reads both operands. Version 5: a chunked LM head's backward pass holds three weight-sized gradients at once, a
+block's backward pass the gradients it makes (memory.block_backward_workspace_bytes) rather than a layer's
+activations, and the loss's phase not the buffers that stream gradients to the host."""
 
 
 @dataclass(frozen=True)
@@ -193,21 +195,29 @@ def _fit_time(records: dict[str, RunRecord], predicted: dict[str, _Prediction], 
 
 
 def _fit_memory(records: dict[str, RunRecord], before: dict[str, _Prediction]) -> dict[str, float]:
-    """Measured peak = (predicted peak + (compiled_activations - 1) x compiled activations) x (1 + fragmentation),
-    to first order: linear in both terms. Records without a GPU peak (a CPU's) leave them as they are."""
+    """Measured peak = (predicted peak + (compiled_activations - 1) x compiled activations) x (1 + fragmentation)
+    (memory.py), which is linear in 1 / (1 + fragmentation) and compiled_activations - 1 once divided by the
+    latter factor. Fitted by least squares, then `fragmentation` raised until no record is predicted below its
+    measured peak: a plan is fitted under a memory cap by this prediction, and one predicted low runs out of memory
+    where one predicted high only leaves some of the cap unused. Records without a GPU peak (a CPU's) leave both
+    terms as they are."""
     from scipy.optimize import lsq_linear
 
     rows, target = [], []
     for name, record in records.items():
         measured, p = record.measured.peak_memory_bytes, before[name]
-        if measured:
-            rows.append(np.array([p.activations_compiled, p.peak_bytes]) / measured)
-            target.append(1.0 - (p.peak_bytes - p.activations_compiled) / measured)
+        if measured:  # peak / measured = 1 / (1 + f) - (a - 1) x compiled / measured, relative to each record
+            rows.append([1.0, -p.activations_compiled / measured])
+            target.append(p.peak_bytes / measured)
     if not rows:
         return {name: getattr(Calibration(), name) for name in MEMORY_BOUNDS}
-    bounds = np.array(list(MEMORY_BOUNDS.values())).T
-    a, f = lsq_linear(np.array(rows), np.array(target), bounds=(bounds[0], bounds[1])).x
-    if not any(row[0] for row in rows):  # no record compiles: nothing tells the compiled term, which stays 1
-        a = Calibration().compiled_activations
+    rows, target = np.array(rows), np.array(target)
+    (a_low, a_high), (f_low, f_high) = MEMORY_BOUNDS["compiled_activations"], MEMORY_BOUNDS["fragmentation"]
+    inverse, a_less_1 = lsq_linear(rows, target, bounds=([1 / (1 + f_high), a_low - 1],
+                                                         [1 / (1 + f_low), a_high - 1])).x
+    a = a_less_1 + 1 if rows[:, 1].any() else Calibration().compiled_activations  # no record compiles: stays 1
+    # Each record's prediction without fragmentation, over its measurement: the lowest sets it.
+    unfragmented = target - (a - 1) * rows[:, 1]
+    f = min(f_high, max(1 / inverse - 1, float(np.max(1 / unfragmented)) - 1))
     return {"compiled_activations": float(a), "fragmentation": float(f)}
 

@@ -170,12 +170,33 @@ LOSS_FORWARD_TENSORS = ("logits", "logits.fp32", "log_probs")
 
 
 def loss_workspace_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
-    """Peak bytes of the LM head and cross-entropy of one slice of tokens (LOSS_PEAK_TENSORS); with chunks only
-    one slice exists at a time."""
+    """Peak bytes of the LM head and cross-entropy of one micro-batch beside what the model counts elsewhere (the
+    head's gradient among the gradients). Unchunked, the slice's LOSS_PEAK_TENSORS. Chunked, one slice's tensors
+    exist at a time, but the head weight's gradient is made chunk by chunk: autograd keeps the running sum of the
+    chunks' gradients, makes the next chunk's beside it and adds the two out of place, so three weight-sized
+    gradients exist at once (measured on an H200, 2026-12-03: a backward pass of the chunked loss peaks at three
+    times the head weight's gradient, or one beside a chunk's tensors where those are the larger, with or without a
+    gradient already accumulated). With one micro-batch a step the third becomes the head's gradient, which is then
+    counted twice: an upper bound, so that no choice of micro-batch looks smaller for it (tests/test_choice.py)."""
     per_logit = sum(loss_tensor_bytes(knobs)[name] for name in LOSS_PEAK_TENSORS)
-    # A chunk after the first makes its head weight's gradient beside the one it is added to.
-    weight_gradient = spec.vocab_size * spec.hidden_size * param_bytes(knobs) if knobs.lm_head_chunks > 1 else 0
-    return per_logit * spec.vocab_size * -(-tokens // knobs.lm_head_chunks) + weight_gradient
+    chunk = per_logit * spec.vocab_size * -(-tokens // knobs.lm_head_chunks)
+    if knobs.lm_head_chunks == 1:
+        return chunk
+    weight_gradient = spec.vocab_size * spec.hidden_size * param_bytes(knobs)
+    return max(3 * weight_gradient, weight_gradient + chunk)
+
+
+def block_backward_workspace_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
+    """What a block's backward pass makes beside what it keeps, for `tokens` tokens: the gradient it receives, and
+    the larger of the SwiGLU input's gradient (two FFN widths a token, made while the FFN's saved tensors are still
+    alive) and, at the pass's end, the layer's weight gradients beside its input's gradient made out of place
+    (the residual's and the attention's summed). Measured on an H200 (2026-12-03), one block of qwen2.5-1.5b,
+    llama-3.2-1b and llama-3.1-8b at 8-32k tokens, eager and compiled: 0.4-1.1 GiB, within 0.08 GiB of this, where
+    a whole layer's activations (1.1-2.3 GiB), the estimate before, was up to twice too much."""
+    act = activation_bytes(knobs)
+    swiglu_input_gradient = 2 * spec.ffn_hidden_size * act * tokens
+    at_the_end = spec.layer_params() * param_bytes(knobs) + 2 * spec.hidden_size * act * tokens
+    return spec.hidden_size * act * tokens + max(swiglu_input_gradient, at_the_end)
 
 
 def model_state_bytes(num_params: int, knobs: Knobs, num_gpus: int,
@@ -303,7 +324,8 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     sharded = knobs.shard_weights and num_gpus > 1
     weight_buffers = STREAM_BUFFER_LAYERS if sharded else len(place.streamed_weights)
     gpu["weights"] += min(STREAM_BUFFER_LAYERS, weight_buffers) * streamed_layer
-    gpu["gradients"] += min(STREAM_BUFFER_LAYERS, len(place.host_gradients)) * streamed_layer
+    streamed_gradients = min(STREAM_BUFFER_LAYERS, len(place.host_gradients)) * streamed_layer
+    gpu["gradients"] += streamed_gradients
     groups = group_params(spec)
     if sharded:  # the head's gathered weights live from the last block until their gradients are made
         gpu["weights"] += max(groups["embed"], groups["head"]) * param_bytes(knobs)
@@ -315,11 +337,12 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     tokens = knobs.micro_batch_size * seq_len
     gpu["activations"], host["activations"] = _activations(spec, knobs, place, tokens, device)
     # The backward pass peaks in one of two phases: at the loss (its tensors), or in a block's backward pass (the
-    # gradients of its activations, about one layer's worth, beside them rebuilt where it recomputes).
+    # gradients it makes, beside its activations rebuilt where it recomputes, and the buffers its weight gradients
+    # stream to the host through, which the loss's phase does not hold yet).
     rebuilt = rebuilt_activation_bytes(spec, knobs, tokens, device)
     gpu["activations"] += rebuilt
-    gradients = layer_activation_bytes(spec, replace(knobs, recompute=()), tokens, device)
-    backward_workspace = max(loss_workspace_bytes(spec, knobs, tokens) - rebuilt, gradients)
+    gradients = block_backward_workspace_bytes(spec, knobs, tokens)
+    backward_workspace = max(loss_workspace_bytes(spec, knobs, tokens) - rebuilt - streamed_gradients, gradients)
     if knobs.matmul_dtype == "fp8":
         cached = len(fp8_cached_blocks(knobs, spec.num_layers, num_gpus))
         # Cached blocks keep their weights in fp8 and transposed (executor/model/fp8.py); the others cast one layer's as

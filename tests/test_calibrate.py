@@ -67,6 +67,19 @@ def test_calibration_recovers_known_terms_from_synthetic_records():
     assert machine.calibration == Calibration(**terms)
 
 
+def test_the_fitted_memory_predicts_no_record_low():
+    """Peaks measured 2% above and below the model: a least-squares fit predicts some of them low, so
+    fragmentation rises until the one it predicts lowest is met exactly, and none is predicted below its
+    measurement."""
+    profile = {k: v for k, v in hwprofiles.load("h200").items() if k != "host_overhead"}
+    records = {name: dataclasses.replace(r, measured=dataclasses.replace(
+                   r.measured, peak_memory_bytes=int(r.measured.peak_memory_bytes * (1.02 if i % 2 else 0.98))))
+               for i, (name, r) in enumerate(synthetic_records(profile).items())}
+    _, fits = calibrate(records, profile)
+    lowest = min(fit.peak_errors[1] for fit in fits)
+    assert lowest == pytest.approx(0.0, abs=1e-6)
+
+
 def test_a_term_no_record_tells_keeps_its_value():
     """Without a record whose optimizer steps on the CPU, nothing tells cpu_optimizer: it stays 1."""
     profile = hwprofiles.load("h200")
@@ -97,7 +110,14 @@ PREDICTED = {4: [(0.497311, 47144206336), (0.613789, 21551841280), (0.297575, 10
                  # with MEASURED_TABLES
                  (0.556309, 47144206336), (0.691176, 21551841280), (0.285896, 101236307968),
                  (0.484109, 16540612608), (0.714138, 31282118656), (1.0552, 20287520768),
-                 (0.281831, 25309076992), (1.14825, 84350648320)]}
+                 (0.281831, 25309076992), (1.14825, 84350648320)],
+             5: [(0.497311, 47144206336), (0.613789, 21551841280), (0.297575, 101236307968),
+                 (0.488174, 16540612608), (0.703937, 31038832640), (1.0552, 20287520768),
+                 (0.286562, 25309076992), (1.13007, 84875984896),
+                 # with MEASURED_TABLES
+                 (0.556309, 47144206336), (0.691176, 21551841280), (0.285896, 101236307968),
+                 (0.484109, 16540612608), (0.714138, 31038832640), (1.0552, 20287520768),
+                 (0.281831, 25309076992), (1.14825, 84875984896)]}
 
 
 MEASURED_TABLES = {"attention_shapes": [[64, 1024, 0.28], [64, 8192, 0.4], [128, 2048, 0.38]],

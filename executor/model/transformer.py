@@ -123,12 +123,7 @@ class Transformer(nn.Module):
         recomputed in the backward pass, so the (tokens x vocab) logits never exist whole."""
         hidden = self(tokens).flatten(0, 1)  # (B*T, h)
         targets = targets.flatten()
-        if num_chunks == 1:
-            return _lm_loss_sum(hidden, self.lm_head_weight, targets) / targets.numel()
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for h, t in zip(hidden.tensor_split(num_chunks), targets.tensor_split(num_chunks)):
-            total = total + checkpoint(_lm_loss_sum, h, self.lm_head_weight, t, use_reentrant=False)
-        return total / targets.numel()
+        return lm_loss_sum(hidden, self.lm_head_weight, targets, num_chunks) / targets.numel()
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -146,6 +141,17 @@ class Transformer(nn.Module):
         else:
             scale = 1 / math.sqrt(2 * self.spec.num_layers) if name.endswith(("out.weight", "down.weight")) else 1
             p.normal_(0.0, 0.02 * scale, generator=generator)
+
+
+def lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, num_chunks: int = 1) -> torch.Tensor:
+    """The summed cross-entropy of hidden states (N, h) under the LM head `weight`, in `num_chunks` slices of rows
+    recomputed in the backward pass (none with one)."""
+    if num_chunks == 1:
+        return _lm_loss_sum(hidden, weight, targets)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for h, t in zip(hidden.tensor_split(num_chunks), targets.tensor_split(num_chunks)):
+        total = total + checkpoint(_lm_loss_sum, h, weight, t, use_reentrant=False)
+    return total
 
 
 def _lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
