@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from fastml import hwprofiles  # noqa: E402
 from fastml.executor.storage.hf import fastml_to_hf  # noqa: E402
-from fastml.executor.storage.data import TokenData  # noqa: E402
+from fastml.executor.storage.data import open_training_data  # noqa: E402
 from fastml.executor.model.transformer import build_model, materialize  # noqa: E402
 from fastml.executor.memory.optim import lr_at  # noqa: E402
 from fastml.executor.loop.train import train  # noqa: E402
@@ -93,7 +93,7 @@ def run_hf(shape: str, sequences: int, micro_batch_size: int, checkpointing: boo
     optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
                                    {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                                   lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
-    batches = TokenData.open(t.data, seq_len, plan.model.vocab_size).batches(micro_batch_size, seed=t.seed)
+    batches = open_training_data(t.data, seq_len, plan.model.vocab_size).batches(micro_batch_size, seed=t.seed)
     accum = sequences // micro_batch_size
     times, losses = [], []
     torch.cuda.reset_peak_memory_stats()

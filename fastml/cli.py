@@ -154,13 +154,13 @@ def cmd_profile(args: argparse.Namespace) -> None:
     profile(args.output, quick=args.quick)
 
 
-def check_data(data: str, seq_len: int, vocab_size: int) -> None:
-    """The dataset exists, holds a sequence and fits the model's vocabulary: checked when planning rather than when
-    the run starts. The default corpus is built on first use, by the run."""
+def check_data(data, seq_len: int, vocab_size: int) -> None:
+    """The dataset (or each of a blend) exists, holds a sequence and fits the model's vocabulary: checked when
+    planning rather than when the run starts. The default corpus alone is built on first use, by the run."""
     if data != "default":
-        from fastml.executor.storage.data import TokenData
+        from fastml.executor.storage.data import open_training_data
 
-        TokenData.open(data, seq_len, vocab_size)
+        open_training_data(data, seq_len, vocab_size)
 
 
 class SearchProgress:
@@ -243,7 +243,9 @@ def cmd_run(args: argparse.Namespace) -> None:
               resume=args.resume, start_over=args.start_over, keep_checkpoints=args.keep_checkpoints,
               max_nonfinite_steps=args.max_nonfinite_steps, strict=args.strict, timeout_s=args.timeout,
               summary_json=args.summary_json, run_dir=args.run_dir or _new_run_dir(), trace_step=args.trace_step,
-              checkpoint_interval=plan.training.checkpoint_interval if interval_given else None)
+              checkpoint_interval=plan.training.checkpoint_interval if interval_given else None,
+              tensorboard=args.tensorboard, wandb=args.wandb, sample_every=args.sample_every,
+              sample_prompt=args.sample_prompt)
     except (TrainingStopped, WorkersFailed) as e:
         if world is None or world.main:  # every rank stops alike; rank 0 says why
             _say_failure(f"fastml: {e}")
@@ -270,11 +272,50 @@ def _new_run_dir() -> Path:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
+    from fastml.executor.storage.data import TokenData
     from fastml.executor.storage.prepare import prepare
 
-    header = prepare(args.input, args.output, tokenizer=args.tokenizer, field=args.field)
+    header = prepare(args.input, args.output, tokenizer=args.tokenizer, field=args.field,
+                     validation_fraction=args.validation_fraction, validation_inputs=args.validation or [])
     print(f"wrote {args.output}: {plural(header['num_tokens'], 'token')} from "
           f"{plural(header['num_documents'], 'document')} (vocab {header['vocab_size']:,}, {header['dtype']})")
+    validation = TokenData.open_validation(args.output, 1, header["vocab_size"])
+    if validation is not None:
+        held = validation.header
+        print(f"  and a validation split of {plural(held.num_tokens, 'token')} from "
+              f"{plural(held.num_documents, 'document')} in {validation.path}")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from fastml.executor.model.generate import generate
+    from fastml.executor.storage.checkpoints import load_for_inference, tokenizer_of
+    from fastml.executor.storage.prepare import load_tokenizer
+
+    named = args.tokenizer or tokenizer_of(args.checkpoint)
+    if named is None:
+        raise UserError(f"{args.checkpoint}: which tokenizer its weights were trained with is not known (a converted "
+                        f"checkpoint); give --tokenizer tokenizer.json, or bytes")
+    tokenizer = load_tokenizer(named)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_for_inference(args.checkpoint, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if tokenizer.vocab_size > model.spec.vocab_size:
+        raise UserError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size:,} tokens, more than the model's "
+                        f"{model.spec.vocab_size:,}: not the one it was trained with")
+    prompt = tokenizer.encode_batch([args.prompt])[0].tolist() or [tokenizer.eos_id]  # "": a document's start
+    print(args.prompt, end="", flush=True)
+    before = tokenizer.decode(prompt)
+    made, shown = [], 0
+    for token in generate(model, prompt, args.max_tokens, args.temperature, args.top_p, args.seed, tokenizer.eos_id,
+                          tokenizer.vocab_size):
+        made.append(token)
+        # Decoded with the prompt: a token alone may be half a character, or lose the space before it.
+        text = tokenizer.decode(prompt + made)[len(before):]
+        if not text.endswith("\ufffd"):
+            print(text[shown:], end="", flush=True)
+            shown = len(text)
+    print(tokenizer.decode(prompt + made)[len(before):][shown:])
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -452,6 +493,15 @@ def _add_run_command(sub) -> None:
                      help="trace optimizer step N with torch's profiler into the run directory's trace.json, which "
                           "`fastml explain RUN_DIR --trace` sets beside the simulated step (take one after the "
                           "first, which compiles; the traced step is left out of the steady-state figures)")
+    run.add_argument("--tensorboard", metavar="DIR",
+                     help="also write each step's figures as TensorBoard event files into DIR (needs tensorboard)")
+    run.add_argument("--wandb", metavar="PROJECT",
+                     help="also log each step's figures to this Weights & Biases project (needs wandb; "
+                          "WANDB_MODE=offline keeps the run on disk)")
+    run.add_argument("--sample-every", type=int, metavar="N",
+                     help="print a greedy continuation of --sample-prompt every N steps (weights whole on one GPU)")
+    run.add_argument("--sample-prompt", default="", metavar="TEXT",
+                     help="the text samples continue (default: the start of a document)")
     run.set_defaults(func=cmd_run)
 
 
@@ -485,8 +535,27 @@ def parser() -> argparse.ArgumentParser:
     prep.add_argument("--input", nargs="+", required=True, help="files or glob patterns ('docs/**/*.jsonl')")
     prep.add_argument("--tokenizer", help="an HF tokenizer.json (default: the built-in byte-level tokenizer)")
     prep.add_argument("--field", default="text", help="the text field of jsonl and parquet rows (default: text)")
+    prep.add_argument("--validation-fraction", type=float, default=0.0, metavar="F",
+                      help="hold out this fraction of the documents, evenly spaced, for the validation loss "
+                           "(`fastml run` evaluates it; default: none)")
+    prep.add_argument("--validation", nargs="+", metavar="FILE",
+                      help="files or patterns held out whole for the validation loss")
     prep.add_argument("-o", "--output", required=True, help="output directory")
     prep.set_defaults(func=cmd_prepare)
+
+    gen = sub.add_parser("generate", help="continue a prompt with a trained model (a quick look at what it learned)")
+    gen.add_argument("checkpoint", help="a fastml checkpoint (a training one, CHECKPOINT_DIR/step-N) or an HF model "
+                                        "directory")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-tokens", type=int, default=100, help="tokens to generate at most (default: 100)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="0 (default) takes the most likely token each time; above, samples at this temperature")
+    gen.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens whose "
+                                                              "probabilities add up to this (default: 1, all)")
+    gen.add_argument("--seed", type=int, default=0, help="the sampling's seed (default: 0)")
+    gen.add_argument("--tokenizer", help="an HF tokenizer.json, or bytes (default: the one the checkpoint's data "
+                                         "was prepared with)")
+    gen.set_defaults(func=cmd_generate)
 
     conv = sub.add_parser("convert", help="convert between HF safetensors models and fastml checkpoints")
     conv.add_argument("checkpoint", nargs="?", help="a fastml checkpoint directory (with --to-hf): `--from-hf` output, "

@@ -197,8 +197,8 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
             if type(None) in args:
                 return None
             fail(where, "must not be null")
-        (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, value, where)
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0] if len(inner) == 1 else _by_json_kind(inner, value, where), value, where)
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value, where)
     if origin is Literal:
@@ -213,6 +213,18 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
             fail(where, f"expected an object, got {type(value).__name__}")
         return {str(k): _convert(args[1], v, join(where, k)) for k, v in value.items()}
     return _scalar(hint, value, where)
+
+
+def _by_json_kind(hints: list, value: Any, where: str) -> Any:
+    """Of a union's types, the one `value`'s JSON kind stands for: a string, a list or an object."""
+    for hint in hints:
+        origin = typing.get_origin(hint)
+        if (hint is str and isinstance(value, str)) or (origin is tuple and isinstance(value, (list, tuple))) or \
+                ((dataclasses.is_dataclass(hint) or origin is dict) and isinstance(value, dict)):
+            return hint
+    kinds = " or ".join("a string" if h is str else "a list" if typing.get_origin(h) is tuple else "an object"
+                        for h in hints)
+    fail(where, f"expected {kinds}, got {type(value).__name__}")
 
 
 def _scalar(hint: type, value: Any, where: str) -> Any:

@@ -35,6 +35,18 @@ MAX_PLAN_FILE_BYTES = 2**24
 
 
 @dataclass(frozen=True, kw_only=True)
+class WeightedData:
+    """One dataset of a blend (`Training.data`): a directory written by `fastml prepare`, or "default", and its share
+    of the sequences (the weights of a blend are normalized to sum to 1)."""
+
+    path: str
+    weight: float
+
+    def __post_init__(self) -> None:
+        check_range("weight", self.weight, 0.0, low_open=True)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Training:
     seq_len: int = 256
     global_batch_tokens: int = 8192
@@ -49,12 +61,20 @@ class Training:
     beta2: float = 0.95
     grad_clip: float = 1.0
     """Max global gradient norm; 0 disables clipping."""
-    data: str = "default"
-    """A directory written by `fastml prepare`, or "default" for the corpus that ships with Python."""
+    data: str | tuple[WeightedData, ...] = "default"
+    """A directory written by `fastml prepare`, or "default" for the corpus that ships with Python; or a blend of
+    several, each with its weight (executor/storage/data.py's `BlendedData`: in every block of 1,024 sequences each
+    dataset has its weight's share, in an order drawn from the seed)."""
     seed: int = 0
     checkpoint_dir: str | None = None
     checkpoint_interval: int = 0
     """Steps between checkpoints; 0 writes one only at the end (when checkpoint_dir is set)."""
+    eval_interval: int = 0
+    """Steps between evaluations of the validation loss, where the data has a validation split (`fastml prepare
+    --validation-fraction`); 0 evaluates at the end only."""
+    eval_tokens: int = 16384
+    """Tokens each evaluation reads: the validation split's first sequences, the same every time (at most all of
+    them, and whole micro-batches of every rank)."""
     init_from: str = ""
     """The weights a run starts from: an HF model directory, or a fastml checkpoint (what `fastml convert --from-hf`
     writes, or a training checkpoint `step-N` of an earlier run); "" for random weights from the seed. A resumed run
@@ -64,9 +84,17 @@ class Training:
         check_range("training.seq_len", self.seq_len, 1, MAX_SEQ_LEN)
         check_range("training.global_batch_tokens", self.global_batch_tokens, 1, MAX_GLOBAL_BATCH_TOKENS)
         check_range("training.steps", self.steps, 1, MAX_STEPS)
-        for name in ("warmup_steps", "checkpoint_interval"):
+        for name in ("warmup_steps", "checkpoint_interval", "eval_interval"):
             check_range(f"training.{name}", getattr(self, name), 0, MAX_STEPS)
         check_range("training.seed", self.seed, 0, MAX_SEED)
+        check_range("training.eval_tokens", self.eval_tokens, 1, MAX_GLOBAL_BATCH_TOKENS)
+        if isinstance(self.data, tuple):
+            paths = [part.path for part in self.data]
+            if not paths:
+                fail("training.data", "a blend needs at least one dataset")
+            if len(set(paths)) < len(paths):
+                fail("training.data", f"{next(p for p in paths if paths.count(p) > 1)!r} is listed twice; give it "
+                                      f"one weight")
         # AdamW's step is about lr per weight: above 1 it is a typo (3 for 3e-4), never a schedule.
         check_range("training.lr", self.lr, 0.0, 1.0)
         check_range("training.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
@@ -342,9 +370,14 @@ class Predicted:
     """The step time split by component (TIME_COMPONENTS); the parts add up to step_time_s."""
     usd_per_million_tokens: float
     kwh_per_million_tokens: float
+    eval_time_s: float = 0.0
+    """One evaluation of the validation loss (training.eval_tokens in the plan's micro-batches, forward passes only).
+    Its memory is within the step's peak: it keeps no activations, and its loss's tensors are fewer than the
+    backward pass's."""
 
     def __post_init__(self) -> None:
         check_range("predicted.step_time_s", self.step_time_s, 0.0, low_open=True)
+        check_range("predicted.eval_time_s", self.eval_time_s, 0.0)
         for name in ("tokens_per_s", "mfu", "usd_per_million_tokens", "kwh_per_million_tokens"):
             check_range(f"predicted.{name}", getattr(self, name), 0.0)
         check_range("predicted.peak_memory_bytes", self.peak_memory_bytes, 0, MAX_MEMORY_BYTES)
@@ -449,6 +482,9 @@ def _override_value(section: str, name: str, raw: str) -> object:
     section_type = typing.get_type_hints(Plan).get(section)
     section_type = next((t for t in typing.get_args(section_type) if t is not type(None)), section_type)
     hint = typing.get_type_hints(section_type).get(name) if dataclasses.is_dataclass(section_type) else None
-    takes_text = hint is str or (typing.get_origin(hint) in (typing.Union, types.UnionType)
-                                 and str in typing.get_args(hint))  # str, or str | None; not a tuple of str
+    union = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
+    takes_text = hint is str or str in union  # str, or str | None; not a tuple of str
+    takes_list = any(typing.get_origin(t) is tuple for t in union)  # training.data: a directory, or a blend
+    if takes_list and isinstance(value, list):
+        return value
     return raw if takes_text and value is not None and not isinstance(value, str) else value

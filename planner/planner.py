@@ -14,6 +14,7 @@ from fastml.plan import (KNOBS, ZERO_STAGES, Hardware, Knobs, Plan, Predicted, T
                          parse_assignment, with_overrides)
 from fastml.hwprofiles.between_gpus import peer_access
 from fastml.planner.calibrate import stale_calibration
+from fastml.planner.costs import costs
 from fastml.planner.explain import limit
 from fastml.planner.hardware import Machine, check_cpu_options, load_machine, parse_bytes
 from fastml.planner.memory import Memory, memory
@@ -80,6 +81,9 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
         if feasible:
             plans = [_assemble(problem, c, r.steps, r.data, init_from) for c in feasible[:4]]
             plan = with_overrides(plans[0], other)
+            if plan.training.eval_tokens != plans[0].training.eval_tokens:  # --set it: priced again
+                plan = dataclasses.replace(plan, predicted=dataclasses.replace(
+                    plan.predicted, eval_time_s=eval_time_s(problem, plan.knobs, plan.training.eval_tokens)))
             check_init_from(plan)  # against the model as --set left it
             return Planned(plan, plans[1:], lower, limit(problem, feasible[0]),
                            stale_calibration(machine.calibration, machine.profile), notes)
@@ -167,7 +171,7 @@ def replan(plan: Plan, hw: str | None = None) -> Replanned:
     return Replanned(evaluate(problem, plan.knobs), problem, changed)
 
 
-def predicted(problem: Problem, candidate: Candidate) -> Predicted:
+def predicted(problem: Problem, candidate: Candidate, eval_tokens: int = Training().eval_tokens) -> Predicted:
     sim, machine = candidate.simulation, problem.machine
     tokens_per_s = problem.global_batch_tokens / sim.step_time_s
     peak = machine.gpu.peak_flops_for(candidate.knobs.matmul_dtype)
@@ -178,7 +182,19 @@ def predicted(problem: Problem, candidate: Candidate) -> Predicted:
         peak_memory_bytes=candidate.memory.gpu_total, memory_bytes=candidate.memory.gpu,
         host_memory_bytes=candidate.memory.host, time_s=sim.time_s,
         usd_per_million_tokens=machine.usd_per_gpu_hour * machine.num_gpus * hours_per_million,
-        kwh_per_million_tokens=machine.watts_per_gpu * machine.num_gpus / 1000 * hours_per_million)
+        kwh_per_million_tokens=machine.watts_per_gpu * machine.num_gpus / 1000 * hours_per_million,
+        eval_time_s=eval_time_s(problem, candidate.knobs, eval_tokens))
+
+
+def eval_time_s(problem: Problem, knobs: Knobs, eval_tokens: int) -> float:
+    """One evaluation of the validation loss: each rank's whole micro-batches of `eval_tokens`, at the step's price
+    of a forward pass (the blocks', and a third of the head's forward and backward). The planner does not read the
+    data (fastml/ is all it shares with the executor): a validation split smaller than eval_tokens evaluates fewer.
+    What a streamed or sharded plan's forward pass waits on copies and gathers is not counted."""
+    c = costs(problem.spec, problem.seq_len, knobs, problem.machine)
+    per_round = knobs.micro_batch_size * problem.seq_len * problem.machine.num_gpus
+    micro_batches = eval_tokens // per_round
+    return micro_batches * (problem.spec.num_layers * c.layer_forward + c.head_forward_backward / 3)
 
 
 def infeasible_message(problem: Problem, space: dict) -> str:
@@ -323,9 +339,9 @@ def _assemble(problem: Problem, candidate: Candidate, steps: int, data: str, ini
     hardware = Hardware(profile=m.profile, fingerprint=m.fingerprint, device=m.device, num_gpus=m.num_gpus,
                         gpus_per_node=m.gpus_per_node, gpu_memory_bytes=0 if cpu else m.gpu.memory_bytes,
                         host_memory_bytes=m.node.host_memory_bytes)
-    return Plan(model=problem.spec, hardware=hardware, knobs=candidate.knobs,
-                training=_training(problem.spec, problem.seq_len, problem.global_batch_tokens, steps, data, init_from),
-                predicted=predicted(problem, candidate))
+    training = _training(problem.spec, problem.seq_len, problem.global_batch_tokens, steps, data, init_from)
+    return Plan(model=problem.spec, hardware=hardware, knobs=candidate.knobs, training=training,
+                predicted=predicted(problem, candidate, training.eval_tokens))
 
 
 def _training(spec: ModelSpec, seq_len: int, global_batch_tokens: int, steps: int, data: str,

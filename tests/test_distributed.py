@@ -36,7 +36,9 @@ from fastml.executor.storage.data import TokenData
 from fastml.executor.storage.tensordir import read_manifest
 from fastml.executor.loop.train import train
 from fastml.executor.parallel.world import World
+from fastml.executor.storage.prepare import prepare
 from small_model import SMALL, SMALL_OVERRIDES
+from test_validation import documents, independent_loss, val_losses, validated_plan, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -154,10 +156,31 @@ def two_ranks_dir(tmp_path_factory):
     """The one job of 2 ranks of this module: two_rank_plans(), then a NaN on rank 1 (nan.jsonl) and a ZeRO-2 run
     that checkpoints every 2 steps (sharded.jsonl, ck/), read by the tests of those below."""
     path = tmp_path_factory.mktemp("two-ranks")
+    validated = validated_plan(prepared_with_validation(path), path / "validated-ck", ranks=2, **ZERO[3])
     job(path, two_rank_plans(), ranks=2, more=[
         {"plan": NAN_PLAN, "log": path / "nan.jsonl", "faults": NAN_FAULTS},
-        {"plan": with_checkpoints(SHARDED_CHECKPOINTS, path / "ck"), "log": path / "sharded.jsonl"}])
+        {"plan": with_checkpoints(SHARDED_CHECKPOINTS, path / "ck"), "log": path / "sharded.jsonl"},
+        {"plan": validated, "log": path / "validated.jsonl"}])
     return path
+
+
+def prepared_with_validation(root: Path) -> Path:
+    prepare([write_jsonl(root / "d.jsonl", documents(400))], root / "data", progress=False, validation_fraction=0.1)
+    return root / "data"
+
+
+def test_two_ranks_evaluate_the_final_weights_loss_on_the_same_sequences(two_ranks_dir):
+    """ZeRO-3 over 2 ranks, each evaluating half the sequences with its shards gathered: the sum over both is the
+    loss of the final weights on all of them, computed here in one batch (tests/test_validation.py)."""
+    losses = val_losses(two_ranks_dir / "validated.jsonl")
+    assert list(losses) == [2, 4]
+    assert losses[4] == pytest.approx(independent_loss(two_ranks_dir / "validated-ck", two_ranks_dir / "data", 32),
+                                      rel=1e-5)
+
+
+def final_val_loss(log_records: list[dict]) -> float:
+    """The validation loss after the last step (the default corpus holds out a split, so every run evaluates one)."""
+    return log_records[-1]["val_loss"]
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +194,8 @@ def test_every_zero_stage_on_both_transports_trains_as_one_process(tmp_path, two
     got = [r["loss"] for r in two_ranks[name]]
     assert got[0] == alone[0]  # before any step: the same weights and the same sequences
     assert got == pytest.approx(alone, rel=1e-5)
+    assert final_val_loss(two_ranks[name]) == pytest.approx(final_val_loss(records(tmp_path / f"{name}.jsonl")),
+                                                            rel=1e-5)
 
 
 @pytest.mark.parametrize("comm", ["nccl", "memcpy"])
@@ -192,6 +217,8 @@ def test_sharding_with_offload_trains_as_one_process_with_that_offload(tmp_path,
     got = [r["loss"] for r in two_ranks[name]]
     assert got[0] == alone[0]
     assert got == pytest.approx(alone, rel=1e-3)
+    assert final_val_loss(two_ranks[name]) == pytest.approx(final_val_loss(records(tmp_path / f"{name}.jsonl")),
+                                                            rel=1e-3)
 
 
 def test_each_rank_works_on_its_share_of_the_cores_under_torchrun(two_ranks_dir):

@@ -186,3 +186,24 @@ def test_the_cpu_steps_staging_refuses_a_third_buffer_of_one_dtype_in_a_slice():
         staging.slot(a)
     staging.begin_slice()
     staging.slot(a)  # a new slice takes turns again
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(offload_weights=1.0, offload_gradients=1.0, offload_residuals=1.0, offload_master=1.0),
+    dict(matmul_dtype="fp8", cache_fp8_weights=True),
+], ids=["offload", "fp8-cached"])
+def test_evaluating_on_gpu_changes_no_step_of_the_training(tmp_path, knobs):
+    """The validation loss after every step (forward passes without gradients between the steps: streamed weights
+    released, fp8 caches refreshed) leaves the training's losses as a run that evaluates only at the end has them,
+    bit for bit."""
+    if knobs.get("matmul_dtype") == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs fp8 tensor cores (compute capability 8.9 or later)")
+    losses = {}
+    for interval in (1, 0):
+        with deterministic():
+            plan = gpu_plan(4, training=[f"training.eval_interval={interval}"], **OFFLOAD_BASE, **knobs)
+            train(plan, log_json=tmp_path / f"{interval}.jsonl", show_progress=False)
+        records = [json.loads(line) for line in (tmp_path / f"{interval}.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "val_loss" in r] == ([1, 2, 3, 4] if interval else [4])
+        losses[interval] = [r["loss"] for r in records]
+    assert losses[1] == losses[0]

@@ -33,6 +33,12 @@ def collectives(plan: Plan) -> str:
     return "NCCL collectives" if plan.hardware.device == "cuda" else "gloo collectives"
 
 
+def blend_text(parts, shares: list[float]) -> str:
+    """What a blend of datasets gives each (data.py's BlendedData)."""
+    each = ", ".join(f"{part.path} {share:.1%}" for part, share in zip(parts, shares))
+    return f"data: a blend, of each block of 1,024 sequences: {each}"
+
+
 LOG_EVERY_S = 5.0
 """Where no live line can be drawn, the seconds between two plain progress lines (as `fastml plan`'s search)."""
 
@@ -48,9 +54,20 @@ def progress(console: Console, enabled: bool, total: int, done: int, clock=time.
         with Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"),
                       TextColumn("ETA"), TimeRemainingColumn(), console=console) as bar:
             task = bar.add_task("training", total=total, completed=done, status="")
-            yield lambda record: bar.update(task, advance=1, status=status(record))
+            yield _LastValLoss(lambda record: bar.update(task, advance=1, status=status(record)))
     else:
-        yield _StepLines(console, total, done, clock)
+        yield _LastValLoss(_StepLines(console, total, done, clock))
+
+
+class _LastValLoss:
+    """Passes each step's record on with the latest validation loss, which only some steps measure, in it."""
+
+    def __init__(self, show):
+        self.show, self.val_loss = show, None
+
+    def __call__(self, record: dict) -> None:
+        self.val_loss = record.get("val_loss", self.val_loss)
+        self.show(record if self.val_loss is None else record | {"val_loss": self.val_loss})
 
 
 class _StepLines:
@@ -73,8 +90,9 @@ def status(record: dict) -> str:
     """One step's figures for the progress line; the memory is the figure the plan predicts as peak memory: the
     GPU's, or training on a CPU, the process's (the closing table's "peak host memory")."""
     memory = record["peak_gpu_memory_bytes"]
-    return (f"loss {loss_text(record['loss'])}  {record['tokens_per_s']:,.0f} tok/s  MFU {_percent(record['mfu'])}  "
-            f"mem {gib(record['peak_host_memory_bytes'] if memory is None else memory)}")
+    validation = f"val {loss_text(record['val_loss'])}  " if "val_loss" in record else ""
+    return (f"loss {loss_text(record['loss'])}  {validation}{record['tokens_per_s']:,.0f} tok/s  "
+            f"MFU {_percent(record['mfu'])}  mem {gib(record['peak_host_memory_bytes'] if memory is None else memory)}")
 
 
 def loss_text(value: float | None) -> str:
@@ -89,6 +107,9 @@ def print_summary(console: Console, plan: Plan, summary: dict) -> None:
     p = plan.predicted
     rows = [
         ("loss, first -> last step", f"{loss_text(summary['first_loss'])} -> {loss_text(summary['last_loss'])}", None),
+        *([("validation loss, last", loss_text(summary["val_loss"]), None),
+           ("validation time (one evaluation)", f"{summary['val_time_s']:.3f} s", p and f"{p.eval_time_s:.3f} s")]
+          if summary.get("val_time_s") is not None else []),
         ("steps skipped (loss or gradient not finite)", str(summary["skipped_steps"]), None),
         ("step time", f"{summary['step_time_s']:.3f} s", p and f"{p.step_time_s:.3f} s"),
         ("tokens/s", f"{summary['tokens_per_s']:,.0f}", p and f"{p.tokens_per_s:,.0f}"),

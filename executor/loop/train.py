@@ -5,9 +5,11 @@ for several ranks runs one such loop per rank (world.py), started by launch.py o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -16,12 +18,14 @@ from rich.console import Console
 from fastml.config import check_range, fail
 from fastml.plan import Plan
 from fastml.record import TRACE_FILE
-from fastml.executor.loop import display, faults, outputs
+from fastml.executor.loop import display, faults, metrics, outputs
 from fastml.executor.storage import checkpoints
 from fastml.executor.loop.build import build_training_model
 from fastml.executor.parallel.collectives import make_collectives
-from fastml.executor.storage.data import TokenData
+from fastml.executor.storage.data import BlendedData, open_training_data
 from fastml.executor.loop.device import apply_memory_cap, check_hardware, check_host_memory, training_device
+from fastml.executor.loop.evaluate import Validation
+from fastml.executor.model.generate import Sampler
 from fastml.executor.loop.meter import Meter, memory_tensors
 from fastml.executor.loop.signals import StopSignals, stopped_message
 from fastml.executor.memory.optim import AdamW
@@ -47,7 +51,8 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
           max_nonfinite_steps: int = 5, strict: bool = False, start_over: bool = False,
           timeout_s: float = DEFAULT_TIMEOUT_S, summary_json: str | Path | None = None,
           run_dir: str | Path | None = None, trace_step: int | None = None,
-          checkpoint_interval: int | None = None) -> dict:
+          checkpoint_interval: int | None = None, tensorboard: str | None = None, wandb: str | None = None,
+          sample_every: int | None = None, sample_prompt: str = "") -> dict:
     """Runs `plan` for `steps` optimizer steps in all (default: the plan's) and returns the summary of the run.
 
     With `resume`, continues from the newest intact checkpoint in the plan's checkpoint_dir, checkpointing as the run
@@ -65,6 +70,9 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     step of that number as torch's profiler saw it (`fastml explain RUN_DIR --trace` sets it beside the simulated
     one).
 
+    `tensorboard` (a directory) and `wandb` (a project) receive each step's figures too (metrics.py); with
+    `sample_every`, rank 0 prints a continuation of `sample_prompt` every that many steps (model/generate.py).
+
     Rank 0 prints its report (what is in effect, the closing tables, where the record went) on stdout and its
     progress, notes and warnings on stderr; `console` receives both instead."""
     world = launched()
@@ -81,6 +89,9 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         check_range("--checkpoint-interval", checkpoint_interval, 0)
         plan = dataclasses.replace(plan, training=dataclasses.replace(plan.training,
                                                                       checkpoint_interval=checkpoint_interval))
+    metrics.check_available(tensorboard, wandb)
+    if sample_every is not None:
+        check_range("--sample-every", sample_every, 1)
     check_range("--keep-checkpoints", keep_checkpoints, 1)
     check_range("--max-nonfinite-steps", max_nonfinite_steps, 1)
     check_range("--timeout", timeout_s, 1)
@@ -90,7 +101,8 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
             fail("--trace-step", "the trace is written into the run's directory: give --run-dir")
     options = dict(log_json=log_json, show_progress=show_progress, resume=resume, keep_checkpoints=keep_checkpoints,
                    max_nonfinite_steps=max_nonfinite_steps, strict=strict, start_over=start_over, timeout_s=timeout_s,
-                   trace_step=trace_step, checkpoint_interval=checkpoint_interval)
+                   trace_step=trace_step, checkpoint_interval=checkpoint_interval, tensorboard=tensorboard,
+                   wandb=wandb, sample_every=sample_every, sample_prompt=sample_prompt)
     if world is None and plan.hardware.num_gpus > 1:
         from fastml.executor.parallel.launch import train_in_workers
 
@@ -126,13 +138,18 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
 def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, out: Console, err: Console, *,
            log_json, show_progress: bool, resume: bool, keep_checkpoints: int, max_nonfinite_steps: int,
            strict: bool, start_over: bool, timeout_s: float, trace_step: int | None, trace: Path | None,
-           checkpoint_interval: int | None) -> dict:
+           checkpoint_interval: int | None, tensorboard: str | None, wandb: str | None, sample_every: int | None,
+           sample_prompt: str) -> dict:
     """The loop of one rank; `out` gets the report (the knobs, the closing tables), `err` the progress and notes."""
     run = checkpoints.open_run(plan, resume=resume, start_over=start_over, keep=keep_checkpoints,
                                say=lambda message: err.print(message, markup=False), world=world,
                                new_interval=checkpoint_interval is not None)
     plan = run.plan  # resumed: with the checkpoint interval of the run resumed
-    data = TokenData.open(plan.training.data, plan.training.seq_len, plan.model.vocab_size)  # before the weights load
+    data = open_training_data(plan.training.data, plan.training.seq_len, plan.model.vocab_size)  # before the weights
+    if isinstance(data, BlendedData):
+        out.print(display.blend_text(plan.training.data, data.shares), highlight=False)
+    validation = Validation.open(plan, world, say=lambda message: err.print(message, markup=False))
+    sampler = Sampler(plan, sample_every, sample_prompt) if sample_every and world.main else None
     model, optimizer = _model_and_optimizer(plan, device, world, comm, run)
     checkpoint, position = run.restore(model, optimizer)
     if position.step >= plan.training.steps:
@@ -148,9 +165,11 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
     hooks = faults.step_hooks()
     with outputs.log_file(log_json if world.main else None, position.step if resume else None) as log, \
             display.progress(err, show_progress and world.main, plan.training.steps, position.step) as show_step, \
+            contextlib.closing(metrics.Metrics(plan, *((tensorboard, wandb) if world.main else ()))) as sink, \
             StopSignals() as stop:
         bad_in_a_row = 0
         first_step = position.step
+        last_validation = {"val_loss": None, "val_time_s": None}
         for step in range(first_step, plan.training.steps):
             watchdog.tick(f"step {step + 1}")
             traced = step + 1 == trace_step
@@ -161,11 +180,26 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
                 record["traced"] = True
                 meter.restart_clock()
             stopping = record.pop("stop")
+            if validation is not None and validation.due(step + 1) and not stopping:
+                watchdog.tick(f"the validation loss after step {step + 1}")
+                started = time.perf_counter()
+                record["val_loss"] = validation.loss(model, device)
+                record["val_time_s"] = time.perf_counter() - started
+                last_validation = {key: record[key] for key in ("val_loss", "val_time_s")}
+                meter.restart_clock()  # the next step's time is its own
             if step == first_step:  # after the first batch was read: bad data is one line alone, never after it
                 display.print_knobs(out, plan)
             position = checkpoints.Position(step + 1, position.sequences + sequences_per_step)
             bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0
+            if sampler is not None and sampler.due(step + 1):
+                said = sampler.text(model)
+                out.print(f"sample after step {step + 1}: " + (repr(said) if said is not None else
+                          "none: the weights are streamed or sharded, not whole on rank 0 (`fastml generate` a "
+                          "checkpoint instead)"), highlight=False, markup=False)
+                sampler = sampler if said is not None else None
+                meter.restart_clock()
             outputs.log_record(record, log)
+            sink.log(record)
             show_step(record)
             if bad_in_a_row >= max_nonfinite_steps:
                 raise TrainingStopped(
@@ -177,7 +211,9 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
             if stopping:
                 signum = stop.signal or signal.SIGTERM  # another rank's: this one was not signalled (yet)
                 raise TrainingStopped(stopped_message(plan, step + 1, signum, checkpoint), 128 + signum)
-    summary = meter.summary()
+    summary = meter.summary() | last_validation
+    if isinstance(data, BlendedData):
+        summary["data_shares"] = {part.path: share for part, share in zip(plan.training.data, data.shares)}
     display.print_summary(out, plan, summary)
     return summary
 

@@ -124,6 +124,12 @@ class Placement:
         if index == 0:
             self.offload.begin_step()
 
+    def end_evaluation(self) -> None:
+        """After forward passes without gradients (the validation loss): the head's weights, which a training step
+        keeps whole until their gradients are made, go back to their homes."""
+        self._release("head")
+        self._release("embed")
+
     def host_grad(self, p: nn.Parameter) -> torch.Tensor | None:
         """The step's gradient of `p` in host memory (complete after `finish_backward`); None if it stays on the
         device."""
@@ -179,9 +185,12 @@ class Placement:
                 self._saved_by_reference = None
             if out is None:  # the block raised (the hook is always called): nothing else to undo
                 return None
-            if group in self.sharded and group not in self.streamed:  # a streamed shard is in host memory already
+            training = torch.is_grad_enabled()  # not while evaluating: no backward pass follows
+            if training and group in self.sharded and group not in self.streamed:  # a streamed shard is on the host
                 self.parallel.gathered(group, [p.data for p in self.params[group]])
             self._release(group)
+            if not training:
+                return out
             if group in self.offload.residuals_out:
                 self.offload.residual_to_host(group, args[0])
             return _BeforeBackward.apply(out, lambda: self._before_backward(index))
@@ -242,7 +251,8 @@ class Placement:
         self._acquire("head")
         if tied:
             self._acquire("embed")
-        self._fetch_for_backward(block_group(len(self.blocks) - 1))
+        if torch.is_grad_enabled():
+            self._fetch_for_backward(block_group(len(self.blocks) - 1))
 
     def _acquire(self, group: str) -> None:
         if group not in self.fetched:

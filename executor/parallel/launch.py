@@ -41,7 +41,8 @@ class WorkersFailed(Exception):
 def train_in_workers(plan: Plan, console: Console, *, log_json, show_progress: bool, resume: bool,
                      keep_checkpoints: int, max_nonfinite_steps: int, strict: bool, start_over: bool,
                      timeout_s: float, run_dir=None, trace_step: int | None = None,
-                     checkpoint_interval: int | None = None) -> dict:
+                     checkpoint_interval: int | None = None, tensorboard: str | None = None,
+                     wandb: str | None = None, sample_every: int | None = None, sample_prompt: str = "") -> dict:
     """Trains `plan` with one worker per rank of this node; returns rank 0's summary."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -59,6 +60,9 @@ def train_in_workers(plan: Plan, console: Console, *, log_json, show_progress: b
         args += ["--run-dir", str(Path(run_dir).absolute())] if run_dir else []
         args += ["--trace-step", str(trace_step)] if trace_step else []
         args += ["--checkpoint-interval", str(checkpoint_interval)] if checkpoint_interval is not None else []
+        args += ["--tensorboard", str(Path(tensorboard).absolute())] if tensorboard else []
+        args += ["--wandb", wandb] if wandb else []
+        args += ["--sample-every", str(sample_every), f"--sample-prompt={sample_prompt}"] if sample_every else []
         args += [flag for flag, given in (("--no-progress", not show_progress), ("--resume", resume),
                                           ("--start-over", start_over), ("--strict", strict)) if given]
         console.print(f"starting {n} {'GPU' if plan.hardware.device == 'cuda' else 'CPU'} workers; rank 0 reports",

@@ -37,12 +37,13 @@ from safetensors import safe_open
 
 from fastml.config import UserError, fail, show
 from fastml.plan import KNOBS, Hardware, Plan, check_init_from, layer_of
-from fastml.weights import checkpoint_step, is_fastml_checkpoint, is_hf_model, training_checkpoints
+from fastml.weights import checkpoint_step, is_fastml_checkpoint, is_hf_model, spec_of_weights, training_checkpoints
 from fastml.executor.loop import faults
 from fastml.executor.loop.display import size_text
 from fastml.executor.storage.files import remove_dir, remove_leftovers
 from fastml.executor.storage.hf import hf_weights
-from fastml.executor.model.transformer import Transformer
+from fastml.executor.model.transformer import Transformer, build_model
+from fastml.executor.storage.data import tokenizer_of_data
 from fastml.executor.storage.tensordir import (MODEL_FILE, TrainingState, check_state_dict, load_tensor_file,
                                        read_manifest, save_checkpoint, verify_checkpoint, write_files)
 from fastml.executor.parallel.world import SINGLE, World
@@ -57,6 +58,8 @@ SCHEDULE_FIELDS = ("training.steps", "training.lr", "training.min_lr_ratio", "tr
 """Applied from the resumed step on, and said (the cosine decay follows training.steps too)."""
 FREE_FIELDS = frozenset(
     ["model.name", "training.checkpoint_dir", "training.checkpoint_interval"]
+    # Evaluating the validation loss changes no weight.
+    + ["training.eval_interval", "training.eval_tokens"]
     # The weights a run started from are in its checkpoints, changed by every step since.
     + ["training.init_from"]
     # Other hardware runs the same math (it breaks bit-exactness, as any other machine does), and so do more or
@@ -421,6 +424,29 @@ def _load_model(model: Transformer, read: Callable[[str], torch.Tensor]) -> None
             parallel.load_weights(group, name, read(name))
         else:
             tensor.copy_(read(name))
+
+
+def load_for_inference(path: str | Path, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """The plain model (no recompute, offload or sharding) of a fastml checkpoint or an HF model directory, in
+    `dtype` on `device`, for evaluation and generation."""
+    spec = spec_of_weights(path, "checkpoint")
+    model = build_model(spec).to(dtype).to_empty(device=device)
+    with _weights_at(Path(path), spec) as read:
+        _load_model(model, read)
+    return model.eval()
+
+
+def tokenizer_of(path: str | Path) -> str | None:
+    """The tokenizer the weights at `path` were trained with: for a training checkpoint, its data's (a blend's
+    first dataset's; "bytes" for the default corpus), for an HF model directory its tokenizer.json; None where
+    unknown (a converted checkpoint)."""
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        return str(path / "tokenizer.json")
+    if not is_fastml_checkpoint(path):
+        return None
+    training = read_manifest(path).training
+    return None if training is None else tokenizer_of_data(training.plan.training.data)
 
 
 @contextlib.contextmanager

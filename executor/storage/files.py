@@ -17,10 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-
 from fastml.config import UserError, fail, read_json
 
 T = TypeVar("T")
@@ -158,6 +154,9 @@ def sha256(path: Path) -> str:
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError  # here: reading a dataset's header needs no torch
+    from safetensors.torch import load_file
+
     if not path.is_file():
         fail(str(path), "missing")
     try:
@@ -167,6 +166,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    from safetensors.torch import save_file
+
     # "format": "pt" is what transformers expects in the header of a PyTorch safetensors file.
     save_file({name: compact(t.detach().cpu()) for name, t in tensors.items()}, path,
               metadata={"format": "pt", **(metadata or {})})
@@ -192,5 +193,7 @@ def umask() -> int:
 
 def compact(t: torch.Tensor) -> torch.Tensor:
     """`t` with storage of its own: safetensors refuses tensors that share storage, such as slices of one tensor."""
+    import torch
+
     covers_storage = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
     return t.contiguous() if covers_storage else t.clone(memory_format=torch.contiguous_format)

@@ -6,21 +6,26 @@ sources, prepared the same way on first use and cached. A dataset only ever appe
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import itertools
 import json
+import math
 import os
 import sys
 import sysconfig
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 
 import numpy as np
 
-from fastml.config import fail, first_line, to_dict
+from fastml.config import check_range, fail, first_line, to_dict
 from fastml.hwprofiles import cache_dir
-from fastml.executor.storage.data import DTYPES, FORMAT, FORMAT_VERSION, HEADER_FILE, PREPARE_HINT, TOKENS_FILE, Header
+from fastml.executor.storage.data import (DTYPES, FORMAT, FORMAT_VERSION, HEADER_FILE, PREPARE_HINT, TOKENS_FILE,
+                                         VALIDATION_DIR, Header)
 from fastml.executor.storage.files import read_json_object, write_dir_atomically
 
 # Documents per tokenizer call: an HF tokenizer encodes a batch on all cores.
@@ -29,8 +34,10 @@ _NUM_PARQUET_ROWS_PER_BATCH = 1024
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 
 DEFAULT_CORPUS_MAX_BYTES = 16 * 2**20
-# Bump when the default corpus' selection or tokenization changes, so caches rebuild.
-_DEFAULT_CORPUS_VERSION = 1
+DEFAULT_VALIDATION_FRACTION = 0.01
+"""Of the default corpus' files, held out for validation."""
+# Bump when the default corpus' selection, split or tokenization changes, so caches rebuild.
+_DEFAULT_CORPUS_VERSION = 2
 # Tests, GUI code and generated tables (encodings/) are poor or platform-dependent text.
 _STDLIB_SKIP_DIRS = frozenset(
     {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo", "encodings", "__pycache__"}
@@ -113,15 +120,41 @@ def prepare(
     tokenizer: str | None = None,
     field: str = "text",
     progress: bool = True,
+    validation_fraction: float = 0.0,
+    validation_inputs: list[str] = (),
 ) -> dict:
     """Tokenizes the files matched by `inputs` into a dataset at `output_dir`; returns its header as written.
 
     `inputs` are paths or glob patterns (`**` recurses). By suffix: `.jsonl` holds one JSON object per line with
     the text under `field`; `.parquet` holds the text in column `field`; any other file is one document.
     Empty documents are skipped. Each document is followed by the tokenizer's eos id.
+
+    A validation split, which training never reads, goes to the dataset's `validation/` (data.VALIDATION_DIR), a
+    dataset of the same format: `validation_fraction` of the documents of `inputs`, evenly spaced through them
+    (document i when floor((i + 1) x fraction) passes an integer, so every source gives its share), and every
+    document of `validation_inputs`.
     """
-    files = expand_inputs(inputs)
-    return _prepare_files(files, Path(output_dir).expanduser(), load_tokenizer(tokenizer), field, progress)
+    check_range("--validation-fraction", validation_fraction, 0.0, 0.5)
+    held_out = expand_inputs(validation_inputs) if validation_inputs else []
+    files = [f for f in expand_inputs(inputs) if f not in held_out]  # held out whole, never trained on
+    return _prepare_files(files, Path(output_dir).expanduser(), load_tokenizer(tokenizer), field, progress,
+                          split=Split(validation_fraction, held_out))
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which documents go to the validation split: a fraction of the inputs', and all of some files'."""
+
+    fraction: float = 0.0
+    files: list[Path] = dataclass_field(default_factory=list)
+
+    @property
+    def wanted(self) -> bool:
+        return self.fraction > 0 or bool(self.files)
+
+    def held_out(self, index: int) -> bool:
+        """Whether document `index` of the inputs (counted over all their files) is a validation document."""
+        return math.floor((index + 1) * self.fraction) > math.floor(index * self.fraction)
 
 
 def expand_inputs(inputs: Iterable[str | Path]) -> list[Path]:
@@ -151,32 +184,72 @@ def is_dataset(path: Path) -> bool:
 
 
 def _prepare_files(files: list[Path], output_dir: Path, tokenizer, field: str, progress: bool,
-                   keep_existing: bool = False) -> dict:
+                   keep_existing: bool = False, split: Split = Split()) -> dict:
     """Refuses to replace anything but an empty directory or an earlier dataset; returns the header."""
-    return write_dir_atomically(output_dir, lambda tmp: _write_dataset(files, tmp, tokenizer, field, progress),
+    return write_dir_atomically(output_dir, lambda tmp: _write_dataset(files, tmp, tokenizer, field, progress, split),
                                 is_dataset, f"a {FORMAT} dataset", keep_existing)
 
 
-def _write_dataset(files: list[Path], out_dir: Path, tokenizer, field: str, progress: bool) -> dict:
-    dtype_name = "uint16" if tokenizer.vocab_size <= 2**16 else "uint32"
-    num_tokens = num_documents = 0
-    with _FileProgress(progress, len(files)) as bar, open(out_dir / TOKENS_FILE, "wb") as f:
-        for path in files:
+def _write_dataset(files: list[Path], out_dir: Path, tokenizer, field: str, progress: bool,
+                   split: Split = Split()) -> dict:
+    dtype = "uint16" if tokenizer.vocab_size <= 2**16 else "uint32"
+    train = _TokenFile(out_dir, dtype)
+    validation = _TokenFile(out_dir / VALIDATION_DIR, dtype) if split.wanted else None
+    index = 0
+    with _FileProgress(progress, len(files) + len(split.files)) as bar, train, validation or contextlib.nullcontext():
+        for path in [*files, *split.files]:
             bar.start_file(path)
             for texts in _chunks(_read_documents(path, field), _NUM_DOCS_PER_CHUNK):
-                tokens = _join_with_eos(tokenizer.encode_batch(texts), tokenizer.eos_id, DTYPES[dtype_name])
-                f.write(tokens.data)
-                num_tokens += len(tokens)
-                num_documents += len(texts)
-                bar.add_tokens(len(tokens))
+                if path in split.files:
+                    held = [True] * len(texts)
+                else:
+                    held = [split.held_out(i) for i in range(index, index + len(texts))]
+                    index += len(texts)
+                for target, is_held in ((train, False), (validation, True)):
+                    chosen = [text for text, h in zip(texts, held) if h == is_held]
+                    if chosen:
+                        written = target.write(tokenizer.encode_batch(chosen), tokenizer.eos_id)
+                        bar.add_tokens(written)
             bar.end_file()
-    if num_tokens == 0:
-        fail("", f"the inputs hold no text: 0 tokens from {len(files)} file(s)")
-    header = to_dict(Header(format=FORMAT, version=FORMAT_VERSION, dtype=dtype_name, num_tokens=num_tokens,
-                            num_documents=num_documents, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
-                            tokenizer=tokenizer.name, sources=tuple(str(p) for p in files)))
-    (out_dir / HEADER_FILE).write_text(json.dumps(header, indent=1) + "\n", encoding="utf-8")
-    return header
+    if train.num_tokens == 0:
+        fail("", f"the inputs hold no text for training: 0 tokens from {len(files)} file(s)")
+    if validation is not None and validation.num_tokens == 0:
+        fail("", f"the validation split is empty: a fraction of {split.fraction} of {index} document(s) is none; "
+                 f"give a larger --validation-fraction or --validation files")
+    if validation is not None:
+        validation.write_header(tokenizer, [*(files if split.fraction else []), *split.files])
+    return train.write_header(tokenizer, files)
+
+
+class _TokenFile:
+    """One split's tokens.bin, written document by document, and then its header."""
+
+    def __init__(self, directory: Path, dtype: str):
+        self.directory, self.dtype = directory, dtype
+        self.num_tokens = self.num_documents = 0
+
+    def __enter__(self) -> _TokenFile:
+        self.directory.mkdir(exist_ok=True)
+        self.file = open(self.directory / TOKENS_FILE, "wb")
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.file.close()
+
+    def write(self, documents: list[np.ndarray], eos_id: int) -> int:
+        tokens = _join_with_eos(documents, eos_id, DTYPES[self.dtype])
+        self.file.write(tokens.data)
+        self.num_tokens += len(tokens)
+        self.num_documents += len(documents)
+        return len(tokens)
+
+    def write_header(self, tokenizer, sources: list[Path]) -> dict:
+        header = to_dict(Header(format=FORMAT, version=FORMAT_VERSION, dtype=self.dtype, num_tokens=self.num_tokens,
+                                num_documents=self.num_documents, vocab_size=tokenizer.vocab_size,
+                                eos_id=tokenizer.eos_id, tokenizer=tokenizer.name,
+                                sources=tuple(str(p) for p in sources)))
+        (self.directory / HEADER_FILE).write_text(json.dumps(header, indent=1) + "\n", encoding="utf-8")
+        return header
 
 
 def _read_documents(path: Path, field: str) -> Iterator[str]:
@@ -304,7 +377,8 @@ def default_corpus() -> Path:
     output_dir = cache_dir() / f"default-corpus-{_corpus_key(files)}"
     if not is_dataset(output_dir):
         paths = [path for path, _ in files]
-        _prepare_files(paths, output_dir, ByteTokenizer(), "text", progress=False, keep_existing=True)
+        _prepare_files(paths, output_dir, ByteTokenizer(), "text", progress=False, keep_existing=True,
+                       split=Split(DEFAULT_VALIDATION_FRACTION))
     return output_dir
 
 
