@@ -89,6 +89,9 @@ def tiny_plan(layers: int, micro_batches: int, device: str = "cuda"):
     if device == "cpu":
         spec, seq_len = dataclasses.replace(spec, **CPU_NARROWED), CPU_SEQ_LEN
         knobs = dataclasses.replace(knobs, param_dtype="fp32", matmul_dtype="fp32")
-    training = Training(seq_len=seq_len, global_batch_tokens=seq_len * micro_batches, steps=STEPS)
+    # One sequence of the validation loss the run evaluates at its end (the default corpus has a split): its
+    # evaluation is no part of the steps timed, and a full one would double a CPU's first plan.
+    training = Training(seq_len=seq_len, global_batch_tokens=seq_len * micro_batches, steps=STEPS,
+                        eval_tokens=seq_len)
     return Plan(model=spec, training=training, hardware=Hardware(device=device, num_gpus=1, gpus_per_node=1),
                 knobs=knobs)
