@@ -33,7 +33,7 @@ inline std::vector<NamedTensor> named_tensors(const at::Tensor& master, const at
 // for the meta kernel when every tensor is on meta). m and v share a dtype; a weight to write goes with float32
 // masters only (bf16 masters are the weights themselves).
 inline void check_tensors(const std::vector<NamedTensor>& tensors, c10::DeviceType device, const char* where) {
-  const int64_t numel = tensors.front().tensor.numel();
+  const c10::SymInt numel = tensors.front().tensor.sym_numel();  // symbolic where torch.compile traces dynamic shapes
   for (const auto& [t, name] : tensors) {
     const auto dtype = t.scalar_type();
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fastml::adamw_step_: ", name,
@@ -41,8 +41,8 @@ inline void check_tensors(const std::vector<NamedTensor>& tensors, c10::DeviceTy
     TORCH_CHECK(t.device().type() == device, "fastml::adamw_step_: ", name, " must be ", where, ", got one on ",
                 t.device());
     TORCH_CHECK(t.is_contiguous(), "fastml::adamw_step_: ", name, " must be contiguous");
-    TORCH_CHECK(t.numel() == numel, "fastml::adamw_step_: ", name, " has ", t.numel(), " elements, master has ",
-                numel);
+    TORCH_CHECK(t.sym_numel() == numel, "fastml::adamw_step_: ", name, " has ", t.sym_numel(),
+                " elements, master has ", numel);
     TORCH_CHECK(t.device() == tensors.front().tensor.device(), "fastml::adamw_step_: ", name, " is on ", t.device(),
                 ", master on ", tensors.front().tensor.device());
   }

@@ -108,7 +108,7 @@ void host_barrier(const at::Tensor& flags, int64_t rank, int64_t size, int64_t g
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastml, m) {
-  m.def("host_barrier(Tensor flags, int rank, int size, int generation, float timeout_s) -> ()");
+  m.def("host_barrier(Tensor(a!) flags, int rank, int size, int generation, float timeout_s) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fastml, CPU, m) { m.impl("host_barrier", &host_barrier); }

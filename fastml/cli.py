@@ -93,7 +93,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
     if not candidate.feasible:
         raise UserError(f"{args.plan}: these knobs do not fit in memory on {plan.hardware.profile} "
                         f"(GPU over by {gib(candidate.gpu_over_bytes)}, host over by {gib(candidate.host_over_bytes)})")
-    plan = dataclasses.replace(plan, predicted=predicted(problem, candidate))
+    plan = dataclasses.replace(plan, predicted=predicted(problem, candidate, plan.training.eval_tokens))
     measured = run_dir / TRACE_FILE if run_dir and (run_dir / TRACE_FILE).is_file() else None
     if args.trace:
         trace = chrome_trace(candidate.simulation)

@@ -187,13 +187,14 @@ def predicted(problem: Problem, candidate: Candidate, eval_tokens: int = Trainin
 
 
 def eval_time_s(problem: Problem, knobs: Knobs, eval_tokens: int) -> float:
-    """One evaluation of the validation loss: each rank's whole micro-batches of `eval_tokens`, at the step's price
-    of a forward pass (the blocks', and a third of the head's forward and backward). The planner does not read the
-    data (fastml/ is all it shares with the executor): a validation split smaller than eval_tokens evaluates fewer.
-    What a streamed or sharded plan's forward pass waits on copies and gathers is not counted."""
+    """One evaluation of the validation loss: each rank's whole micro-batches of `eval_tokens`, at least one (as
+    executor/loop/evaluate.py rounds), at the step's price of a forward pass (the blocks', and a third of the head's
+    forward and backward). The planner does not read the data (fastml/ is all it shares with the executor): a
+    validation split smaller than eval_tokens evaluates fewer. What a streamed or sharded plan's forward pass waits on
+    copies and gathers is not counted."""
     c = costs(problem.spec, problem.seq_len, knobs, problem.machine)
     per_round = knobs.micro_batch_size * problem.seq_len * problem.machine.num_gpus
-    micro_batches = eval_tokens // per_round
+    micro_batches = max(1, eval_tokens // per_round)
     return micro_batches * (problem.spec.num_layers * c.layer_forward + c.head_forward_backward / 3)
 
 

@@ -239,14 +239,21 @@ def test_a_recomputed_fp8_block_keeps_only_its_inputs(compiled):
 # ---------------------------------------------------------------------------------------------------- AdamW op
 
 
+def on_gpu_from(t: torch.Tensor, start: int) -> torch.Tensor:
+    """t on the GPU, as a view `start` elements into a buffer of its own."""
+    storage = torch.empty(start + t.numel(), dtype=t.dtype, device="cuda")
+    return storage[start:].copy_(t)
+
+
 @pytest.mark.parametrize("master_dtype, state_dtype, out_dtype", [
     (torch.float32, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.bfloat16, None),
     (torch.bfloat16, torch.float32, None), (torch.float32, torch.float32, torch.bfloat16),
     (torch.float32, torch.float32, None)])
 @pytest.mark.parametrize("beta1", [0.9, 0.3])  # the two formulas of torch's lerp
-def test_cuda_adamw_is_the_cpu_op_bit_for_bit(master_dtype, state_dtype, out_dtype, beta1):
+@pytest.mark.parametrize("start", [0, 3])  # the GPU's buffers aligned (runs of 8, then the rest) or not (one by one)
+def test_cuda_adamw_is_the_cpu_op_bit_for_bit(master_dtype, state_dtype, out_dtype, beta1, start):
     """The same arithmetic (csrc/adamw_math.h), the same random bits: the GPU's step is the C++ CPU op's, bit for
-    bit, the weight it writes beside fp32 masters too."""
+    bit, the weight it writes beside fp32 masters too, whichever of its kernels steps an element."""
     n = 3 * 65536 + 5
     gen = torch.Generator().manual_seed(0)
     master = torch.randn(n, generator=gen).to(master_dtype)
@@ -254,11 +261,11 @@ def test_cuda_adamw_is_the_cpu_op_bit_for_bit(master_dtype, state_dtype, out_dty
     v = (torch.rand(n, generator=gen) * 1e-5).to(state_dtype)
     out = torch.zeros(n, dtype=out_dtype) if out_dtype else None
     grads = [(torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16) for _ in range(5)]
-    gpu = [t.cuda() if t is not None else None for t in (master, m, v, out)]
+    gpu = [on_gpu_from(t, start) if t is not None else None for t in (master, m, v, out)]
     cpu = [t.clone() if t is not None else None for t in (master, m, v, out)]
     for step, g in enumerate(grads, start=1):
         args = (1e-3, beta1, 0.95, EPS, 0.1, step, 0.5 if step % 2 else 1.0, 40 + step, 11)
-        cpu_adam.adamw_step_(*gpu[:3], g.cuda(), gpu[3], *args)
+        cpu_adam.adamw_step_(*gpu[:3], on_gpu_from(g, start), gpu[3], *args)
         cpu_adam.adamw_step_(*cpu[:3], g, cpu[3], *args)
     for name, got, want in zip(["master", "exp_avg", "exp_avg_sq", "weight_out"], gpu, cpu):
         if want is not None:

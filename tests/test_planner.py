@@ -14,7 +14,7 @@ from fastml.planner.hardware import load_machine, parse_bytes
 from fastml.planner.costs import (ATTENTION_BACKWARD_FACTOR, _attention_s, costs, layer_flops, nccl_s,
                                   step_work)
 from fastml.planner.memory import layer_activation_bytes, memory, model_state_bytes
-from fastml.planner.planner import NoFeasiblePlan, _this_machine, make_plan, replan
+from fastml.planner.planner import NoFeasiblePlan, _this_machine, eval_time_s, make_plan, replan
 from fastml.planner.request import DEFAULT_TRIALS, PlanRequest
 from fastml.planner.pins import pinned_space
 from fastml.planner.search import Problem, evaluate, exhaustive, knob_space, search, space_size, tokens_per_s
@@ -583,3 +583,13 @@ def test_a_bad_request_is_refused_before_the_cpu_is_measured(fake_cpu, kwargs, f
     with pytest.raises(UserError, match=fragment):
         make_plan(device="cpu", trials=10, **kwargs)
     assert fake_cpu == {"base": 0, "linear": 0, "attention": 0, "host": 0}
+
+
+def test_an_evaluation_is_priced_by_the_micro_batches_it_runs_at_least_one():
+    """As executor/loop/evaluate.py rounds: whole rounds of a micro-batch for every rank, at least one."""
+    problem = Problem(PRESETS["tinyllama-1.1b"], 2048, 2048 * 16, load_machine("h200", 2))
+    knobs = Knobs(micro_batch_size=4)
+    one_round = eval_time_s(problem, knobs, 4 * 2048 * 2)
+    assert one_round > 0
+    assert eval_time_s(problem, knobs, 2048) == one_round  # fewer tokens than a round: still one
+    assert eval_time_s(problem, knobs, 3 * 4 * 2048 * 2 + 2048) == pytest.approx(3 * one_round)

@@ -97,7 +97,7 @@ class TokenData:
                       world_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first `num_sequences` windows in order (the same every time), rank r's every world_size-th from r, in
         (inputs, targets) batches of `batch_size`: num_sequences must be a multiple of batch_size x world_size."""
-        import torch  # here, not at the top: the planner reads a split's size without torch
+        import torch  # here, not at the top: `fastml prepare` and the data checks run without it
 
         _check_batch_args(batch_size, 0, 0, rank, world_size)
         if num_sequences % (batch_size * world_size) or not 0 < num_sequences <= self.num_windows:
@@ -105,8 +105,7 @@ class TokenData:
                                   f"most the {self.num_windows} sequences of {self.path}")
         batches = []
         for windows in np.arange(rank, num_sequences, world_size).reshape(-1, batch_size):
-            rows = torch.from_numpy(self.rows(windows))
-            batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+            batches.append(inputs_and_targets(torch.from_numpy(self.rows(windows))))
         return batches
 
     def batches(
@@ -127,8 +126,8 @@ class TokenData:
 
         orders = _EpochOrders(self.num_windows, (seed,))
         for first in _firsts(batch_size, start, rank, world_size):
-            rows = torch.from_numpy(self.rows(orders.windows_at(np.arange(first, first + batch_size))))
-            yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()  # (B, T) each
+            windows = orders.windows_at(np.arange(first, first + batch_size))
+            yield inputs_and_targets(torch.from_numpy(self.rows(windows)))
 
     def rows(self, windows: np.ndarray) -> np.ndarray:
         """The (len(windows), seq_len + 1) int64 tokens of `windows`, their ids checked."""
@@ -145,6 +144,11 @@ class TokenData:
         index = np.argmax(rows >= self.vocab_size)  # the first, in row-major order
         fail("", f"data {self.path}: token id {rows.flat[index]} at position {positions.flat[index]} of {TOKENS_FILE} "
                  f"is beyond the model's vocabulary of {self.vocab_size}; {PREPARE_HINT} again")
+
+
+def inputs_and_targets(rows):
+    """(inputs, targets) of (B, seq_len + 1) token rows: (B, seq_len) each, the targets the inputs shifted by one."""
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
 def _firsts(batch_size: int, start: int, rank: int, world_size: int) -> Iterator[int]:
@@ -191,8 +195,7 @@ class BlendedData:
             for d in np.unique(datasets):
                 mine = datasets == d
                 rows[mine] = self.parts[d].rows(orders[d].windows_at(indices[mine]))
-            rows = torch.from_numpy(rows)
-            yield rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+            yield inputs_and_targets(torch.from_numpy(rows))
 
     def sources(self, positions: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """For each position of the stream, its dataset and the position in that dataset's own stream."""

@@ -1,0 +1,191 @@
+"""Every kernel fastml writes, against the roofline measured in the same run (llm.c's dev/cuda discipline): the
+bytes a memory-bound kernel must move at least, or the FLOPs a compute-bound one must do, over its median time,
+as a fraction of what this machine does at best. Writes benchmarks/results/kernels-<gpu>.json with `roofline` and
+a list `kernels` of {name, bound, seconds, rate, fraction_of_roofline, ...}.
+
+    python benchmarks/kernels.py [--repeats 20]
+
+The rooflines: HBM, a device-to-device copy of 2 GiB (its bytes read and written over its time, as `fastml profile`
+measures gpu.hbm_bytes_per_s); bf16 compute, an 8192³ matmul; host memory, the faster of torch's copy of a 1 GiB
+float32 tensor and its in-place add of another (a copy's destination is also read into the CPU's caches before it is
+written, which the count of its bytes leaves out; AdamW, like the add, writes what it read). The kernels, at the shapes of Llama-3.1-8B's micro-batch of 4 x 2,048 tokens:
+- csrc/adamw_cuda.cu, `adamw_step_` on the GPU, in each dtype combination the executor runs it with: bf16 weights
+  and bf16 moments (bf16 optimizer state), fp32 masters with bf16 moments writing the bf16 weight;
+- csrc/fp8_cuda.cu, `quantize_fp8`: the absolute-maximum pass and the cast pass together, rowwise and with the
+  transpose, an activation (8,192 x 4,096) and the MLP's weight (14,336 x 4,096);
+- executor/model/fused.py, the Triton SwiGLU forward and backward;
+- csrc/cpu_adam.cpp, `adamw_step_` on the CPU (fp32 state, bf16 gradient and weight), against host memory;
+- attention (executor/model/transformer.py calls torch's SDPA, the one compute-bound kernel fastml does not leave to
+  cuBLAS), against the bf16 matmul.
+csrc/hostcomm.cpp holds no kernel to time: its barrier waits on the other ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+from record import gpu_tag, write_result
+
+from fastml.executor.memory import cpu_adam
+from fastml.executor.model import fp8, fused
+from fastml.spec import PRESETS
+
+SPEC = PRESETS["llama-3.1-8b"]
+TOKENS = 4 * 2048
+ADAM_ELEMENTS = 2**28
+"""Elements of one AdamW call: 268M, larger than any of the 8B's tensors, so that the launch is noise."""
+CPU_ADAM_ELEMENTS = 2**26
+CALLS = 5
+"""Calls timed together, so that the time of one is the GPU's and not the launch's."""
+
+
+def gpu_seconds(run, repeats: int) -> float:
+    """Median seconds of one call of `run` on the GPU, over `repeats` rounds of CALLS calls after warm-up ones."""
+    times = []
+    for i in range(repeats + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(CALLS):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end) / 1e3 / CALLS)
+    return statistics.median(times)
+
+
+def cpu_seconds(run, repeats: int) -> float:
+    import time
+
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        run()
+        if i >= 1:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def rooflines(repeats: int) -> dict:
+    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    hbm = 2 * src.numel() / gpu_seconds(lambda: dst.copy_(src), repeats)
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    matmul = 2 * 8192**3 / gpu_seconds(lambda: a @ a, repeats)
+    a, b = torch.randn(2**28), torch.randn(2**28)
+    copy = 2 * a.nbytes / cpu_seconds(lambda: b.copy_(a), repeats)
+    add = 3 * a.nbytes / cpu_seconds(lambda: a.add_(b), repeats)
+    host = max(copy, add)
+    return {"hbm_bytes_per_s": hbm, "bf16_flop_per_s": matmul, "host_bytes_per_s": host}
+
+
+def row(name: str, bound: str, seconds: float, work: float, roofline: float, **details) -> dict:
+    unit = "bytes_per_s" if bound == "memory" else "flop_per_s"
+    result = {"name": name, "bound": bound, "seconds": seconds, unit: work / seconds,
+              "fraction_of_roofline": work / seconds / roofline, **details}
+    print(f"{name:58s} {bound:7s} {result['fraction_of_roofline']:6.3f} of roofline  {seconds * 1e3:8.3f} ms",
+          flush=True)
+    return result
+
+
+ADAM_KINDS = {
+    # name: (master, moments, gradient, weight written beside an fp32 master)
+    "bf16 weights, bf16 moments": (torch.bfloat16, torch.bfloat16, torch.bfloat16, None),
+    "fp32 masters, bf16 moments, bf16 weight out": (torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    "fp32 masters, fp32 moments, bf16 weight out": (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16),
+}
+
+
+def adamw_rows(device: str, elements: int, roofline: float, repeats: int, timer) -> list[dict]:
+    rows = []
+    for kind, (master_dtype, state_dtype, grad_dtype, out_dtype) in ADAM_KINDS.items():
+        if device == "cpu" and master_dtype != torch.float32:
+            continue  # the CPU op steps offloaded fp32 state
+        master = torch.randn(elements, device=device).to(master_dtype)
+        m = (torch.randn(elements, device=device) * 1e-3).to(state_dtype)
+        v = (torch.rand(elements, device=device) * 1e-6).to(state_dtype)
+        grad = (torch.randn(elements, device=device) * 1e-3).to(grad_dtype)
+        out = torch.empty(elements, device=device, dtype=out_dtype) if out_dtype is not None else None
+        tensors = [master, m, v, grad] + ([out] if out is not None else [])
+        # each is read once, but the gradient and the weight out; the weight out is only written
+        moved = sum(t.numel() * t.element_size() for t in tensors) + sum(
+            t.numel() * t.element_size() for t in (master, m, v))
+
+        def step():
+            cpu_adam.adamw_step_(master, m, v, grad, out, 1e-4, 0.9, 0.95, 1e-8, 0.1, 10, seed=1)
+
+        where = "csrc/adamw_cuda.cu" if device == "cuda" else "csrc/cpu_adam.cpp"
+        rows.append(row(f"adamw_step_ {device} ({kind})", "memory", timer(step, repeats), moved, roofline,
+                        source=where, elements=elements, bytes=moved))
+        del master, m, v, grad, out, tensors
+    return rows
+
+
+def quantize_rows(roofline: float, repeats: int) -> list[dict]:
+    rows = []
+    shapes = {"activation": (TOKENS, SPEC.hidden_size), "mlp weight": (SPEC.ffn_hidden_size, SPEC.hidden_size)}
+    for what, shape in shapes.items():
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        for layouts, transposed in (("rowwise", False), ("rowwise and transposed", True)):
+            # the maximum pass reads x; the cast pass reads it again and writes one byte an element per layout
+            moved = x.numel() * (2 + 2 + (2 if transposed else 1))
+            seconds = gpu_seconds(lambda: fp8.quantize(x, fp8.E4M3, True, transposed), repeats)
+            rows.append(row(f"quantize_fp8 {what} {shape[0]}x{shape[1]} ({layouts})", "memory", seconds, moved,
+                            roofline, source="csrc/fp8_cuda.cu", bytes=moved))
+    return rows
+
+
+def swiglu_rows(roofline: float, repeats: int) -> list[dict]:
+    f = SPEC.ffn_hidden_size
+    gate_up = torch.randn(TOKENS, 2 * f, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(TOKENS, f, device="cuda", dtype=torch.bfloat16)
+    forward = gpu_seconds(lambda: fused.swiglu(gate_up), repeats)
+    backward = gpu_seconds(lambda: fused.swiglu_backward(grad, gate_up), repeats)
+    # forward reads gate and up and writes the product; backward reads those three and writes two gradients
+    return [row("swiglu forward", "memory", forward, 3 * TOKENS * f * 2, roofline,
+                source="executor/model/fused.py", bytes=3 * TOKENS * f * 2),
+            row("swiglu backward", "memory", backward, 5 * TOKENS * f * 2, roofline,
+                source="executor/model/fused.py", bytes=5 * TOKENS * f * 2)]
+
+
+def attention_row(roofline: float, repeats: int) -> dict:
+    batch, seq = TOKENS // 2048, 2048
+
+    def heads(count: int) -> torch.Tensor:
+        return torch.randn(batch, seq, count, SPEC.head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True)
+
+    q, k, v = heads(SPEC.num_heads), heads(SPEC.num_kv_heads), heads(SPEC.num_kv_heads)
+    grad = torch.randn(batch, SPEC.num_heads, seq, SPEC.head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                             enable_gqa=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+
+    # causal: half of forward's 4·s²·d a head; the backward pass does 2.5 times the forward's
+    flops = 3.5 * 2 * batch * seq**2 * SPEC.num_heads * SPEC.head_dim
+    return row("attention forward and backward (SDPA, causal, GQA)", "compute", gpu_seconds(run, repeats), flops,
+               roofline, source="executor/model/transformer.py", flops=flops)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    roof = rooflines(args.repeats)
+    print(roof, flush=True)
+    kernels = [*adamw_rows("cuda", ADAM_ELEMENTS, roof["hbm_bytes_per_s"], args.repeats, gpu_seconds),
+               *quantize_rows(roof["hbm_bytes_per_s"], args.repeats),
+               *swiglu_rows(roof["hbm_bytes_per_s"], args.repeats),
+               attention_row(roof["bf16_flop_per_s"], args.repeats),
+               *adamw_rows("cpu", CPU_ADAM_ELEMENTS, roof["host_bytes_per_s"], max(3, args.repeats // 4), cpu_seconds)]
+    print(f"wrote {write_result(f'kernels-{gpu_tag()}.json', {'roofline': roof, 'kernels': kernels})}")
+
+
+if __name__ == "__main__":
+    main()
