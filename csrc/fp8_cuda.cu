@@ -35,6 +35,7 @@ constexpr int kThreads = 256;         // threads of a block, in both kernels
 constexpr int kVector = 8;            // bf16 elements of one 16-byte load
 constexpr int kPad = 4;               // bytes after each tile row in shared memory, to spread the transposed reads
 constexpr int kAmaxBlocksPerSm = 4;
+constexpr int kAmaxLoads = 4;           // 16-byte loads a thread of the maximum pass has in flight
 
 // The largest finite value of an fp8 format, from torch's own definition of the type (executor/model/fp8.py's FP8_MAX
 // reads the same through torch.finfo), so the scale fp8_max / amax is the reference's.
@@ -48,6 +49,14 @@ __device__ __forceinline__ uint32_t abs_bits(__nv_bfloat16 x) {
   return (static_cast<uint32_t>(__bfloat16_as_ushort(x)) << 16) & 0x7FFFFFFFu;
 }
 
+__device__ __forceinline__ uint32_t packed_amax(const uint4 packed) {
+  const auto* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
+  uint32_t local = 0;
+#pragma unroll
+  for (int j = 0; j < kVector; ++j) local = max(local, abs_bits(values[j]));
+  return local;
+}
+
 // amax_bits (zeroed before) receives max |x| as float32 bits.
 __global__ void amax_kernel(const __nv_bfloat16* __restrict__ x, int64_t numel, bool vectorized,
                             uint32_t* __restrict__ amax_bits) {
@@ -56,12 +65,18 @@ __global__ void amax_kernel(const __nv_bfloat16* __restrict__ x, int64_t numel, 
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (vectorized) {  // numel divisible by kVector and x 16-byte aligned
     const auto* vectors = reinterpret_cast<const uint4*>(x);
-    for (int64_t v = first; v < numel / kVector; v += stride) {
-      const uint4 packed = vectors[v];
-      const auto* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
+    const int64_t count = numel / kVector;
+    int64_t v = first;
+    // kAmaxLoads loads issued before any is used: one at a time, a thread waits out each load's latency and the
+    // pass kept too few bytes in flight to reach HBM's rate.
+    for (; v + (kAmaxLoads - 1) * stride < count; v += kAmaxLoads * stride) {
+      uint4 packed[kAmaxLoads];
 #pragma unroll
-      for (int j = 0; j < kVector; ++j) local = max(local, abs_bits(values[j]));
+      for (int u = 0; u < kAmaxLoads; ++u) packed[u] = vectors[v + u * stride];
+#pragma unroll
+      for (int u = 0; u < kAmaxLoads; ++u) local = max(local, packed_amax(packed[u]));
     }
+    for (; v < count; v += stride) local = max(local, packed_amax(vectors[v]));
   } else {
     for (int64_t i = first; i < numel; i += stride) local = max(local, abs_bits(x[i]));
   }
