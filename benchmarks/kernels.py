@@ -8,27 +8,35 @@ a list `kernels` of {name, bound, seconds, rate, fraction_of_roofline, ...}.
 The rooflines: HBM, a device-to-device copy of 2 GiB (its bytes read and written over its time, as `fastml profile`
 measures gpu.hbm_bytes_per_s); bf16 compute, an 8192³ matmul; host memory, the faster of torch's copy of a 1 GiB
 float32 tensor and its in-place add of another (a copy's destination is also read into the CPU's caches before it is
-written, which the count of its bytes leaves out; AdamW, like the add, writes what it read). The kernels, at the shapes of Llama-3.1-8B's micro-batch of 4 x 2,048 tokens:
-- csrc/adamw_cuda.cu, `adamw_step_` on the GPU, in each dtype combination the executor runs it with: bf16 weights
-  and bf16 moments (bf16 optimizer state), fp32 masters with bf16 moments writing the bf16 weight;
+written, which the count of its bytes leaves out; AdamW, like the add, writes mostly what it has read). The kernels, at the shapes of Llama-3.1-8B's micro-batch of 4 x 2,048 tokens:
+- csrc/adamw_cuda.cu, `adamw_step_` on the GPU, in the two dtype combinations the executor steps with it (those with
+  bf16 state; all-fp32 state steps with torch's fused AdamW): bf16 weights and bf16 moments, and fp32 masters with
+  bf16 moments writing the bf16 weight in the same pass;
 - csrc/fp8_cuda.cu, `quantize_fp8`: the absolute-maximum pass and the cast pass together, rowwise and with the
   transpose, an activation (8,192 x 4,096) and the MLP's weight (14,336 x 4,096);
 - executor/model/fused.py, the Triton SwiGLU forward and backward;
 - csrc/cpu_adam.cpp, `adamw_step_` on the CPU (fp32 state, bf16 gradient and weight), against host memory;
 - attention (executor/model/transformer.py calls torch's SDPA, the one compute-bound kernel fastml does not leave to
-  cuBLAS), against the bf16 matmul.
+  cuBLAS), against the bf16 matmul, its FLOPs counted as FlashAttention counts them: causal, the backward pass 2.5
+  times the forward (its recompute of QKᵀ included; without it, 2 times, and the fraction would be 6/7 of this).
+Every GPU time is the GPU's own: the calls are queued behind a sleep on the GPU before the clock starts. A tensor the
+GPU reads twice in one call (the two passes of `quantize_fp8`) may be read from L2 the second time, as in training;
+between calls the kernels read different tensors, larger together than L2.
 csrc/hostcomm.cpp holds no kernel to time: its barrier waits on the other ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 from record import gpu_tag, write_result
 
+from fastml.executor import native
 from fastml.executor.memory import cpu_adam
 from fastml.executor.model import fp8, fused
 from fastml.spec import PRESETS
@@ -36,10 +44,12 @@ from fastml.spec import PRESETS
 SPEC = PRESETS["llama-3.1-8b"]
 TOKENS = 4 * 2048
 ADAM_ELEMENTS = 2**28
-"""Elements of one AdamW call: 268M, larger than any of the 8B's tensors, so that the launch is noise."""
+"""Elements of one AdamW call: 268M (the 8B's MLP matrices hold 59M), so that the launch is noise."""
 CPU_ADAM_ELEMENTS = 2**26
 CALLS = 5
-"""Calls timed together, so that the time of one is the GPU's and not the launch's."""
+"""Calls timed together, their median time the figure."""
+SLEEP_CYCLES = 20_000_000
+"""About 10 ms of the GPU's clock: longer than the host takes to queue CALLS calls."""
 
 
 def gpu_seconds(run, repeats: int) -> float:
@@ -47,6 +57,7 @@ def gpu_seconds(run, repeats: int) -> float:
     times = []
     for i in range(repeats + 2):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SLEEP_CYCLES)  # the GPU waits while the host queues every call: no launch gap is timed
         start.record()
         for _ in range(CALLS):
             run()
@@ -58,8 +69,6 @@ def gpu_seconds(run, repeats: int) -> float:
 
 
 def cpu_seconds(run, repeats: int) -> float:
-    import time
-
     times = []
     for i in range(repeats + 1):
         start = time.perf_counter()
@@ -98,20 +107,22 @@ ADAM_KINDS = {
     "fp32 masters, bf16 moments, bf16 weight out": (torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16),
     "fp32 masters, fp32 moments, bf16 weight out": (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16),
 }
+STEPPED_BY_THE_OP = {"cuda": list(ADAM_KINDS)[:2], "cpu": list(ADAM_KINDS)[1:]}
+"""The kinds each device's op steps in training: the GPU's, bf16 state (all-fp32 state steps with torch's fused
+AdamW there); the CPU's, offloaded fp32 masters with either moments."""
 
 
 def adamw_rows(device: str, elements: int, roofline: float, repeats: int, timer) -> list[dict]:
     rows = []
-    for kind, (master_dtype, state_dtype, grad_dtype, out_dtype) in ADAM_KINDS.items():
-        if device == "cpu" and master_dtype != torch.float32:
-            continue  # the CPU op steps offloaded fp32 state
+    for kind in STEPPED_BY_THE_OP[device]:
+        master_dtype, state_dtype, grad_dtype, out_dtype = ADAM_KINDS[kind]
         master = torch.randn(elements, device=device).to(master_dtype)
         m = (torch.randn(elements, device=device) * 1e-3).to(state_dtype)
         v = (torch.rand(elements, device=device) * 1e-6).to(state_dtype)
         grad = (torch.randn(elements, device=device) * 1e-3).to(grad_dtype)
         out = torch.empty(elements, device=device, dtype=out_dtype) if out_dtype is not None else None
         tensors = [master, m, v, grad] + ([out] if out is not None else [])
-        # each is read once, but the gradient and the weight out; the weight out is only written
+        # master, m, v and the gradient are read; master, m, v and the weight out written
         moved = sum(t.numel() * t.element_size() for t in tensors) + sum(
             t.numel() * t.element_size() for t in (master, m, v))
 
@@ -129,11 +140,11 @@ def quantize_rows(roofline: float, repeats: int) -> list[dict]:
     rows = []
     shapes = {"activation": (TOKENS, SPEC.hidden_size), "mlp weight": (SPEC.ffn_hidden_size, SPEC.hidden_size)}
     for what, shape in shapes.items():
-        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        inputs = itertools.cycle([torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4)])
         for layouts, transposed in (("rowwise", False), ("rowwise and transposed", True)):
             # the maximum pass reads x; the cast pass reads it again and writes one byte an element per layout
-            moved = x.numel() * (2 + 2 + (2 if transposed else 1))
-            seconds = gpu_seconds(lambda: fp8.quantize(x, fp8.E4M3, True, transposed), repeats)
+            moved = shape[0] * shape[1] * (2 + 2 + (2 if transposed else 1))
+            seconds = gpu_seconds(lambda: fp8.quantize(next(inputs), fp8.E4M3, True, transposed), repeats)
             rows.append(row(f"quantize_fp8 {what} {shape[0]}x{shape[1]} ({layouts})", "memory", seconds, moved,
                             roofline, source="csrc/fp8_cuda.cu", bytes=moved))
     return rows
@@ -177,6 +188,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    native.load_cuda()
     roof = rooflines(args.repeats)
     print(roof, flush=True)
     kernels = [*adamw_rows("cuda", ADAM_ELEMENTS, roof["hbm_bytes_per_s"], args.repeats, gpu_seconds),

@@ -76,6 +76,19 @@ def test_quantize_of_a_matrix_that_starts_off_alignment(dtype):
     assert scale_inv.item() == want_scale_inv.item()
 
 
+def test_quantize_finds_the_maximum_wherever_it_lies():
+    """The maximum pass reads a large matrix four loads a thread at a time, then the rest one at a time: a single
+    largest element planted at the start, the end, in each of the first loads' places and in the rest is found."""
+    x = matrix((4096, 4100), seed=2)  # 16.8M elements: many rounds of the four loads, then a rest
+    # a round of the pass: 8 elements a load, for 4 blocks of 256 threads on each multiprocessor (csrc/fp8_cuda.cu)
+    numel, stride = x.numel(), 8 * 4 * 256 * torch.cuda.get_device_properties(0).multi_processor_count
+    places = {0, 1, numel - 1, numel // 2, *(u * stride + 3 for u in range(4)), numel - stride + 5}
+    for place in sorted(places):
+        planted = x.clone()
+        planted.view(-1)[place] = -1e4
+        assert fp8.quantize(planted, fp8.E4M3)[2].item() == pytest.approx(1e4 / fp8.FP8_MAX[fp8.E4M3], rel=1e-2), place
+
+
 @pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
 def test_quantize_scale_is_exact_and_nothing_is_clipped(dtype):
     """The scale is fp8_max / amax of this very tensor: the largest element lands on fp8_max, none beyond it; and the
@@ -268,6 +281,25 @@ def test_cuda_adamw_is_the_cpu_op_bit_for_bit(master_dtype, state_dtype, out_dty
         cpu_adam.adamw_step_(*gpu[:3], on_gpu_from(g, start), gpu[3], *args)
         cpu_adam.adamw_step_(*cpu[:3], g, cpu[3], *args)
     for name, got, want in zip(["master", "exp_avg", "exp_avg_sq", "weight_out"], gpu, cpu):
+        if want is not None:
+            assert torch.equal(got.cpu(), want), f"{name}: {int((got.cpu() != want).sum())} of {n} differ"
+
+
+@pytest.mark.parametrize("master_dtype, state_dtype, out_dtype", [
+    (torch.float32, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.bfloat16, None)])
+def test_cuda_adamw_of_more_runs_than_its_threads_is_the_cpu_op_bit_for_bit(master_dtype, state_dtype, out_dtype):
+    """8M elements: each thread of the grid steps several runs of 8, each with the random bits of its own indices."""
+    n = 2**23 + 5
+    gen = torch.Generator().manual_seed(3)
+    master = torch.randn(n, generator=gen).to(master_dtype)
+    m, v = (torch.randn(n, generator=gen) * 1e-3).to(state_dtype), (torch.rand(n, generator=gen) * 1e-5).to(state_dtype)
+    out = torch.zeros(n, dtype=out_dtype) if out_dtype else None
+    grad = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
+    gpu = [t.cuda() if t is not None else None for t in (master, m, v, out)]
+    args = (1e-3, 0.9, 0.95, EPS, 0.1, 2, 1.0, 5, 1000)
+    cpu_adam.adamw_step_(*gpu[:3], grad.cuda(), gpu[3], *args)
+    cpu_adam.adamw_step_(master, m, v, grad, out, *args)
+    for name, got, want in zip(["master", "exp_avg", "exp_avg_sq", "weight_out"], gpu, (master, m, v, out)):
         if want is not None:
             assert torch.equal(got.cpu(), want), f"{name}: {int((got.cpu() != want).sum())} of {n} differ"
 

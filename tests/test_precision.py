@@ -45,6 +45,22 @@ def test_bf16_optimizer_state_trains_like_fp32_state(tmp_path, fp32_losses, knob
     assert losses != fp32_losses  # and it is another arithmetic
 
 
+def test_the_weights_are_their_fp32_masters_rounded_to_nearest(tmp_path):
+    """fastml's op writes the bf16 weight beside the fp32 master in the same pass: the weight is the master rounded
+    to nearest even, as a copy would round it."""
+    plan = cpu_plan(steps=2, **{"optimizer_dtype": "bf16"})
+    model = build_training_model(plan, torch.device("cpu"))
+    optimizer = AdamW(model, plan.training, plan.knobs)
+    gen = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+    optimizer.step()
+    for p in model.parameters():
+        master = optimizer.state[p]["master"]
+        assert not torch.equal(master, master.to(torch.bfloat16).float())  # stepped, and finer than bf16
+        assert torch.equal(p.detach(), master.to(torch.bfloat16).view(p.shape))
+
+
 def test_bf16_state_keeps_a_third_of_the_optimizer_memory():
     sizes = {}
     for name, knobs in (("fp32", {}), ("bf16", LOWER)):

@@ -207,12 +207,18 @@ class AdamW(torch.optim.Optimizer):
         homes = [self._master(group, p) for p in params]
         masters = [m.to(self.device, non_blocking=True) for m in homes]  # the same tensor where it is here
         beta1, beta2 = group["betas"]
+        rounded_in_step = set()
         if self.stochastic:  # fastml's op, one parameter at a time, reading bf16 gradients as they are
             for p, master, state in zip(params, masters, states):
                 state["step"] += 1
                 step = int(state["step"])
+                # beside an fp32 master, the weight on this device is rounded in the same pass, not read back after
+                weight = self._weight(group, p) if "master" in state else None
+                weight_out = weight if weight is not None and weight.device == master.device else None
+                if weight_out is not None:
+                    rounded_in_step.add(p)
                 cpu_adam.adamw_step_(master, state["exp_avg"], state["exp_avg_sq"], self._device_grad(group, p),
-                                     None, group["lr"], beta1, beta2, group["eps"], weight_decay, step,
+                                     weight_out, group["lr"], beta1, beta2, group["eps"], weight_decay, step,
                                      seed=self.rounding_seed(p, step), offset=self.pieces[p].start)
         else:
             grads = [self._device_grad(group, p, m.dtype) for p, m in zip(params, masters)]
@@ -224,7 +230,8 @@ class AdamW(torch.optim.Optimizer):
         for home, master in zip(homes, masters):
             if home is not master:
                 home.copy_(master, non_blocking=True)
-        rounded = [(self._weight(group, p), m) for p, m, s in zip(params, masters, states) if "master" in s]
+        rounded = [(self._weight(group, p), m) for p, m, s in zip(params, masters, states)
+                   if "master" in s and p not in rounded_in_step]
         resident = [(w, m) for w, m in rounded if w.device == m.device]
         if resident:
             torch._foreach_copy_(*map(list, zip(*resident)))
