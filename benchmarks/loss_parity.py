@@ -1,0 +1,115 @@
+"""Does fastml train as HF transformers does, and do its lower precisions train as its bf16 does? Writes
+benchmarks/results/loss_parity-<gpu>.json, one part a call (each fits the device's ten minutes):
+
+    python benchmarks/loss_parity.py --part parity      # fastml's bf16 curve beside HF's, two shapes, 300 steps
+    python benchmarks/loss_parity.py --part precision   # fp8 and bf16 optimizer state beside bf16, 500 steps
+
+The parity part starts HF's LlamaForCausalLM from fastml's initial weights of seed 0 and feeds it the same tokens with
+the same schedule (vs_hf.run_hf): for TinyLlama and for Llama-3.1-8B's shape cut to PARITY_LAYERS layers, fastml's
+bf16 run of seed 0 beside HF's, at lr 3e-4 with warm-up. Rounding alone parts the two curves (different kernels,
+HF's bf16 Adam state against fastml's fp32 masters); whether that is within bf16's noise is judged against fastml's
+own runs of two more seeds: the noise is how far the seeds' smoothed curves lie apart.
+
+The precision part trains TinyLlama for 500 steps in bf16, with fp8 matmuls and with bf16 optimizer state, each over
+SEEDS seeds: each variant's final loss against bf16's of the same seed, and the spread of those ratios over the seeds.
+
+A run's final loss is the mean of its last FINAL_WINDOW steps' losses (one step's loss is one batch's); curves are
+compared smoothed over SMOOTHING steps, after the warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from record import RESULTS, gpu_tag, write_result
+from vs_hf import run_fastml, run_hf
+
+SEQ_LEN, SEQUENCES = 512, 8
+"""4,096 tokens a step, so that hundreds of steps take a minute."""
+TRAINING = ("training.lr=3e-4", "training.warmup_steps=30")
+PARITY_LAYERS = 4
+PARITY_SHAPES = {"tinyllama-1.1b": (), "llama-3.1-8b": (f"model.num_layers={PARITY_LAYERS}",)}
+PARITY_STEPS, PRECISION_STEPS = 300, 500
+SEEDS = (0, 1, 2)
+PRECISION_VARIANTS = {"bf16": {}, "fp8": {"matmul_dtype": "fp8"},
+                      "bf16_states": {"optimizer_dtype": "bf16", "master_dtype": "bf16"}}
+KNOBS = {"micro_batch_size": SEQUENCES, "compile": True}
+FINAL_WINDOW, SMOOTHING = 20, 10
+
+
+def smoothed(losses: list[float]) -> list[float]:
+    return [statistics.fmean(losses[max(0, i - SMOOTHING + 1):i + 1]) for i in range(len(losses))]
+
+
+def final(losses: list[float]) -> float:
+    return statistics.fmean(losses[-FINAL_WINDOW:])
+
+
+def mean_gap(a: list[float], b: list[float], skip: int) -> float:
+    """Mean absolute difference of two smoothed curves after the first `skip` steps."""
+    return statistics.fmean(abs(x - y) for x, y in list(zip(smoothed(a), smoothed(b)))[skip:])
+
+
+def training(seed: int, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return (*TRAINING, f"training.seed={seed}", *extra)
+
+
+def parity(shape: str, extra: tuple[str, ...]) -> dict:
+    ours = {seed: run_fastml(shape, SEQUENCES, KNOBS, PARITY_STEPS, SEQ_LEN, training(seed, extra))["losses"]
+            for seed in SEEDS}
+    hf = run_hf(shape, SEQUENCES, SEQUENCES, False, PARITY_STEPS, SEQ_LEN, training(SEEDS[0], extra))["losses"]
+    skip = int(TRAINING[1].split("=")[1])
+    # the noise: the seeds' curves against each other, the same comparison HF's curve gets against seed 0's
+    seed_gaps = [mean_gap(ours[a], ours[b], skip) for i, a in enumerate(SEEDS) for b in SEEDS[i + 1:]]
+    seed_finals = [final(ours[s]) for s in SEEDS]
+    gap, final_gap = mean_gap(ours[SEEDS[0]], hf, skip), abs(final(ours[SEEDS[0]]) - final(hf))
+    return {"model": shape, "overrides": list(extra), "steps": PARITY_STEPS,
+            "mean_gap_vs_hf": gap, "seed_mean_gaps": seed_gaps,
+            "final_loss": {"fastml": final(ours[SEEDS[0]]), "hf": final(hf)}, "final_gap_vs_hf": final_gap,
+            "seed_final_spread": max(seed_finals) - min(seed_finals),
+            "within_noise": gap <= max(seed_gaps) and final_gap <= max(seed_finals) - min(seed_finals),
+            "losses": {"hf": hf, **{f"fastml_seed{s}": ours[s] for s in SEEDS}}}
+
+
+def precision() -> dict:
+    runs = {name: {seed: run_fastml("tinyllama-1.1b", SEQUENCES, KNOBS | knobs, PRECISION_STEPS, SEQ_LEN,
+                                    training(seed))["losses"] for seed in SEEDS}
+            for name, knobs in PRECISION_VARIANTS.items()}
+    bf16 = {seed: final(runs["bf16"][seed]) for seed in SEEDS}
+    relative = {name: {str(seed): final(runs[name][seed]) / bf16[seed] - 1 for seed in SEEDS}
+                for name in PRECISION_VARIANTS if name != "bf16"}
+    return {"model": "tinyllama-1.1b", "steps": PRECISION_STEPS,
+            "final_loss": {name: {str(s): final(losses) for s, losses in by_seed.items()}
+                           for name, by_seed in runs.items()},
+            "relative_to_bf16": relative,
+            "worst_relative_to_bf16": {name: max(abs(v) for v in by_seed.values()) for name, by_seed in relative.items()},
+            "seed_spread_bf16": max(bf16.values()) - min(bf16.values()),
+            "losses": {name: {str(s): losses for s, losses in by_seed.items()} for name, by_seed in runs.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--part", choices=("parity", "precision"), required=True)
+    args = parser.parse_args()
+    path = RESULTS / f"loss_parity-{gpu_tag()}.json"
+    earlier = json.loads(path.read_text()) if path.is_file() else {}
+    parts = {key: earlier[key] for key in ("parity", "precision") if key in earlier}
+    settings = {"seq_len": SEQ_LEN, "tokens_per_step": SEQ_LEN * SEQUENCES, "training": list(TRAINING),
+                "knobs": KNOBS, "seeds": list(SEEDS), "final_window": FINAL_WINDOW, "smoothing_steps": SMOOTHING}
+    if args.part == "parity":
+        parts["parity"] = [parity(shape, extra) for shape, extra in PARITY_SHAPES.items()]
+    else:
+        parts["precision"] = precision()
+    made_by = dict(earlier.get("made_by", {}))
+    written = write_result(path.name, {**settings, **parts, "made_by": made_by})
+    record = json.loads(written.read_text())
+    made_by[args.part] = {key: record[key] for key in ("command", "git_commit", "machine", "date")}
+    record["made_by"] = made_by
+    written.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {written}")
+
+
+if __name__ == "__main__":
+    main()
