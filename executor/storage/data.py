@@ -295,7 +295,6 @@ def tokenizer_of_data(data) -> str:
     return "bytes" if str(first) == "default" else read_header(first.expanduser()).tokenizer  # the default corpus'
 
 
-
 def read_header(path: Path) -> Header:
     """The validated header.json of the dataset at `path`."""
     if not path.is_dir():
