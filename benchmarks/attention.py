@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 
-import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from record import gpu_tag, write_result
 
+from fastml.hwprofiles.measure import _attention_pass, _cuda_seconds
+from fastml.planner.costs import ATTENTION_BACKWARD_FACTOR
 from fastml.spec import PRESETS
 
 SHAPES = {"tinyllama-1.1b": 16, "llama-3.1-8b": 4}
@@ -28,32 +27,11 @@ BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBa
 
 
 def time_attention(preset: str, batch: int, backend, repeats: int) -> float:
-    """Median seconds of one forward and backward pass."""
+    """Median GPU seconds of one forward and backward pass, as `fastml profile` times attention."""
     spec = PRESETS[preset]
-
-    def heads(count: int) -> torch.Tensor:
-        return torch.randn(batch, SEQ_LEN, count, spec.head_dim, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=True)
-
-    q, k, v = heads(spec.num_heads), heads(spec.num_kv_heads), heads(spec.num_kv_heads)
-    grad = torch.randn(batch, spec.num_heads, SEQ_LEN, spec.head_dim, device="cuda", dtype=torch.bfloat16)
-
-    def run():
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             enable_gqa=spec.num_heads != spec.num_kv_heads)
-        torch.autograd.grad(out, (q, k, v), grad)  # the gradients alone, not added to any .grad
-
-    times = []
+    run = _attention_pass(batch, SEQ_LEN, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
-        for i in range(repeats + 2):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            if i >= 2:
-                times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+        return _cuda_seconds(run, repeats)
 
 
 def main() -> None:
@@ -64,7 +42,7 @@ def main() -> None:
     for preset, batch in SHAPES.items():
         spec = PRESETS[preset]
         # causal: half of forward's 4·s²·d a head; the backward pass does 2.5 times the forward's
-        flops = 3.5 * 2 * batch * SEQ_LEN**2 * spec.num_heads * spec.head_dim
+        flops = (1 + ATTENTION_BACKWARD_FACTOR) * 2 * batch * SEQ_LEN**2 * spec.num_heads * spec.head_dim
         row = {"batch": batch, "seq_len": SEQ_LEN, "heads": spec.num_heads, "kv_heads": spec.num_kv_heads,
                "head_dim": spec.head_dim}
         for name, backend in BACKENDS.items():

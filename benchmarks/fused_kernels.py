@@ -9,13 +9,13 @@ benchmarks/results/fused_kernels-<gpu>.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 from record import gpu_tag, write_result
 
 from fastml.executor.model import fused
+from fastml.hwprofiles.measure import _cuda_seconds
 from fastml.spec import PRESETS
 
 SHAPES = {"tinyllama-1.1b": 16, "llama-3.1-8b": 4}
@@ -29,30 +29,11 @@ def compiled_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-CALLS = 10
-"""Calls timed together, so that the time of one is the GPU's and not the launch's."""
-
-
-def median_seconds(run, repeats: int) -> float:
-    """Median seconds of one call of `run`, over `repeats` rounds of CALLS calls after warm-up ones."""
-    times = []
-    for i in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(CALLS):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3 / CALLS)
-    return statistics.median(times)
-
-
 def time_swiglu(function, gate_up: torch.Tensor, grad: torch.Tensor, repeats: int) -> dict:
     x = gate_up.detach().requires_grad_()
-    forward = median_seconds(lambda: function(x), repeats)
+    forward = _cuda_seconds(lambda: function(x), repeats)
     out = function(x)
-    backward = median_seconds(lambda: torch.autograd.grad(out, x, grad, retain_graph=True), repeats)
+    backward = _cuda_seconds(lambda: torch.autograd.grad(out, x, grad, retain_graph=True), repeats)
     return {"forward_s": forward, "backward_s": backward}
 
 

@@ -5,10 +5,11 @@ a list `kernels` of {name, bound, seconds, rate, fraction_of_roofline, ...}.
 
     python benchmarks/kernels.py [--repeats 20]
 
-The rooflines: HBM, a device-to-device copy of 2 GiB (its bytes read and written over its time, as `fastml profile`
-measures gpu.hbm_bytes_per_s); bf16 compute, an 8192³ matmul; host memory, the faster of torch's copy of a 1 GiB
-float32 tensor and its in-place add of another (a copy's destination is also read into the CPU's caches before it is
-written, which the count of its bytes leaves out; AdamW, like the add, writes mostly what it has read). The kernels, at the shapes of Llama-3.1-8B's micro-batch of 4 x 2,048 tokens:
+The rooflines, measured by `fastml profile`'s own functions (hwprofiles/measure.py): HBM, a device-to-device copy
+of 2 GiB (its bytes read and written over its time); bf16 compute, an 8192³ GEMM; host memory, the faster of a 1 GiB
+copy and an in-place add of two 1 GiB float32 tensors (a copy's destination is also read into the CPU's caches
+before it is written, which the count of its bytes leaves out; AdamW, like the add, writes mostly what it has read).
+The kernels, at the shapes of Llama-3.1-8B's micro-batch of 4 x 2,048 tokens:
 - csrc/adamw_cuda.cu, `adamw_step_` on the GPU, in the two dtype combinations the executor steps with it (those with
   bf16 state; all-fp32 state steps with torch's fused AdamW): bf16 weights and bf16 moments, and fp32 masters with
   bf16 moments writing the bf16 weight in the same pass;
@@ -19,9 +20,10 @@ written, which the count of its bytes leaves out; AdamW, like the add, writes mo
 - attention (executor/model/transformer.py calls torch's SDPA, the one compute-bound kernel fastml does not leave to
   cuBLAS), against the bf16 matmul, its FLOPs counted as FlashAttention counts them: causal, the backward pass 2.5
   times the forward (its recompute of QKᵀ included; without it, 2 times, and the fraction would be 6/7 of this).
-Every GPU time is the GPU's own: the calls are queued behind a sleep on the GPU before the clock starts. A tensor the
-GPU reads twice in one call (the two passes of `quantize_fp8`) may be read from L2 the second time, as in training;
-between calls the kernels read different tensors, larger together than L2.
+Every GPU time is the GPU's own: each call is queued behind a sleep on the GPU before the clock starts (as
+`fastml profile` times, `_cuda_seconds`). A tensor the GPU reads twice in one call (the two passes of
+`quantize_fp8`) may be read from L2 the second time, as in training; between calls the kernels read different
+tensors, larger together than L2.
 csrc/hostcomm.cpp holds no kernel to time: its barrier waits on the other ranks.
 """
 
@@ -30,15 +32,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import time
 
 import torch
-import torch.nn.functional as F
 from record import gpu_tag, write_result
 
 from fastml.executor import native
 from fastml.executor.memory import cpu_adam
 from fastml.executor.model import fp8, fused
+from fastml.hwprofiles.measure import (_attention_pass, _cuda_seconds, _gemm_flops, _hbm_bytes_per_s,
+                                       _host_copy_bytes_per_s, _wall_s)
+from fastml.planner.costs import ATTENTION_BACKWARD_FACTOR
 from fastml.spec import PRESETS
 
 SPEC = PRESETS["llama-3.1-8b"]
@@ -46,50 +49,21 @@ TOKENS = 4 * 2048
 ADAM_ELEMENTS = 2**28
 """Elements of one AdamW call: 268M (the 8B's MLP matrices hold 59M), so that the launch is noise."""
 CPU_ADAM_ELEMENTS = 2**26
-CALLS = 5
-"""Calls timed together, their median time the figure."""
-SLEEP_CYCLES = 20_000_000
-"""About 10 ms of the GPU's clock: longer than the host takes to queue CALLS calls."""
-
-
-def gpu_seconds(run, repeats: int) -> float:
-    """Median seconds of one call of `run` on the GPU, over `repeats` rounds of CALLS calls after warm-up ones."""
-    times = []
-    for i in range(repeats + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(SLEEP_CYCLES)  # the GPU waits while the host queues every call: no launch gap is timed
-        start.record()
-        for _ in range(CALLS):
-            run()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(start.elapsed_time(end) / 1e3 / CALLS)
-    return statistics.median(times)
 
 
 def cpu_seconds(run, repeats: int) -> float:
-    times = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        run()
-        if i >= 1:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median wall seconds of `run` after one warm-up call."""
+    run()
+    return statistics.median(_wall_s(run) for _ in range(repeats))
 
 
 def rooflines(repeats: int) -> dict:
-    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    hbm = 2 * src.numel() / gpu_seconds(lambda: dst.copy_(src), repeats)
-    del src, dst
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    matmul = 2 * 8192**3 / gpu_seconds(lambda: a @ a, repeats)
+    """As `fastml profile` measures HBM, the bf16 GEMM and a host copy (hwprofiles/measure.py), and the host's
+    in-place add beside its copy."""
     a, b = torch.randn(2**28), torch.randn(2**28)
-    copy = 2 * a.nbytes / cpu_seconds(lambda: b.copy_(a), repeats)
     add = 3 * a.nbytes / cpu_seconds(lambda: a.add_(b), repeats)
-    host = max(copy, add)
-    return {"hbm_bytes_per_s": hbm, "bf16_flop_per_s": matmul, "host_bytes_per_s": host}
+    return {"hbm_bytes_per_s": _hbm_bytes_per_s(2**31), "bf16_flop_per_s": _gemm_flops(8192, 8192, 8192),
+            "host_bytes_per_s": max(_host_copy_bytes_per_s(2**30), add)}
 
 
 def row(name: str, bound: str, seconds: float, work: float, roofline: float, **details) -> dict:
@@ -144,7 +118,7 @@ def quantize_rows(roofline: float, repeats: int) -> list[dict]:
         for layouts, transposed in (("rowwise", False), ("rowwise and transposed", True)):
             # the maximum pass reads x; the cast pass reads it again and writes one byte an element per layout
             moved = shape[0] * shape[1] * (2 + 2 + (2 if transposed else 1))
-            seconds = gpu_seconds(lambda: fp8.quantize(next(inputs), fp8.E4M3, True, transposed), repeats)
+            seconds = _cuda_seconds(lambda: fp8.quantize(next(inputs), fp8.E4M3, True, transposed), repeats)
             rows.append(row(f"quantize_fp8 {what} {shape[0]}x{shape[1]} ({layouts})", "memory", seconds, moved,
                             roofline, source="csrc/fp8_cuda.cu", bytes=moved))
     return rows
@@ -154,8 +128,8 @@ def swiglu_rows(roofline: float, repeats: int) -> list[dict]:
     f = SPEC.ffn_hidden_size
     gate_up = torch.randn(TOKENS, 2 * f, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(TOKENS, f, device="cuda", dtype=torch.bfloat16)
-    forward = gpu_seconds(lambda: fused.swiglu(gate_up), repeats)
-    backward = gpu_seconds(lambda: fused.swiglu_backward(grad, gate_up), repeats)
+    forward = _cuda_seconds(lambda: fused.swiglu(gate_up), repeats)
+    backward = _cuda_seconds(lambda: fused.swiglu_backward(grad, gate_up), repeats)
     # forward reads gate and up and writes the product; backward reads those three and writes two gradients
     return [row("swiglu forward", "memory", forward, 3 * TOKENS * f * 2, roofline,
                 source="executor/model/fused.py", bytes=3 * TOKENS * f * 2),
@@ -165,22 +139,9 @@ def swiglu_rows(roofline: float, repeats: int) -> list[dict]:
 
 def attention_row(roofline: float, repeats: int) -> dict:
     batch, seq = TOKENS // 2048, 2048
-
-    def heads(count: int) -> torch.Tensor:
-        return torch.randn(batch, seq, count, SPEC.head_dim, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=True)
-
-    q, k, v = heads(SPEC.num_heads), heads(SPEC.num_kv_heads), heads(SPEC.num_kv_heads)
-    grad = torch.randn(batch, SPEC.num_heads, seq, SPEC.head_dim, device="cuda", dtype=torch.bfloat16)
-
-    def run():
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             enable_gqa=True)
-        torch.autograd.grad(out, (q, k, v), grad)
-
-    # causal: half of forward's 4·s²·d a head; the backward pass does 2.5 times the forward's
-    flops = 3.5 * 2 * batch * seq**2 * SPEC.num_heads * SPEC.head_dim
-    return row("attention forward and backward (SDPA, causal, GQA)", "compute", gpu_seconds(run, repeats), flops,
+    run = _attention_pass(batch, seq, SPEC.num_heads, SPEC.num_kv_heads, SPEC.head_dim)
+    flops = (1 + ATTENTION_BACKWARD_FACTOR) * 2 * batch * seq**2 * SPEC.num_heads * SPEC.head_dim
+    return row("attention forward and backward (SDPA, causal, GQA)", "compute", _cuda_seconds(run, repeats), flops,
                roofline, source="executor/model/transformer.py", flops=flops)
 
 
@@ -191,7 +152,7 @@ def main() -> None:
     native.load_cuda()
     roof = rooflines(args.repeats)
     print(roof, flush=True)
-    kernels = [*adamw_rows("cuda", ADAM_ELEMENTS, roof["hbm_bytes_per_s"], args.repeats, gpu_seconds),
+    kernels = [*adamw_rows("cuda", ADAM_ELEMENTS, roof["hbm_bytes_per_s"], args.repeats, _cuda_seconds),
                *quantize_rows(roof["hbm_bytes_per_s"], args.repeats),
                *swiglu_rows(roof["hbm_bytes_per_s"], args.repeats),
                attention_row(roof["bf16_flop_per_s"], args.repeats),

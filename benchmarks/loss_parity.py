@@ -28,7 +28,8 @@ from vs_hf import run_fastml, run_hf
 
 SEQ_LEN, SEQUENCES = 512, 8
 """4,096 tokens a step, so that hundreds of steps take a minute."""
-TRAINING = ("training.lr=3e-4", "training.warmup_steps=30")
+WARMUP_STEPS = 30
+TRAINING = ("training.lr=3e-4", f"training.warmup_steps={WARMUP_STEPS}")
 PARITY_LAYERS = 4
 PARITY_SHAPES = {"tinyllama-1.1b": (), "llama-3.1-8b": (f"model.num_layers={PARITY_LAYERS}",)}
 PARITY_STEPS, PRECISION_STEPS = 300, 500
@@ -60,11 +61,10 @@ def parity(shape: str, extra: tuple[str, ...]) -> dict:
     ours = {seed: run_fastml(shape, SEQUENCES, KNOBS, PARITY_STEPS, SEQ_LEN, training(seed, extra))["losses"]
             for seed in SEEDS}
     hf = run_hf(shape, SEQUENCES, SEQUENCES, False, PARITY_STEPS, SEQ_LEN, training(SEEDS[0], extra))["losses"]
-    skip = int(TRAINING[1].split("=")[1])
     # the noise: the seeds' curves against each other, the same comparison HF's curve gets against seed 0's
-    seed_gaps = [mean_gap(ours[a], ours[b], skip) for i, a in enumerate(SEEDS) for b in SEEDS[i + 1:]]
+    seed_gaps = [mean_gap(ours[a], ours[b], WARMUP_STEPS) for i, a in enumerate(SEEDS) for b in SEEDS[i + 1:]]
     seed_finals = [final(ours[s]) for s in SEEDS]
-    gap, final_gap = mean_gap(ours[SEEDS[0]], hf, skip), abs(final(ours[SEEDS[0]]) - final(hf))
+    gap, final_gap = mean_gap(ours[SEEDS[0]], hf, WARMUP_STEPS), abs(final(ours[SEEDS[0]]) - final(hf))
     return {"model": shape, "overrides": list(extra), "steps": PARITY_STEPS,
             "mean_gap_vs_hf": gap, "seed_mean_gaps": seed_gaps,
             "final_loss": {"fastml": final(ours[SEEDS[0]]), "hf": final(hf)}, "final_gap_vs_hf": final_gap,
