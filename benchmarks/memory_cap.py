@@ -1,12 +1,13 @@
 """A big model on a small GPU: Llama-3.1-8B under a 16 GiB cap of the H200's memory (`--gpu-mem 16GiB`, the plan
 `fastml plan --gpu-mem 16GiB --full-precision` chooses) against the same model uncapped with its best plan, at the
-same tokens per optimizer step; then each offload knob alone and together on a smaller model, predicted against
+same tokens per optimizer step, in full precision and with the planner's lower-precision choice
+(`--lower-precision`); then each offload knob alone and together on a smaller model, predicted against
 measured. Each run is its own process, so that its cap, pinned memory and peak figures are its own.
 Writes benchmarks/results/memory_cap-<gpu>.json; runs already there are kept unless run again (each names the
 commit it ran).
 
     python benchmarks/memory_cap.py                      # everything
-    python benchmarks/memory_cap.py --runs capped,uncapped
+    python benchmarks/memory_cap.py --runs capped,uncapped,capped-lower,uncapped-lower
 """
 
 from __future__ import annotations
@@ -37,11 +38,17 @@ KNOB_RUNS = {  # name -> knobs pinned on the small model (the rest at their defa
 SMALL_BASE = {"micro_batch_size": 4, "recompute": ["block"]}
 
 
+BIG_RUNS = {  # name -> (capped, precision flag): the 8B at each precision, under the cap and uncapped
+    "capped": (True, "--full-precision"), "uncapped": (False, "--full-precision"),
+    "capped-lower": (True, "--lower-precision"), "uncapped-lower": (False, "--lower-precision"),
+}
+
+
 def plan_command(name: str, path: Path) -> list[str]:
-    if name == "capped":
-        return ["fastml", "plan", "--model", BIG, "--gpus", "1", "--gpu-mem", CAP, "--full-precision", "-o", str(path)]
-    if name == "uncapped":
-        return ["fastml", "plan", "--model", BIG, "--gpus", "1", "--full-precision", "-o", str(path)]
+    if name in BIG_RUNS:
+        capped, precision = BIG_RUNS[name]
+        cap = ["--gpu-mem", CAP] if capped else []
+        return ["fastml", "plan", "--model", BIG, "--gpus", "1", *cap, precision, "-o", str(path)]
     from fastml.plan import pinned
     sets = [arg for s in pinned(**SMALL_BASE, **KNOB_RUNS[name]) for arg in ("--set", s)]
     return ["fastml", "plan", "--model", SMALL, "--gpus", "1", "--full-precision", *sets, "-o", str(path)]
@@ -53,7 +60,7 @@ def run_one(name: str, steps: int, workdir: Path) -> dict:
     plan_path, log = workdir / f"{name}.plan.json", workdir / f"{name}.jsonl"
     subprocess.run(plan_command(name, plan_path), check=True, stdout=subprocess.DEVNULL)
     run = ["fastml", "run", str(plan_path), "--steps", str(steps), "--no-progress", "--log-json", str(log)]
-    if name == "capped":
+    if BIG_RUNS.get(name, (False,))[0]:
         run += ["--gpu-mem", CAP]
     started = time.perf_counter()
     done = subprocess.run(run, capture_output=True, text=True)
@@ -88,7 +95,7 @@ def run_one(name: str, steps: int, workdir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default=",".join(["capped", "uncapped", *KNOB_RUNS]))
+    parser.add_argument("--runs", default=",".join([*BIG_RUNS, *KNOB_RUNS]))
     parser.add_argument("--steps", type=int, default=20, help="steps of the 8B runs (default: 20)")
     parser.add_argument("--small-steps", type=int, default=8)
     args = parser.parse_args()
@@ -98,7 +105,7 @@ def main() -> None:
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"memory-cap-{os.getpid()}"
     workdir.mkdir(parents=True)
     for name in args.runs.split(","):
-        steps = args.steps if name in ("capped", "uncapped") else args.small_steps
+        steps = args.steps if name in BIG_RUNS else args.small_steps
         print(f"{name}: planning and training {steps} steps", flush=True)
         runs[name] = run_one(name, steps, workdir)
         print(json.dumps({k: runs[name].get(k) for k in ("knobs", "predicted", "measured", "error")}), flush=True)
@@ -107,12 +114,16 @@ def main() -> None:
 
 
 def figures(runs: dict) -> dict:
+    """The runs, and for each precision whose capped and uncapped runs both measured, their tokens/s and ratio."""
     result = {"plans": list(runs.values())}
-    capped, uncapped = runs.get("capped", {}).get("measured"), runs.get("uncapped", {}).get("measured")
-    if capped and uncapped:
-        result.update(capped_tokens_per_s=capped["tokens_per_s"], uncapped_tokens_per_s=uncapped["tokens_per_s"],
-                      capped_vs_uncapped=capped["tokens_per_s"] / uncapped["tokens_per_s"],
-                      capped_peak_gpu_memory_bytes=capped["peak_gpu_memory_bytes"])
+    for precision, suffix in (("full", ""), ("lower", "-lower")):
+        capped = runs.get(f"capped{suffix}", {}).get("measured")
+        uncapped = runs.get(f"uncapped{suffix}", {}).get("measured")
+        if capped and uncapped:
+            result.update({f"capped_tokens_per_s_{precision}": capped["tokens_per_s"],
+                           f"uncapped_tokens_per_s_{precision}": uncapped["tokens_per_s"],
+                           f"capped_vs_uncapped_{precision}": capped["tokens_per_s"] / uncapped["tokens_per_s"],
+                           f"capped_peak_gpu_memory_bytes_{precision}": capped["peak_gpu_memory_bytes"]})
     return result
 
 
