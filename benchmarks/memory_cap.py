@@ -38,17 +38,20 @@ KNOB_RUNS = {  # name -> knobs pinned on the small model (the rest at their defa
 SMALL_BASE = {"micro_batch_size": 4, "recompute": ["block"]}
 
 
-BIG_RUNS = {  # name -> (capped, precision flag): the 8B at each precision, under the cap and uncapped
-    "capped": (True, "--full-precision"), "uncapped": (False, "--full-precision"),
-    "capped-lower": (True, "--lower-precision"), "uncapped-lower": (False, "--lower-precision"),
+BIG_RUNS = {  # name -> (capped, precision flag, pins): the 8B at each precision, under the cap and uncapped
+    "capped": (True, "--full-precision", ()), "uncapped": (False, "--full-precision", ()),
+    "capped-lower": (True, "--lower-precision", ()), "uncapped-lower": (False, "--lower-precision", ()),
+    # the CPU's optimizer step overlapped with the next forward pass (knobs.overlap_cpu_step), pinned
+    "capped-overlap": (True, "--full-precision", ("--set", "knobs.overlap_cpu_step=true")),
+    "capped-lower-overlap": (True, "--lower-precision", ("--set", "knobs.overlap_cpu_step=true")),
 }
 
 
 def plan_command(name: str, path: Path) -> list[str]:
     if name in BIG_RUNS:
-        capped, precision = BIG_RUNS[name]
+        capped, precision, pins = BIG_RUNS[name]
         cap = ["--gpu-mem", CAP] if capped else []
-        return ["fastml", "plan", "--model", BIG, "--gpus", "1", *cap, precision, "-o", str(path)]
+        return ["fastml", "plan", "--model", BIG, "--gpus", "1", *cap, precision, *pins, "-o", str(path)]
     from fastml.plan import pinned
     sets = [arg for s in pinned(**SMALL_BASE, **KNOB_RUNS[name]) for arg in ("--set", s)]
     return ["fastml", "plan", "--model", SMALL, "--gpus", "1", "--full-precision", *sets, "-o", str(path)]

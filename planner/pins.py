@@ -58,6 +58,9 @@ def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, devi
                 by = ("is pinned to" if other in pins else f"{device.name} trains with" if other in device_knobs
                       else "another pin sets it to")
                 fail(f"knobs.{name}", f"{needs}, which {by} {fixed[other]!r}")
+    if fixed.get("overlap_cpu_step") and round(fixed.get("offload_optimizer", 1.0) * spec.num_layers) == 0:
+        fail("knobs.overlap_cpu_step", "overlaps the CPU's optimizer step, and knobs.offload_optimizer "
+                                       f"{fixed['offload_optimizer']} steps nothing on the CPU")
     streams_all = round(fixed.get("offload_weights", 0.0) * spec.num_layers) == spec.num_layers
     for name in ("cache_weights_on_host", "cache_fp8_weights"):
         if fixed.get(name) and streams_all:
@@ -69,8 +72,11 @@ def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, devi
 
 def pinned_space(space: dict[str, tuple], fixed: dict, spec: ModelSpec) -> dict[str, tuple]:
     """The search space with each knob of `fixed` (`checked_pins`) at its one value; where a pinned cache needs
-    blocks whose weights stay on the GPU, offload_weights left below every block."""
+    blocks whose weights stay on the GPU, offload_weights left below every block; where a pinned overlap needs a CPU
+    step, offload_optimizer above none."""
     space = {**space, **{name: (value,) for name, value in fixed.items()}}
+    if fixed.get("overlap_cpu_step") and "offload_optimizer" in space:  # something to overlap: a CPU step
+        space["offload_optimizer"] = tuple(f for f in space["offload_optimizer"] if round(f * spec.num_layers) > 0)
     if (fixed.get("cache_weights_on_host") or fixed.get("cache_fp8_weights")) and "offload_weights" in space:
         space["offload_weights"] = tuple(f for f in space["offload_weights"]
                                          if round(f * spec.num_layers) < spec.num_layers)
@@ -87,6 +93,8 @@ def _ties(name: str, value) -> dict[str, object]:
         return {"shard_weights": True}
     if name == "cache_fp8_weights" and value:  # weights sharded over GPUs are cast as they are gathered
         return {"matmul_dtype": "fp8", "shard_weights": False}
+    if name == "overlap_cpu_step" and value:
+        return {"shard_optimizer": False}
     if name == "offload_master" and value:  # bf16 masters are the weights themselves: no copy to move
         return {"master_dtype": "fp32"}
     if name == "master_dtype" and value == "bf16":
@@ -111,7 +119,7 @@ def _not_on_device(name: str, value, spec: ModelSpec, seq_len: int, device: Devi
         return fp8_shape_problem(spec, seq_len) if name == "matmul_dtype" and value == "fp8" else ""
     if value == default:
         return ""  # off, or the default, does nothing anywhere
-    if info.kind == "offload" and device.kind == "cpu":
+    if (info.kind == "offload" or name == "overlap_cpu_step") and device.kind == "cpu":
         return f"{device.name} trains in host memory, so offload to host memory would move nothing; leave it at 0"
     if info.kind == "offload" and round(value * spec.num_layers) == 0:
         return (f"that is no whole layer of {spec.name}'s {spec.num_layers}: offload at least "

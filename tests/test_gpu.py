@@ -152,6 +152,22 @@ def test_offloaded_optimizer_steps_on_the_cpu_within_rounding(tmp_path, no_offlo
     assert losses == pytest.approx(no_offload_losses, rel=2e-3)
 
 
+@pytest.mark.parametrize("knobs", [
+    dict(offload_optimizer=1.0),  # resident weights: the CPU's results come back through the staging stream
+    dict(offload_optimizer=0.5, offload_weights=0.5, offload_gradients=0.5),
+    dict(offload_optimizer=1.0, offload_weights=1.0, offload_gradients=1.0, offload_master=1.0,
+         offload_residuals=1.0),
+    dict(offload_optimizer=1.0, offload_weights=0.75, offload_gradients=1.0, optimizer_dtype="bf16",
+         master_dtype="bf16"),
+])
+def test_the_overlapped_cpu_step_changes_no_loss_on_gpu(tmp_path, knobs):
+    """knobs.overlap_cpu_step changes when the forward pass waits for the CPU's step, not what either computes: the
+    losses of the same plan without it, bit for bit (a forward pass that read a block's weights before its step
+    was done would differ)."""
+    assert offload_losses(tmp_path, "overlap.jsonl", overlap_cpu_step=True, **knobs) == \
+        offload_losses(tmp_path, "plain.jsonl", **knobs)
+
+
 def test_offload_with_compile_trains(tmp_path):
     """Streamed weights are fresh GPU tensors at every call of a compiled block: no recompilation error, and the
     loss falls as it does without offload."""

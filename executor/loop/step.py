@@ -42,7 +42,9 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
     knobs = plan.knobs
     placement = optimizer.placement
     micro_batches = knobs.grad_accum_steps * world.size
-    fp8.refresh_weight_caches(model)  # the weights as the last step left them, cast to fp8 once for this one
+    if fp8.cached_linears(model):  # the weights as the last step left them, cast to fp8 once for this one
+        optimizer.finish_steps()
+        fp8.refresh_weight_caches(model)
     losses = []
     for micro in range(knobs.grad_accum_steps):
         if placement is not None:
@@ -52,6 +54,8 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
             loss = model.loss(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True),
                               knobs.lm_head_chunks)
         loss = hooks.after_loss(step + 1, loss)
+        if micro == 0:  # the last step's CPU work is done before this step's gradients take its inputs' place
+            optimizer.finish_steps()
         (loss / micro_batches).backward()
         losses.append(loss.detach())
         if micro == 0:

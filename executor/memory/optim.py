@@ -3,7 +3,9 @@ learning-rate schedule."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -66,6 +68,11 @@ class AdamW(torch.optim.Optimizer):
         if cpu_steps:
             cpu_adam.load()  # built now, before training starts, if this machine has not built it yet
         self.crosses_pcie = bool(cpu_steps or host_masters)
+        # knobs.overlap_cpu_step: one worker thread steps the CPU's groups in order (fastml's op releases the GIL)
+        self._worker = ThreadPoolExecutor(1, "fastml-cpu-step") if knobs.overlap_cpu_step and cpu_steps else None
+        self._stepping: dict[str, Future] = {}  # group -> its pending background step
+        if self._worker is not None and placement is not None:
+            placement.wait_for_step = self.wait_group
         master_dtype, state_dtype = DTYPES[knobs.master_dtype], DTYPES[knobs.optimizer_dtype]
         self.stochastic = knobs.stochastic_rounding
         if self.stochastic and self.device.type == "cuda":
@@ -178,27 +185,65 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
+        """Steps every group. With knobs.overlap_cpu_step the groups that step on the CPU go to the worker thread in
+        order, their inputs taken now, and `step` returns without waiting for them (`wait_group`, `wait`)."""
         if closure is not None:
             raise ValueError("this AdamW takes no closure: the training loop computes the loss before the step")
         self._finish_backward()
         for group in self.param_groups:
+            cpu_work = []
             for decays in (True, False):
                 params = [p for p, d in zip(group["params"], group["decay"])
                           if d == decays and p in self.pieces and self._grad(group, p)[0] is not None]
-                if params:
-                    step = self._cpu_step if group["on_cpu"] else self._step
-                    step(group, params, group["weight_decay"] if decays else 0.0)
+                if not params:
+                    continue
+                weight_decay = group["weight_decay"] if decays else 0.0
+                if group["on_cpu"]:
+                    cpu_work.append(self._cpu_step(group, params, weight_decay))
+                else:
+                    self._step(group, params, weight_decay)
+            if self._worker is not None and cpu_work:
+                self._stepping[group["layer"]] = self._worker.submit(self._in_background, cpu_work)
+                continue
+            for work in cpu_work:
+                work()
             if self.parallel is not None:
                 if self.staging.stream is not None:  # the CPU step's weights, written back on the side stream
                     torch.cuda.current_stream().wait_stream(self.staging.stream)
                 self.parallel.gather_updated(group["layer"], self.placement.host_flat(group["layer"]))
-        if self.device.type == "cuda" and self.crosses_pcie:
-            torch.cuda.synchronize(self.device)  # copies written without blocking, on any stream, are complete
+        if not self._stepping:
+            self.wait()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        if self.parallel is not None:
-            self.parallel.zero_grad()
+    def _in_background(self, work: list) -> object:
+        """One group's CPU step on the worker thread (whose grad mode and CUDA device are its own); returns the event
+        after which its weights written back to the GPU have arrived, or None."""
+        with torch.no_grad(), torch.cuda.device(self.device) if self.device.type == "cuda" else \
+                contextlib.nullcontext():
+            for step in work:
+                step()
+            return self.staging.stream.record_event() if self.staging.stream is not None else None
+
+    def wait_group(self, layer: str) -> None:
+        """Waits for the background step of group `layer`, if one is pending, and has the compute stream wait for
+        the weights it sent to the GPU. An error of that step is raised here."""
+        future = self._stepping.pop(layer, None)
+        if future is None:
+            return
+        sent = future.result()
+        if sent is not None:
+            torch.cuda.current_stream(self.device).wait_event(sent)
+
+    def finish_steps(self) -> None:
+        """Waits for every group's background step (the forward pass waits for each in its place: `wait_group`)."""
+        for layer in list(self._stepping):
+            self.wait_group(layer)
+
+    def wait(self) -> None:
+        """Waits until the step is complete everywhere: the background steps, and the copies written without
+        blocking, on any stream, that the host reads next (checkpoints, evaluation)."""
+        self.finish_steps()
+        if self.device.type == "cuda" and self.crosses_pcie:
+            torch.cuda.synchronize(self.device)
 
     def _step(self, group: dict, params: list[torch.Tensor], weight_decay: float) -> None:
         """The step on the training device; master weights, gradients or weights kept in host memory come over
@@ -253,41 +298,51 @@ class AdamW(torch.optim.Optimizer):
         """The seed of the stochastic rounding of `p`'s step `step`: one per run seed, parameter and step."""
         return ((self.seed * 1_000_003 + self.index[p]) * 1_000_000_007 + step) % 2**63
 
-    def _cpu_step(self, group: dict, params: list[torch.Tensor], weight_decay: float) -> None:
-        """The step in host memory with the C++ AdamW, parameter by parameter. A gradient, master or weight on the
-        GPU comes over and goes back around it in slices of CPU_STEP_CHUNK elements through reused pinned buffers
-        (`_Staging`), so that the host needs little memory beyond the tensors that live there."""
+    def _cpu_step(self, group: dict, params: list[torch.Tensor], weight_decay: float):
+        """The step in host memory with the C++ AdamW, parameter by parameter, as a function to call; its inputs (the
+        gradients, the clip coefficient, the learning rate) are taken now, so that it may run after the loop has
+        moved on (knobs.overlap_cpu_step). A gradient, master or weight on the GPU comes over and goes back around it
+        in slices of CPU_STEP_CHUNK elements through reused pinned buffers (`_Staging`), so that the host needs
+        little memory beyond the tensors that live there."""
         beta1, beta2 = group["betas"]
+        lr, eps = group["lr"], group["eps"]
         scale = self.clip_coef.item() if self.clip_coef is not None else 1.0
-        for p in params:
-            state = self.state[p]
-            state["step"] += 1
-            grad, on_host = self._grad(group, p)
-            grad_scale = scale if on_host else 1.0  # GPU ones are clipped
-            master = self._master(group, p)
-            # The rounded weights: into the host copy of a streamed weight, or over to the GPU.
-            weight = self._weight(group, p) if "master" in state else None
-            flat = [t.reshape(-1) if t is not None else None
-                    for t in (master, state["exp_avg"], state["exp_avg_sq"], grad, weight)]
-            offset = self.pieces[p].start
-            for start in range(0, flat[0].numel(), CPU_STEP_CHUNK):
-                master_s, m_s, v_s, grad_s, weight_s = [t[start:start + CPU_STEP_CHUNK] if t is not None else None
-                                                        for t in flat]
-                self.staging.begin_slice()
-                master_here, grad_here = self.staging.fetch(master_s), self.staging.fetch(grad_s)
-                weight_here = self.staging.slot(weight_s) if weight_s is not None else None
-                step = int(state["step"])
-                cpu_adam.adamw_step_(master_here, m_s, v_s, grad_here, weight_here, group["lr"], beta1, beta2,
-                                     group["eps"], weight_decay, step, grad_scale, seed=self.rounding_seed(p, step),
-                                     offset=offset + start)
-                self.staging.send(master_here, master_s)
-                if weight_here is not None:
-                    self.staging.send(weight_here, weight_s)
+        grads = [self._grad(group, p) for p in params]
+
+        def step() -> None:
+            for p, (grad, on_host) in zip(params, grads):
+                self._cpu_step_param(p, group, grad, scale if on_host else 1.0, lr, beta1, beta2, eps, weight_decay)
+        return step
+
+    def _cpu_step_param(self, p: nn.Parameter, group: dict, grad: torch.Tensor, grad_scale: float, lr: float,
+                        beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+        """One parameter's CPU step; `grad_scale` clips a gradient in host memory (those on the GPU are clipped)."""
+        state = self.state[p]
+        state["step"] += 1
+        step = int(state["step"])
+        master = self._master(group, p)
+        # The rounded weights: into the host copy of a streamed weight, or over to the GPU.
+        weight = self._weight(group, p) if "master" in state else None
+        flat = [t.reshape(-1) if t is not None else None
+                for t in (master, state["exp_avg"], state["exp_avg_sq"], grad, weight)]
+        offset = self.pieces[p].start
+        for start in range(0, flat[0].numel(), CPU_STEP_CHUNK):
+            master_s, m_s, v_s, grad_s, weight_s = [t[start:start + CPU_STEP_CHUNK] if t is not None else None
+                                                    for t in flat]
+            self.staging.begin_slice()
+            master_here, grad_here = self.staging.fetch(master_s), self.staging.fetch(grad_s)
+            weight_here = self.staging.slot(weight_s) if weight_s is not None else None
+            cpu_adam.adamw_step_(master_here, m_s, v_s, grad_here, weight_here, lr, beta1, beta2, eps, weight_decay,
+                                 step, grad_scale, seed=self.rounding_seed(p, step), offset=offset + start)
+            self.staging.send(master_here, master_s)
+            if weight_here is not None:
+                self.staging.send(weight_here, weight_s)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Everything a resumed run needs, by parameter name: master weights (where the parameters are not their own)
         and Adam's m, v and step, of this rank's piece of each parameter (`state_ranges` says which part, where it
         is not all of it)."""
+        self.wait()
         tensors = {}
         for name, state in self._named_states():
             for key, value in state.items():
@@ -312,6 +367,7 @@ class AdamW(torch.optim.Optimizer):
         """Sets the state from a checkpoint's: `read(key, start, end)` returns elements [start, end) of the flattened
         tensor `key` (e.g. "exp_avg/embed.weight"), or None where the checkpoint has none (one written before the
         first step has no Adam state)."""
+        self.wait()
         for group in self.param_groups:
             for name, p in zip(group["param_names"], group["params"]):
                 piece = self.pieces.get(p)

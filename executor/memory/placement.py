@@ -72,6 +72,10 @@ class Placement:
         self._saved_by_reference = None  # the running block's saved-tensor hooks
         self._accumulated: dict[str, int] = {}  # group -> parameters whose gradient this backward has accumulated
         self.micro_batch, self.last_micro_batch = 0, True
+        self.overlapped = plan.knobs.overlap_cpu_step
+        self.wait_for_step = lambda group: None
+        """knobs.overlap_cpu_step: waits for a group's optimizer step still running on the CPU (set by the
+        optimizer, optim.AdamW.wait_group); called before a forward pass first reads the group's weights."""
 
     def _source(self, group: str) -> WeightSource:
         return self.parallel if group in self.sharded else self.offload
@@ -110,12 +114,24 @@ class Placement:
             for index, block in enumerate(model.blocks):
                 block.register_forward_pre_hook(self._before_block(index))
                 block.register_forward_hook(self._after_block(index), always_call=True)
+        if self.overlapped:
+            self._wait_for_steps_before_use(model)
         if "embed" in self.sharded:  # its backward pass reads no weights: gathered for the lookup alone
             model.embed.register_forward_pre_hook(_eager(lambda module, args: self._acquire_embed()))
             model.embed.register_forward_hook(_eager(lambda module, args, out: self._release("embed")))
         if "head" in self.sharded:  # the final norm and the LM head, until their gradients are made
             tied = model.lm_head is None and "embed" in self.sharded
             model.norm.register_forward_pre_hook(_eager(lambda module, args: self._acquire_head(tied)))
+
+    def _wait_for_steps_before_use(self, model: nn.Module) -> None:
+        """knobs.overlap_cpu_step: each group's weights are read only once its step is done. A streamed block's are
+        read by their fetch (`_fetch_weights`), one block ahead; the others' by the module that computes with
+        them: the embedding's lookup, the block, the final norm and LM head."""
+        users = {"embed": model.embed, "head": model.norm,
+                 **{block_group(i): block for i, block in enumerate(model.blocks)}}
+        for group, module in users.items():
+            if group not in self.fetched:
+                module.register_forward_pre_hook(_eager(lambda module, args, group=group: self.wait_for_step(group)))
 
     # --- the step's phases, called by the loop and the optimizer ----------------------------------------------------
 
@@ -215,6 +231,7 @@ class Placement:
 
     def _fetch_weights(self, group: str, backward: bool = False) -> None:
         if group in self.fetched and group not in self._fetched:
+            self.wait_for_step(group)  # its source's copy is what the optimizer's step writes
             self._fetched[group] = self._source(group).fetch(group, backward)
 
     def _weights_saved_by_reference(self, group: str):
