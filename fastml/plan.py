@@ -252,8 +252,7 @@ KNOBS: dict[str, KnobInfo] = {
     # fp8 matmuls save time, not memory: their casts and scales come on top of the bf16 weights (planner/memory.py)
     "matmul_dtype": KnobInfo("precision", ("bf16", "fp8"), lower_precision=True, least_memory="bf16"),
     "cache_fp8_weights": KnobInfo("speed", (False, True), lower_precision=True, least_memory=False),
-    # Not searched yet: pinned with --set until a GPU run has measured it against the simulation.
-    "overlap_cpu_step": KnobInfo("speed", (False,), least_memory=False),
+    "overlap_cpu_step": KnobInfo("speed", (False, True), least_memory=False),
     "optimizer_dtype": KnobInfo("precision", ("fp32", "bf16"), lower_precision=True, least_memory="bf16"),
     "master_dtype": KnobInfo("precision", ("fp32", "bf16"), lower_precision=True, least_memory="bf16"),
     # The memcpy collectives add a GPU staging row to their buffers in host memory (planner/memory.py).

@@ -141,7 +141,8 @@ class _Prediction:
     """The blocks' forward passes and recomputation in a step, as they were predicted."""
     forward_passes: int
     cpu_step_s: float
-    """The CPU's optimizer steps, as they were predicted (they follow the backward pass, exposed)."""
+    """The CPU's optimizer steps, as they were predicted (they follow the backward pass, exposed; overlapped with the
+    next step, the part the GPU waits for)."""
 
 
 def _predict(plan: Plan, profile: dict) -> _Prediction:
@@ -160,6 +161,8 @@ def _predict(plan: Plan, profile: dict) -> _Prediction:
     groups = group_params(plan.model)
     shard = h.num_gpus if k.shard_optimizer else 1
     cpu_step_s = sum(groups[g] for g in placement(plan.model, k).cpu_steps) / shard * c.cpu_adam_per_param
+    if k.overlap_cpu_step:  # only what the GPU waits for is in the step: at most its optimizer time
+        cpu_step_s = min(cpu_step_s, simulation.time_s["optimizer"])
     return _Prediction(simulation.step_time_s, simulation.time_s, candidate.memory.gpu_total,
                        candidate.memory.gpu["activations"] if k.compile else 0, passes, forward_s, forward_passes,
                        cpu_step_s)

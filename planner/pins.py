@@ -119,7 +119,9 @@ def _not_on_device(name: str, value, spec: ModelSpec, seq_len: int, device: Devi
         return fp8_shape_problem(spec, seq_len) if name == "matmul_dtype" and value == "fp8" else ""
     if value == default:
         return ""  # off, or the default, does nothing anywhere
-    if (info.kind == "offload" or name == "overlap_cpu_step") and device.kind == "cpu":
+    if name == "overlap_cpu_step" and device.kind == "cpu":
+        return f"{device.name} trains in host memory: its optimizer step is the device's own, nothing to overlap"
+    if info.kind == "offload" and device.kind == "cpu":
         return f"{device.name} trains in host memory, so offload to host memory would move nothing; leave it at 0"
     if info.kind == "offload" and round(value * spec.num_layers) == 0:
         return (f"that is no whole layer of {spec.name}'s {spec.num_layers}: offload at least "

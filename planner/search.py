@@ -65,6 +65,8 @@ def knob_space(problem: Problem, lower_precision: bool) -> dict[str, tuple]:
     """The choices of each knob (fastml.plan.KNOBS); a knob with one choice is fixed."""
     space = {"micro_batch_size": micro_batch_choices(problem)}
     for name, info in KNOBS.items():
+        if name == "overlap_cpu_step":  # not searched: the faster of on and off (`evaluate_choice`)
+            continue
         choices = info.choices
         # fp8 where the GPU has fp8 tensor cores and the matmuls' shapes suit them at every micro-batch (a sequence
         # length that is a multiple of 16 makes every micro-batch's tokens one)
@@ -144,6 +146,27 @@ def evaluate(problem: Problem, knobs: Knobs) -> Candidate:
     if gpu_over <= 0 and host_over <= 0:
         sim = simulate(problem.spec, problem.seq_len, knobs, problem.machine)
     return Candidate(knobs=knobs, memory=m, simulation=sim, gpu_over_bytes=gpu_over, host_over_bytes=host_over)
+
+
+def evaluate_choice(problem: Problem, choice: dict) -> Candidate:
+    """`evaluate` of the knobs a choice of the searched ones makes; where the choice leaves knobs.overlap_cpu_step
+    open (it is pinned, or not searched), the faster of the plan with the CPU's step overlapped and without. The
+    overlap needs no memory, and it wins where the CPU's step is the end of the step; where the GPU's own steps of
+    the other groups already hid it, moving it before the forward pass exposes it instead. Deciding it here, not in
+    the search, keeps the search's trials for the knobs that trade memory."""
+    candidate = evaluate(problem, make_knobs(problem, choice))
+    knobs = candidate.knobs
+    if "overlap_cpu_step" in choice or not candidate.feasible or knobs.overlap_cpu_step:
+        return candidate
+    values = without_no_ops(problem.spec, {**dataclasses.asdict(knobs), "overlap_cpu_step": True},
+                            problem.machine.num_gpus)
+    if not values["overlap_cpu_step"]:  # nothing to overlap
+        return candidate
+    overlapped = Knobs(**values)
+    sim = simulate(problem.spec, problem.seq_len, overlapped, problem.machine)
+    if sim.step_time_s >= candidate.simulation.step_time_s:
+        return candidate
+    return dataclasses.replace(candidate, knobs=overlapped, simulation=sim)
 
 
 def tokens_per_s(problem: Problem, candidate: Candidate) -> float:
@@ -234,9 +257,9 @@ def _ranked_choices(problem: Problem, choices, feasible_only: bool = False) -> l
     first_choice: dict[Knobs, dict] = {}
     for choice in choices:
         first_choice.setdefault(make_knobs(problem, choice), choice)
-    candidates = (evaluate(problem, knobs) for knobs in first_choice)
-    ranked = rank(problem, [c for c in candidates if c.feasible or not feasible_only])
-    return [(first_choice[c.knobs], c) for c in ranked]
+    evaluated = {(c := evaluate_choice(problem, choice)).knobs: (choice, c) for choice in first_choice.values()}
+    ranked = rank(problem, [c for _, c in evaluated.values() if c.feasible or not feasible_only])
+    return [(evaluated[c.knobs][0], c) for c in ranked]
 
 
 def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: str | None = None,
@@ -270,7 +293,7 @@ def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: 
         choice = {name: _decode(name, trial.suggest_categorical(name, options)) for name, options in encoded.items()}
         knobs = make_knobs(problem, choice)
         if knobs not in seen:
-            seen[knobs] = evaluate(problem, knobs)
+            seen[knobs] = evaluate_choice(problem, choice)
         speed = tokens_per_s(problem, seen[knobs])
         trials_done, best = trials_done + 1, max(best, speed)
         if on_trial:
@@ -280,9 +303,10 @@ def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: 
     study.optimize(objective, n_trials=num_trials)
     for trial in study.trials:  # trials of an earlier session of a resumed study
         if trial.params and set(trial.params) == set(encoded):
-            knobs = make_knobs(problem, {n: _decode(n, v) for n, v in trial.params.items()})
+            choice = {n: _decode(n, v) for n, v in trial.params.items()}
+            knobs = make_knobs(problem, choice)
             if seen.get(knobs) is None:
-                seen[knobs] = evaluate(problem, knobs)
+                seen[knobs] = evaluate_choice(problem, choice)
     ranked = rank(problem, list(seen.values()))
     if exhaustive_search:
         return ranked
@@ -317,7 +341,7 @@ def _polish(problem: Problem, space: dict[str, tuple], seen: dict[Knobs, Candida
             if budget[0] <= 0:
                 raise _OutOfBudget
             budget[0] -= 1
-            seen[knobs] = evaluate(problem, knobs)
+            seen[knobs] = evaluate_choice(problem, choice)
         return tokens_per_s(problem, seen[knobs])
 
     current, best = {name: getattr(start.knobs, name) for name in space}, tokens_per_s(problem, start)

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     import networkx as nx
 
 SIMULATED_MICRO_BATCHES = 3
+STAGING = " (cpu step)"
+"""The copies of a CPU step that overlaps the next step (knobs.overlap_cpu_step) run on their own stream
+(executor/memory/optim.py, `_Staging`), not in order with the step's other copies: their own resources."""
 # Where the compute stream waits on an op of this kind, the wait is charged to this component.
 _WAIT_COMPONENT = {"comm": "exposed_comm", "offload": "exposed_offload", "optimizer": "optimizer"}
 
@@ -117,6 +120,7 @@ def simulate(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> S
 def schedule(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> dict[str, Op]:
     """The step's ops, each placed as it is added (`_StepGraph.add`)."""
     step = _StepGraph(spec, seq_len, knobs, machine)
+    step.last_steps_cpu_work()
     num_micro = min(knobs.grad_accum_steps, SIMULATED_MICRO_BATCHES)
     for m in range(num_micro):
         step.forward(m)
@@ -160,6 +164,9 @@ class _StepGraph:
         # Per stream, the op after which each GPU buffer's last block is done with it, oldest first.
         self.buffer_users = {kind: deque(maxlen=STREAM_BUFFER_LAYERS) for kind in self.streamed}
         self.last_grad: dict[int | str, str] = {}  # per group, the op after which its gradient is final (GPU or host)
+        # knobs.overlap_cpu_step: the CPU steps its groups after this step's clipping, into the next step
+        self.overlapped = knobs.overlap_cpu_step and bool(self.place.cpu_steps)
+        self.stepped: dict[str, str] = {}  # per group, the op after which the last step's CPU work left its weights
 
     def add(self, name: str, resource: str, duration_s: float, category: str, deps=(), alloc=(), free=(),
             micro_batch: int | None = None) -> str:
@@ -211,7 +218,7 @@ class _StepGraph:
         streamed = self.groups[layer] in self.place.streamed_weights
         if streamed and not sharded:  # the copies wait for the compute queued before them (the fp8 cache's cast)
             return self.add(f"h2d weights L{layer} {tag}", "h2d", c.layer_weights_h2d, "offload",
-                            [self.buffer_free("weights"), self.cache_op])
+                            [self.buffer_free("weights"), self.cache_op, self.stepped.get(self.groups[layer])])
         if not sharded:
             return None
         if backward and k.cache_weights_on_host and not streamed:
@@ -243,8 +250,10 @@ class _StepGraph:
 
     def forward(self, m: int) -> None:
         c = self.c
-        if m == 0 and self.fp8_cached:  # the step's one cast of the cached fp8 weights (executor/loop/step.py)
-            self.cache_op = self.compute("cache fp8 weights", len(self.fp8_cached) * c.layer_weight_cache, "compute")
+        if m == 0 and self.fp8_cached:  # the step's one cast of the cached fp8 weights (executor/loop/step.py), of
+            # every weight as the last step left it
+            self.cache_op = self.compute("cache fp8 weights", len(self.fp8_cached) * c.layer_weight_cache, "compute",
+                                         list(self.stepped.values()))
         if self.multi and self.knobs.shard_weights:  # gathered at the start of the pass, waited for at once
             self.compute(f"embed mb{m}", 0.0, "compute", [self.collective(f"gather embed mb{m}", c.embed_gather,
                                                                          [self.prefetch_slot()])])
@@ -254,8 +263,12 @@ class _StepGraph:
             kept = [(f"act {m} {layer}", self.act_bytes - offloaded * self.input_bytes)]
             if offloaded:
                 kept.append((f"input {m} {layer}", self.input_bytes))
+            # The executor's prefetch of a streamed next block waits for that block's step before this block runs
+            following = self.groups[layer + 1] if layer + 1 < self.num_layers else None
+            stepped = [self.stepped.get(self.groups[layer]), self.stepped.get("embed") if layer == 0 else None,
+                       self.stepped.get(following) if following in self.place.streamed_weights else None]
             fwd = self.compute(f"fwd L{layer} mb{m}", c.layer_forward + self.weight_casts(layer, "forward"),
-                               "compute", [ready], alloc=kept)
+                               "compute", [ready, *stepped], alloc=kept)
             self.release("weights", layer, fwd)
             self.cache_weights(layer, fwd)
             if offloaded:
@@ -268,7 +281,7 @@ class _StepGraph:
         ready = None
         if self.multi and self.knobs.shard_weights:
             ready = self.collective(f"gather head mb{m}", self.c.head_gather, [self.prefetch_slot()])
-        head = self.compute(f"head mb{m}", self.c.head_forward_backward, "compute", [ready])
+        head = self.compute(f"head mb{m}", self.c.head_forward_backward, "compute", [ready, self.stepped.get("head")])
         if self.multi and (self.knobs.shard_gradients or last):
             self.last_grad["head"] = self.collective(f"reduce grads head mb{m}", self.c.head_grad_reduce, [head])
 
@@ -337,13 +350,24 @@ class _StepGraph:
         return [self.add(f"h2d grads L{layer} mb{m}", "h2d", self.c.layer_grads_h2d, "offload",
                          [f"d2h grads L{layer} mb{m - 1}", free])]
 
+    def last_steps_cpu_work(self) -> None:
+        """knobs.overlap_cpu_step: the CPU steps of the step before, begun as its gradients were clipped (time 0 of
+        this step, the steps being alike), run while this step starts; each group's first use waits for its own
+        (`stepped`)."""
+        if self.overlapped:
+            for group in self.group_params:
+                if group in self.place.cpu_steps:
+                    self.stepped[group] = self.cpu_step(group, None, self.cpu_inputs_down(group, None, " (last step)"),
+                                                        " (last step)")
+
     def optimizer_step(self) -> None:
         """After the whole backward pass and gradient clipping (the global norm needs every gradient): the CPU
         steps the groups whose Adam states live on the host, one after another, while the copy engines bring
-        their inputs down and their results up; the GPU steps the others, fetching what they keep on the host into
-        one group's workspace at a time."""
+        their inputs down and their results up (with knobs.overlap_cpu_step it does so into the next step:
+        `last_steps_cpu_work`); the GPU steps the others, fetching what they keep on the host into one group's
+        workspace at a time."""
         clip = self.compute("clip gradients", self.c.grad_clip, "optimizer", list(self.last_grad.values()))
-        on_cpu = [g for g in self.group_params if g in self.place.cpu_steps]
+        on_cpu = [g for g in self.group_params if g in self.place.cpu_steps and not self.overlapped]
         on_gpu = [g for g in self.group_params if g not in self.place.cpu_steps]
         cpu_inputs = {group: self.cpu_inputs_down(group, clip) for group in on_cpu}  # first: they wait for nothing
         resident = [g for g in on_gpu if self.place.gpu_step_transfers(g) == (0, 0)]
@@ -380,19 +404,21 @@ class _StepGraph:
             return step
         return self.add(f"d2h updated {group}", "d2h", back_bytes * c.d2h_per_byte, "offload", [step])
 
-    def cpu_inputs_down(self, group: str, clip: str) -> str | None:
+    def cpu_inputs_down(self, group: str, clip: str | None, tag: str = "") -> str | None:
         down_bytes = self.place.cpu_step_transfers(group)[0] * self.share(group)
         if not down_bytes:
             return None
-        return self.add(f"d2h optimizer inputs {group}", "d2h", down_bytes * self.c.d2h_per_byte, "offload", [clip])
+        return self.add(f"d2h optimizer inputs {group}{tag}", f"d2h{tag and STAGING}", down_bytes * self.c.d2h_per_byte,
+                        "offload", [clip])
 
-    def cpu_step(self, group: str, clip: str, inputs: str | None) -> str:
-        step = self.add(f"cpu adam {group}", "cpu", self.share(group) * self.c.cpu_adam_per_param, "optimizer",
+    def cpu_step(self, group: str, clip: str | None, inputs: str | None, tag: str = "") -> str:
+        step = self.add(f"cpu adam {group}{tag}", "cpu", self.share(group) * self.c.cpu_adam_per_param, "optimizer",
                         [clip, inputs])
         up_bytes = self.place.cpu_step_transfers(group)[1] * self.share(group)
         if not up_bytes:
             return step
-        return self.add(f"h2d updated {group}", "h2d", up_bytes * self.c.h2d_per_byte, "offload", [step])
+        return self.add(f"h2d updated {group}{tag}", f"h2d{tag and STAGING}", up_bytes * self.c.h2d_per_byte, "offload",
+                        [step])
 
 
 def _breakdown(ops: dict[str, Op], last: str, window_start: float, window_end: float) -> dict[str, float]:

@@ -4,6 +4,7 @@ tensors move, when gradients are summed, which optimizer step runs where); tests
 streams."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from fastml.plan import Knobs, Plan, Training, offloaded_groups
 from small_model import SMALL
 from fastml.executor.loop.build import build_training_model
 from fastml.executor.memory.optim import AdamW
+from fastml.executor.loop import train as train_module
 from fastml.executor.loop.train import train
 
 SAME_ARITHMETIC = ["offload_weights", "offload_gradients", "offload_residuals", "offload_master"]
@@ -80,3 +82,52 @@ def test_a_parameter_left_without_a_gradient_is_an_error_not_a_hang():
     model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
     with pytest.raises(RuntimeError, match="blocks.0: 5 of its 6 parameters had a gradient in this backward pass"):
         optimizer.clip_grad_norm_(1.0)
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(offload_optimizer=1.0),
+    dict(offload_optimizer=0.5, offload_weights=0.5, offload_gradients=0.5),
+    dict(offload_optimizer=1.0, offload_weights=1.0, offload_gradients=1.0, offload_master=1.0,
+         offload_residuals=1.0, recompute=("block",)),
+])
+def test_the_overlapped_cpu_step_changes_no_loss(tmp_path, knobs):
+    """knobs.overlap_cpu_step moves the CPU's step onto a worker thread, not its arithmetic: the same losses."""
+    assert run_losses(tmp_path, "overlap.jsonl", overlap_cpu_step=True, **knobs) == \
+        run_losses(tmp_path, "plain.jsonl", **knobs)
+
+
+def test_the_next_forward_pass_waits_for_each_groups_step_and_no_more(monkeypatch, tmp_path):
+    """With knobs.overlap_cpu_step a forward pass uses a group's weights only once the group's step is done, and
+    the next step's forward pass starts before the whole step is done: the head's step, the last, is slowed, so
+    that the embedding and the blocks are used before it ends if (and only if) each waits for its own step alone."""
+    plan = cpu_plan(steps=3, offload_optimizer=1.0, offload_weights=0.5, offload_gradients=1.0,
+                    overlap_cpu_step=True)
+    events = []  # (what, group), appended by the main thread and by the worker
+    stepped_in_background = AdamW._in_background
+
+    def slow_head(self, layer, work):
+        sent = stepped_in_background(self, layer, work)
+        time.sleep(0.3 if layer == "head" else 0.0)
+        events.append(("stepped", layer))
+        return sent
+    monkeypatch.setattr(AdamW, "_in_background", slow_head)
+    build = train_module.build_training_model
+
+    def build_and_watch(*args, **kwargs):
+        model = build(*args, **kwargs)
+        users = {"embed": model.embed, "head": model.norm, **{f"blocks.{i}": b for i, b in enumerate(model.blocks)}}
+        for group, module in users.items():
+            module.register_forward_pre_hook(lambda module, inputs, group=group: events.append(("used", group)))
+        return model
+    monkeypatch.setattr(train_module, "build_training_model", build_and_watch)
+    train(plan, log_json=tmp_path / "log.jsonl", show_progress=False)
+
+    forward_passes = 0
+    for i, (what, group) in enumerate(events):
+        if what != "used":
+            continue
+        forward_passes += group == "embed"
+        steps_taken = min((forward_passes - 1) // plan.knobs.grad_accum_steps, plan.training.steps)
+        assert events[:i].count(("stepped", group)) >= steps_taken, (i, group)
+    first_step_done = events.index(("stepped", "head"))
+    assert ("used", "embed") in events[events.index(("stepped", "embed")):first_step_done]

@@ -509,6 +509,48 @@ def test_recomputed_fp8_linears_cast_their_weights_again_unless_cached():
     assert times[0] - times[1] == pytest.approx(recast, rel=1e-6)
 
 
+def test_an_overlapped_cpu_step_hides_behind_the_first_forward_pass():
+    """knobs.overlap_cpu_step: the last step's CPU work runs while this step starts, each block's first forward pass
+    after its own group's step; the step is shorter by at most the first micro-batch's forward pass (the head's
+    group, stepped last, holds back the head and all after it), and the same without a CPU step to overlap."""
+    spec, machine = PRESETS["llama-3.1-8b"], load_machine("h200", 1)
+    offload = dict(micro_batch_size=8, grad_accum_steps=2, recompute=("block",), offload_optimizer=1.0,
+                   offload_master=1.0, offload_gradients=1.0, offload_weights=1.0, offload_residuals=1.0)
+    plain = simulate(spec, 2048, Knobs(**offload), machine)
+    overlapped = simulate(spec, 2048, Knobs(**offload, overlap_cpu_step=True), machine)
+    ops = overlapped.ops
+    first_forward = plain.ops["fwd L31 mb0"].end  # from the step's start: its first weights' copy too
+    saved = plain.step_time_s - overlapped.step_time_s
+    assert 0.5 * first_forward < saved <= first_forward + 1e-9
+    assert ops["fwd L0 mb0"].start < ops["cpu adam head (last step)"].end  # the forward pass did not wait for all
+    for layer in range(spec.num_layers):
+        assert ops[f"h2d weights L{layer} mb0 fwd"].start >= ops[f"cpu adam blocks.{layer} (last step)"].end
+    assert ops["head mb0"].start >= ops["cpu adam head (last step)"].end
+    assert not any("cpu adam" in name and "(last step)" not in name for name in ops)  # none at this step's end
+    on_gpu = dict(micro_batch_size=8, grad_accum_steps=2, recompute=("block",))
+    assert simulate(spec, 2048, Knobs(**on_gpu, overlap_cpu_step=True), machine).step_time_s == \
+        simulate(spec, 2048, Knobs(**on_gpu), machine).step_time_s
+
+
+def test_the_cpu_step_is_overlapped_where_that_is_faster_unless_pinned():
+    """Not a searched knob: each plan takes the faster of the two. Overlapping wins where the CPU's step ends the
+    step (everything stepped on the CPU); it loses where the GPU's own steps of the other groups already hid it
+    (a quarter of the blocks on the CPU, the rest fetching host masters): the forward pass would wait for it."""
+    from fastml.planner.search import evaluate_choice
+
+    problem = Problem(PRESETS["llama-3.1-8b"], 2048, 2048 * 16, load_machine("h200", 1))
+    base = dict(micro_batch_size=4, recompute=("block",), offload_master=1.0)
+    hidden_at_the_end = evaluate_choice(problem, {**base, "offload_optimizer": 0.25})
+    exposed_at_the_end = evaluate_choice(problem, {**base, "offload_optimizer": 1.0})
+    assert not hidden_at_the_end.knobs.overlap_cpu_step and exposed_at_the_end.knobs.overlap_cpu_step
+    for candidate in (hidden_at_the_end, exposed_at_the_end):
+        other = simulate(problem.spec, 2048, dataclasses.replace(
+            candidate.knobs, overlap_cpu_step=not candidate.knobs.overlap_cpu_step), problem.machine)
+        assert candidate.simulation.step_time_s < other.step_time_s
+    pinned = evaluate_choice(problem, {**base, "offload_optimizer": 0.25, "overlap_cpu_step": True})
+    assert pinned.knobs.overlap_cpu_step
+
+
 # -------------------------------------------------------------------------------- pins: `--set knobs.NAME=VALUE`
 
 
@@ -564,6 +606,12 @@ def test_a_pinned_zero_stage_off_keeps_the_stages_above_it_off_on_cpu_processes(
      "knobs.cache_fp8_weights: True needs knobs.matmul_dtype 'fp8', and a100-80gb has no fp8 tensor cores"),
     (dict(hw="h200", gpus=1), ["knobs.offload_gradients=0.1"], "0.1: that is no whole layer of tiny's 4"),
     (dict(hw="h100-sxm", gpus=8, nodes=2), ["knobs.comm=memcpy"], "copy through one node's host memory"),
+    (dict(device="cpu"), ["knobs.overlap_cpu_step=true"], "knobs.overlap_cpu_step: True: this CPU trains in host "
+                                                          "memory: its optimizer step is the device's own"),
+    (dict(hw="h200", gpus=1), ["knobs.overlap_cpu_step=true", "knobs.offload_optimizer=0"],
+     "knobs.overlap_cpu_step: overlaps the CPU's optimizer step, and knobs.offload_optimizer 0.0 steps nothing"),
+    (dict(hw="h200", gpus=2), ["knobs.overlap_cpu_step=true", "knobs.shard_optimizer=true"],
+     "knobs.overlap_cpu_step: True needs knobs.shard_optimizer False, which is pinned to True"),
     (dict(hw="h200", gpus=2), ["knobs.offload_master=1", "knobs.master_dtype=bf16"],
      "knobs.offload_master: 1.0 needs knobs.master_dtype 'fp32', which is pinned to 'bf16'"),
 ])

@@ -203,7 +203,7 @@ class AdamW(torch.optim.Optimizer):
                 else:
                     self._step(group, params, weight_decay)
             if self._worker is not None and cpu_work:
-                self._stepping[group["layer"]] = self._worker.submit(self._in_background, cpu_work)
+                self._stepping[group["layer"]] = self._worker.submit(self._in_background, group["layer"], cpu_work)
                 continue
             for work in cpu_work:
                 work()
@@ -214,8 +214,8 @@ class AdamW(torch.optim.Optimizer):
         if not self._stepping:
             self.wait()
 
-    def _in_background(self, work: list) -> object:
-        """One group's CPU step on the worker thread (whose grad mode and CUDA device are its own); returns the event
+    def _in_background(self, layer: str, work: list) -> object:
+        """Group `layer`'s CPU step on the worker thread (whose grad mode and CUDA device are its own); returns the event
         after which its weights written back to the GPU have arrived, or None."""
         with torch.no_grad(), torch.cuda.device(self.device) if self.device.type == "cuda" else \
                 contextlib.nullcontext():
