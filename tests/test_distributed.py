@@ -560,3 +560,16 @@ def test_a_rank_killed_while_writing_a_checkpoint_leaves_the_previous_one_usable
           console=Console(file=said, width=10_000))
     assert f"resumed from {root / 'step-00000002'}" in said.getvalue()
     assert [r["step"] for r in records(tmp_path / "log.jsonl")] == [3, 4]
+
+
+def test_every_ranks_shard_starts_16_byte_aligned_and_the_shards_cover_the_group():
+    """A shard boundary at a multiple of 8 elements: the GPU AdamW steps every rank's shard with its packed kernel
+    (csrc/adamw_cuda.cu), not the first piece of odd world sizes with its one-element kernel."""
+    from fastml.executor.parallel.shard import Layout
+
+    for world_size in (2, 3, 6):
+        layout = Layout.of({"a": torch.Size([3, 5]), "b": torch.Size([101])}, world_size)
+        assert layout.shard_numel % 8 == 0 and layout.padded_numel >= layout.numel
+        ranges = [layout.range_of(rank) for rank in range(world_size)]
+        assert ranges[0][0] == 0 and ranges[-1][1] == layout.numel
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))

@@ -258,6 +258,27 @@ def on_gpu_from(t: torch.Tensor, start: int) -> torch.Tensor:
     return storage[start:].copy_(t)
 
 
+def check_cuda_adamw_against_the_cpu_op(n: int, master_dtype, state_dtype, out_dtype, steps: int, beta1: float,
+                                        start: int, seed: int) -> None:
+    """`steps` steps of the GPU op and the C++ CPU op on the same n elements (the GPU's tensors `start` elements into
+    their buffers): master, m, v and the weight written beside fp32 masters the same bits."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen).to(master_dtype)
+    m = (torch.randn(n, generator=gen) * 1e-3).to(state_dtype)
+    v = (torch.rand(n, generator=gen) * 1e-5).to(state_dtype)
+    out = torch.zeros(n, dtype=out_dtype) if out_dtype else None
+    gpu = [on_gpu_from(t, start) if t is not None else None for t in (master, m, v, out)]
+    cpu = [t.clone() if t is not None else None for t in (master, m, v, out)]
+    for step in range(1, steps + 1):
+        grad = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
+        args = (1e-3, beta1, 0.95, EPS, 0.1, step, 0.5 if step % 2 else 1.0, 40 + step, 11)
+        cpu_adam.adamw_step_(*gpu[:3], on_gpu_from(grad, start), gpu[3], *args)
+        cpu_adam.adamw_step_(*cpu[:3], grad, cpu[3], *args)
+    for name, got, want in zip(["master", "exp_avg", "exp_avg_sq", "weight_out"], gpu, cpu):
+        if want is not None:
+            assert torch.equal(got.cpu(), want), f"{name}: {int((got.cpu() != want).sum())} of {n} differ"
+
+
 @pytest.mark.parametrize("master_dtype, state_dtype, out_dtype", [
     (torch.float32, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.bfloat16, None),
     (torch.bfloat16, torch.float32, None), (torch.float32, torch.float32, torch.bfloat16),
@@ -267,41 +288,16 @@ def on_gpu_from(t: torch.Tensor, start: int) -> torch.Tensor:
 def test_cuda_adamw_is_the_cpu_op_bit_for_bit(master_dtype, state_dtype, out_dtype, beta1, start):
     """The same arithmetic (csrc/adamw_math.h), the same random bits: the GPU's step is the C++ CPU op's, bit for
     bit, the weight it writes beside fp32 masters too, whichever of its kernels steps an element."""
-    n = 3 * 65536 + 5
-    gen = torch.Generator().manual_seed(0)
-    master = torch.randn(n, generator=gen).to(master_dtype)
-    m = (torch.randn(n, generator=gen) * 1e-3).to(state_dtype)
-    v = (torch.rand(n, generator=gen) * 1e-5).to(state_dtype)
-    out = torch.zeros(n, dtype=out_dtype) if out_dtype else None
-    grads = [(torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16) for _ in range(5)]
-    gpu = [on_gpu_from(t, start) if t is not None else None for t in (master, m, v, out)]
-    cpu = [t.clone() if t is not None else None for t in (master, m, v, out)]
-    for step, g in enumerate(grads, start=1):
-        args = (1e-3, beta1, 0.95, EPS, 0.1, step, 0.5 if step % 2 else 1.0, 40 + step, 11)
-        cpu_adam.adamw_step_(*gpu[:3], on_gpu_from(g, start), gpu[3], *args)
-        cpu_adam.adamw_step_(*cpu[:3], g, cpu[3], *args)
-    for name, got, want in zip(["master", "exp_avg", "exp_avg_sq", "weight_out"], gpu, cpu):
-        if want is not None:
-            assert torch.equal(got.cpu(), want), f"{name}: {int((got.cpu() != want).sum())} of {n} differ"
+    check_cuda_adamw_against_the_cpu_op(3 * 65536 + 5, master_dtype, state_dtype, out_dtype, steps=5, beta1=beta1,
+                                        start=start, seed=0)
 
 
 @pytest.mark.parametrize("master_dtype, state_dtype, out_dtype", [
     (torch.float32, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.bfloat16, None)])
 def test_cuda_adamw_of_more_runs_than_its_threads_is_the_cpu_op_bit_for_bit(master_dtype, state_dtype, out_dtype):
     """8M elements: each thread of the grid steps several runs of 8, each with the random bits of its own indices."""
-    n = 2**23 + 5
-    gen = torch.Generator().manual_seed(3)
-    master = torch.randn(n, generator=gen).to(master_dtype)
-    m, v = (torch.randn(n, generator=gen) * 1e-3).to(state_dtype), (torch.rand(n, generator=gen) * 1e-5).to(state_dtype)
-    out = torch.zeros(n, dtype=out_dtype) if out_dtype else None
-    grad = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
-    gpu = [t.cuda() if t is not None else None for t in (master, m, v, out)]
-    args = (1e-3, 0.9, 0.95, EPS, 0.1, 2, 1.0, 5, 1000)
-    cpu_adam.adamw_step_(*gpu[:3], grad.cuda(), gpu[3], *args)
-    cpu_adam.adamw_step_(master, m, v, grad, out, *args)
-    for name, got, want in zip(["master", "exp_avg", "exp_avg_sq", "weight_out"], gpu, (master, m, v, out)):
-        if want is not None:
-            assert torch.equal(got.cpu(), want), f"{name}: {int((got.cpu() != want).sum())} of {n} differ"
+    check_cuda_adamw_against_the_cpu_op(2**23 + 5, master_dtype, state_dtype, out_dtype, steps=1, beta1=0.9,
+                                        start=0, seed=3)
 
 
 # ---------------------------------------------------------------------------------------------------- training

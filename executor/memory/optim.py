@@ -243,7 +243,12 @@ class AdamW(torch.optim.Optimizer):
         blocking, on any stream, that the host reads next (checkpoints, evaluation)."""
         self.finish_steps()
         if self.device.type == "cuda" and self.crosses_pcie:
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)  # copies written without blocking, on any stream, are complete
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.parallel is not None:
+            self.parallel.zero_grad()
 
     def _step(self, group: dict, params: list[torch.Tensor], weight_decay: float) -> None:
         """The step on the training device; master weights, gradients or weights kept in host memory come over

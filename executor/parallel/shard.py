@@ -48,6 +48,10 @@ class Piece:
     """Where they begin in the rank's range."""
 
 
+SHARD_ALIGNMENT = 8
+"""Elements: 16 bytes of bf16 (csrc/adamw_cuda.cu's packed runs), 32 of fp32."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """A parameter group as one flat vector, sharded over `world_size` ranks."""
@@ -66,7 +70,11 @@ class Layout:
 
     @property
     def shard_numel(self) -> int:
-        return -(-self.numel // self.world_size)
+        """Each rank's share, rounded up to SHARD_ALIGNMENT elements, so that every rank's shard starts 16-byte
+        aligned in the flat vectors (the GPU AdamW's packed kernel takes aligned runs; a misaligned start would put
+        a rank's whole first piece on its one-element kernel)."""
+        per_rank = -(-self.numel // self.world_size)
+        return -(-per_rank // SHARD_ALIGNMENT) * SHARD_ALIGNMENT
 
     @property
     def padded_numel(self) -> int:
