@@ -17,6 +17,8 @@ linear in both to first order.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,7 +144,7 @@ class _Prediction:
     forward_passes: int
     cpu_step_s: float
     """The CPU's optimizer steps, as they were predicted (they follow the backward pass, exposed; overlapped with the
-    next step, the part the GPU waits for)."""
+    next step, the time the GPU waits for them, taken as proportional to them as well)."""
 
 
 def _predict(plan: Plan, profile: dict) -> _Prediction:
@@ -161,8 +163,9 @@ def _predict(plan: Plan, profile: dict) -> _Prediction:
     groups = group_params(plan.model)
     shard = h.num_gpus if k.shard_optimizer else 1
     cpu_step_s = sum(groups[g] for g in placement(plan.model, k).cpu_steps) / shard * c.cpu_adam_per_param
-    if k.overlap_cpu_step:  # only what the GPU waits for is in the step: at most its optimizer time
-        cpu_step_s = min(cpu_step_s, simulation.time_s["optimizer"])
+    if k.overlap_cpu_step:  # only what the GPU waits for is in the step: the step less that of an instant CPU step
+        instant = dataclasses.replace(machine, node=dataclasses.replace(machine.node, cpu_adam_params_per_s=math.inf))
+        cpu_step_s = simulation.step_time_s - simulate(plan.model, t.seq_len, k, instant).step_time_s
     return _Prediction(simulation.step_time_s, simulation.time_s, candidate.memory.gpu_total,
                        candidate.memory.gpu["activations"] if k.compile else 0, passes, forward_s, forward_passes,
                        cpu_step_s)

@@ -58,7 +58,8 @@ def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, devi
                 by = ("is pinned to" if other in pins else f"{device.name} trains with" if other in device_knobs
                       else "another pin sets it to")
                 fail(f"knobs.{name}", f"{needs}, which {by} {fixed[other]!r}")
-    if fixed.get("overlap_cpu_step") and round(fixed.get("offload_optimizer", 1.0) * spec.num_layers) == 0:
+    cpu_steps_pinned_off = "offload_optimizer" in fixed and round(fixed["offload_optimizer"] * spec.num_layers) == 0
+    if fixed.get("overlap_cpu_step") and cpu_steps_pinned_off:
         fail("knobs.overlap_cpu_step", "overlaps the CPU's optimizer step, and knobs.offload_optimizer "
                                        f"{fixed['offload_optimizer']} steps nothing on the CPU")
     streams_all = round(fixed.get("offload_weights", 0.0) * spec.num_layers) == spec.num_layers

@@ -150,7 +150,7 @@ def evaluate(problem: Problem, knobs: Knobs) -> Candidate:
 
 def evaluate_choice(problem: Problem, choice: dict) -> Candidate:
     """`evaluate` of the knobs a choice of the searched ones makes; where the choice leaves knobs.overlap_cpu_step
-    open (it is pinned, or not searched), the faster of the plan with the CPU's step overlapped and without. The
+    open (neither pinned nor searched), the faster of the plan with the CPU's step overlapped and without. The
     overlap needs no memory, and it wins where the CPU's step is the end of the step; where the GPU's own steps of
     the other groups already hid it, moving it before the forward pass exposes it instead. Deciding it here, not in
     the search, keeps the search's trials for the knobs that trade memory."""

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 SIMULATED_MICRO_BATCHES = 3
 STAGING = " (cpu step)"
 """The copies of a CPU step that overlaps the next step (knobs.overlap_cpu_step) run on their own stream
-(executor/memory/optim.py, `_Staging`), not in order with the step's other copies: their own resources."""
+(executor/memory/optim.py, `_Staging`), not in order with the step's other copies: their own resources. They share
+the PCIe link with those copies, which this leaves out: they are a few (the gradients, masters and weights of
+the groups whose weights stay on the GPU, fetched and written back a slice at a time) beside the streamed blocks'."""
 # Where the compute stream waits on an op of this kind, the wait is charged to this component.
 _WAIT_COMPONENT = {"comm": "exposed_comm", "offload": "exposed_offload", "optimizer": "optimizer"}
 

@@ -3,6 +3,7 @@ run without offload. On a CPU the "GPU" is the CPU and copies are plain ones, so
 tensors move, when gradients are summed, which optimizer step runs where); tests/test_gpu.py runs the same on CUDA
 streams."""
 
+import dataclasses
 import json
 import time
 
@@ -105,9 +106,9 @@ def test_the_next_forward_pass_waits_for_each_groups_step_and_no_more(monkeypatc
     events = []  # (what, group), appended by the main thread and by the worker
     stepped_in_background = AdamW._in_background
 
-    def slow_head(self, layer, work):
-        sent = stepped_in_background(self, layer, work)
-        time.sleep(0.3 if layer == "head" else 0.0)
+    def slow_head(self, layer, work, clipped):
+        sent = stepped_in_background(self, layer, work, clipped)
+        time.sleep(0.3 if layer == "head" else 0.02)
         events.append(("stepped", layer))
         return sent
     monkeypatch.setattr(AdamW, "_in_background", slow_head)
@@ -131,3 +132,21 @@ def test_the_next_forward_pass_waits_for_each_groups_step_and_no_more(monkeypatc
         assert events[:i].count(("stepped", group)) >= steps_taken, (i, group)
     first_step_done = events.index(("stepped", "head"))
     assert ("used", "embed") in events[events.index(("stepped", "embed")):first_step_done]
+
+
+def test_an_overlapped_run_checkpoints_and_resumes_as_the_uninterrupted_one(tmp_path):
+    """Checkpoints wait for the CPU's step (run.save): a run stopped after 3 steps and resumed gives the losses of
+    the run that went through, and both those of the same plan without the overlap."""
+    def plan(name, **more):
+        p = cpu_plan(steps=6, offload_optimizer=1.0, offload_weights=0.5, offload_gradients=1.0, **more)
+        training = dataclasses.replace(p.training, checkpoint_dir=str(tmp_path / name), checkpoint_interval=3)
+        return dataclasses.replace(p, training=training)
+
+    def losses(p, log, **options):
+        train(p, log_json=tmp_path / log, show_progress=False, **options)
+        return [json.loads(line)["loss"] for line in (tmp_path / log).read_text().splitlines()]
+    whole = losses(plan("whole", overlap_cpu_step=True), "whole.jsonl")
+    stopped = plan("stopped", overlap_cpu_step=True)
+    assert losses(stopped, "stopped.jsonl", steps=3) == whole[:3]
+    assert losses(stopped, "stopped.jsonl", resume=True) == whole
+    assert losses(plan("plain"), "plain.jsonl") == whole

@@ -447,6 +447,9 @@ def test_each_rank_restores_its_own_rng_state(tmp_path):
 
 
 class NoOptimizerState:
+    def wait(self):
+        pass
+
     def state_tensors(self):
         return {"step/none": torch.zeros(1)}
 

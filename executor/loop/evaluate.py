@@ -49,6 +49,7 @@ class Validation:
 
     def loss(self, model: torch.nn.Module, device: torch.device) -> float | None:
         """The mean loss per token over the sequences of every rank (a model built by executor/loop/build.py)."""
+        model.placement.finish_steps()  # the last step's CPU work, where it overlaps the next step, first ends
         fp8.refresh_weight_caches(model)  # the fp8 copies of the weights as the last optimizer step left them
         with torch.no_grad():
             losses = [model.loss(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True),

@@ -42,9 +42,9 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
     knobs = plan.knobs
     placement = optimizer.placement
     micro_batches = knobs.grad_accum_steps * world.size
-    if fp8.cached_linears(model):  # the weights as the last step left them, cast to fp8 once for this one
+    if fp8.cached_linears(model):  # the cast reads every weight: the last step's CPU work (overlapped) first ends
         optimizer.finish_steps()
-        fp8.refresh_weight_caches(model)
+    fp8.refresh_weight_caches(model)  # the weights as the last step left them, cast to fp8 once for this one
     losses = []
     for micro in range(knobs.grad_accum_steps):
         if placement is not None:

@@ -180,11 +180,6 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
                 record["traced"] = True
                 meter.restart_clock()
             stopping = record.pop("stop")
-            # Validation, samples and checkpoints read the weights and the optimizer's state: the CPU's part of the
-            # step, which knobs.overlap_cpu_step leaves running into the next step's forward pass, finishes first.
-            if (validation is not None and validation.due(step + 1)) or _checkpoint_due(plan, step + 1) or stopping \
-                    or (sampler is not None and sampler.due(step + 1)):
-                optimizer.wait()
             if validation is not None and validation.due(step + 1) and not stopping:
                 watchdog.tick(f"the validation loss after step {step + 1}")
                 started = time.perf_counter()
@@ -216,7 +211,7 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
             if stopping:
                 signum = stop.signal or signal.SIGTERM  # another rank's: this one was not signalled (yet)
                 raise TrainingStopped(stopped_message(plan, step + 1, signum, checkpoint), 128 + signum)
-    optimizer.wait()
+    optimizer.close()
     summary = meter.summary() | last_validation
     if isinstance(data, BlendedData):
         summary["data_shares"] = {part.path: share for part, share in zip(plan.training.data, data.shares)}

@@ -72,7 +72,7 @@ class AdamW(torch.optim.Optimizer):
         self._worker = ThreadPoolExecutor(1, "fastml-cpu-step") if knobs.overlap_cpu_step and cpu_steps else None
         self._stepping: dict[str, Future] = {}  # group -> its pending background step
         if self._worker is not None and placement is not None:
-            placement.wait_for_step = self.wait_group
+            placement.wait_for_step, placement.finish_steps = self.wait_group, self.finish_steps
         master_dtype, state_dtype = DTYPES[knobs.master_dtype], DTYPES[knobs.optimizer_dtype]
         self.stochastic = knobs.stochastic_rounding
         if self.stochastic and self.device.type == "cuda":
@@ -202,8 +202,11 @@ class AdamW(torch.optim.Optimizer):
                     cpu_work.append(self._cpu_step(group, params, weight_decay))
                 else:
                     self._step(group, params, weight_decay)
-            if self._worker is not None and cpu_work:
-                self._stepping[group["layer"]] = self._worker.submit(self._in_background, group["layer"], cpu_work)
+            if self._worker is not None and cpu_work:  # (no shard gather to follow: the knob refuses sharded states)
+                clipped = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" \
+                    else None
+                self._stepping[group["layer"]] = self._worker.submit(self._in_background, group["layer"], cpu_work,
+                                                                     clipped)
                 continue
             for work in cpu_work:
                 work()
@@ -214,14 +217,22 @@ class AdamW(torch.optim.Optimizer):
         if not self._stepping:
             self.wait()
 
-    def _in_background(self, layer: str, work: list) -> object:
+    def _in_background(self, layer: str, work: list, clipped) -> object:
         """Group `layer`'s CPU step on the worker thread (whose grad mode and CUDA device are its own); returns the event
-        after which its weights written back to the GPU have arrived, or None."""
-        with torch.no_grad(), torch.cuda.device(self.device) if self.device.type == "cuda" else \
-                contextlib.nullcontext():
+        after which its weights written back to the GPU have arrived, or None. Its copies run on the staging stream,
+        after the compute stream's `clipped` event (the gradients clipped): on the compute stream they would queue
+        behind the next step's forward pass, which waits for them."""
+        if clipped is None:  # a CPU plan: no streams
+            with torch.no_grad():
+                for step in work:
+                    step()
+            return None
+        stream = self.staging.stream_on(self.device)
+        with torch.no_grad(), torch.cuda.device(self.device), torch.cuda.stream(stream):
+            stream.wait_event(clipped)
             for step in work:
                 step()
-            return self.staging.stream.record_event() if self.staging.stream is not None else None
+            return stream.record_event()
 
     def wait_group(self, layer: str) -> None:
         """Waits for the background step of group `layer`, if one is pending, and has the compute stream wait for
@@ -249,6 +260,12 @@ class AdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         if self.parallel is not None:
             self.parallel.zero_grad()
+
+    def close(self) -> None:
+        """Finishes the step and stops the worker thread of knobs.overlap_cpu_step (the end of a run)."""
+        self.wait()
+        if self._worker is not None:
+            self._worker.shutdown()
 
     def _step(self, group: dict, params: list[torch.Tensor], weight_decay: float) -> None:
         """The step on the training device; master weights, gradients or weights kept in host memory come over
@@ -304,9 +321,9 @@ class AdamW(torch.optim.Optimizer):
         return ((self.seed * 1_000_003 + self.index[p]) * 1_000_000_007 + step) % 2**63
 
     def _cpu_step(self, group: dict, params: list[torch.Tensor], weight_decay: float):
-        """The step in host memory with the C++ AdamW, parameter by parameter, as a function to call; its inputs (the
-        gradients, the clip coefficient, the learning rate) are taken now, so that it may run after the loop has
-        moved on (knobs.overlap_cpu_step). A gradient, master or weight on the GPU comes over and goes back around it
+        """The step in host memory with the C++ AdamW, parameter by parameter, as a function to call; what the loop
+        changes after the step (the gradients, the clip coefficient, the learning rate) is taken now, so that it may
+        run after the loop has moved on (knobs.overlap_cpu_step); masters, m and v are the optimizer's own. A gradient, master or weight on the GPU comes over and goes back around it
         in slices of CPU_STEP_CHUNK elements through reused pinned buffers (`_Staging`), so that the host needs
         little memory beyond the tensors that live there."""
         beta1, beta2 = group["betas"]
@@ -440,13 +457,18 @@ class _Staging:
             here.copy_(t)  # device to host: returns once the copy is done
         return here
 
+    def stream_on(self, device: torch.device):
+        """The side stream the staging buffers are written back on (made on first use)."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        return self.stream
+
     def send(self, here: torch.Tensor, there: torch.Tensor) -> None:
-        """Writes back a staging buffer to the GPU tensor it stands for, without waiting."""
+        """Writes back a staging buffer to the GPU tensor it stands for, without waiting (on the side stream, after
+        what the current stream has queued: on the worker of an overlapped step that is the side stream itself)."""
         if here is there:
             return
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(there.device)
-        self.stream.wait_stream(torch.cuda.current_stream())
+        self.stream_on(there.device).wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             there.copy_(here, non_blocking=True)
         done = next(done for buffer, done in self.buffers[here.dtype] if buffer.data_ptr() == here.data_ptr())

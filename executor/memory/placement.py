@@ -76,6 +76,9 @@ class Placement:
         self.wait_for_step = lambda group: None
         """knobs.overlap_cpu_step: waits for a group's optimizer step still running on the CPU (set by the
         optimizer, optim.AdamW.wait_group); called before a forward pass first reads the group's weights."""
+        self.finish_steps = lambda: None
+        """Waits for every group's step (optim.AdamW.finish_steps): for what reads all weights at once (the cast of
+        cached fp8 weights, evaluation, samples)."""
 
     def _source(self, group: str) -> WeightSource:
         return self.parallel if group in self.sharded else self.offload

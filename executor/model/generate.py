@@ -120,6 +120,7 @@ class Sampler:
         """The prompt and its continuation; None where the model's weights are not all on this rank."""
         if model.placement.fetched:
             return None
+        model.placement.finish_steps()  # the last step's CPU work, where it overlaps the next step, first ends
         fp8.refresh_weight_caches(model)  # the fp8 copies of the weights as the last optimizer step left them
         tokens = list(generate(model, self.prompt, SAMPLE_TOKENS, eos_id=self.tokenizer.eos_id,
                                vocab_size=self.tokenizer.vocab_size))

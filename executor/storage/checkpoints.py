@@ -139,6 +139,7 @@ class Run:
         if writer not in (None, self.run_id):
             fail(str(path), f"was written by run {writer}, not by this run ({self.run_id}); two runs are writing "
                             f"into {self.root}: give each its own --checkpoint-dir")
+        optimizer.wait()  # the step complete, in host memory too (its CPU work may overlap the next step otherwise)
         state = TrainingState(run_id=self.run_id, step=position.step, sequences=position.sequences, plan=self.plan,
                               world_size=self.world.size)
         model_state = _model_state(model, self.world)  # every rank: sharded groups are gathered
