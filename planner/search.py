@@ -156,7 +156,7 @@ def evaluate_choice(problem: Problem, choice: dict) -> Candidate:
     the search, keeps the search's trials for the knobs that trade memory."""
     candidate = evaluate(problem, make_knobs(problem, choice))
     knobs = candidate.knobs
-    if "overlap_cpu_step" in choice or not candidate.feasible or knobs.overlap_cpu_step:
+    if "overlap_cpu_step" in choice or not candidate.feasible:
         return candidate
     values = without_no_ops(problem.spec, {**dataclasses.asdict(knobs), "overlap_cpu_step": True},
                             problem.machine.num_gpus)

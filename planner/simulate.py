@@ -357,10 +357,10 @@ class _StepGraph:
         this step, the steps being alike), run while this step starts; each group's first use waits for its own
         (`stepped`)."""
         if self.overlapped:
+            tag = " (last step)"
             for group in self.group_params:
                 if group in self.place.cpu_steps:
-                    self.stepped[group] = self.cpu_step(group, None, self.cpu_inputs_down(group, None, " (last step)"),
-                                                        " (last step)")
+                    self.stepped[group] = self.cpu_step(group, None, self.cpu_inputs_down(group, None, tag), tag)
 
     def optimizer_step(self) -> None:
         """After the whole backward pass and gradient clipping (the global norm needs every gradient): the CPU
@@ -410,8 +410,8 @@ class _StepGraph:
         down_bytes = self.place.cpu_step_transfers(group)[0] * self.share(group)
         if not down_bytes:
             return None
-        return self.add(f"d2h optimizer inputs {group}{tag}", f"d2h{tag and STAGING}", down_bytes * self.c.d2h_per_byte,
-                        "offload", [clip])
+        return self.add(f"d2h optimizer inputs {group}{tag}", f"d2h{tag and STAGING}",
+                        down_bytes * self.c.d2h_per_byte, "offload", [clip])
 
     def cpu_step(self, group: str, clip: str | None, inputs: str | None, tag: str = "") -> str:
         step = self.add(f"cpu adam {group}{tag}", "cpu", self.share(group) * self.c.cpu_adam_per_param, "optimizer",
@@ -419,8 +419,8 @@ class _StepGraph:
         up_bytes = self.place.cpu_step_transfers(group)[1] * self.share(group)
         if not up_bytes:
             return step
-        return self.add(f"h2d updated {group}{tag}", f"h2d{tag and STAGING}", up_bytes * self.c.h2d_per_byte, "offload",
-                        [step])
+        return self.add(f"h2d updated {group}{tag}", f"h2d{tag and STAGING}", up_bytes * self.c.h2d_per_byte,
+                        "offload", [step])
 
 
 def _breakdown(ops: dict[str, Op], last: str, window_start: float, window_end: float) -> dict[str, float]:

@@ -3,7 +3,6 @@ learning-rate schedule."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -218,10 +217,10 @@ class AdamW(torch.optim.Optimizer):
             self.wait()
 
     def _in_background(self, layer: str, work: list, clipped) -> object:
-        """Group `layer`'s CPU step on the worker thread (whose grad mode and CUDA device are its own); returns the event
-        after which its weights written back to the GPU have arrived, or None. Its copies run on the staging stream,
-        after the compute stream's `clipped` event (the gradients clipped): on the compute stream they would queue
-        behind the next step's forward pass, which waits for them."""
+        """Group `layer`'s CPU step on the worker thread (whose grad mode and CUDA device are its own); returns the
+        event after which its weights written back to the GPU have arrived, or None. Its copies run on the staging
+        stream, after the compute stream's `clipped` event (the gradients clipped): on the compute stream they would
+        queue behind the next step's forward pass, which waits for them."""
         if clipped is None:  # a CPU plan: no streams
             with torch.no_grad():
                 for step in work:
@@ -323,9 +322,10 @@ class AdamW(torch.optim.Optimizer):
     def _cpu_step(self, group: dict, params: list[torch.Tensor], weight_decay: float):
         """The step in host memory with the C++ AdamW, parameter by parameter, as a function to call; what the loop
         changes after the step (the gradients, the clip coefficient, the learning rate) is taken now, so that it may
-        run after the loop has moved on (knobs.overlap_cpu_step); masters, m and v are the optimizer's own. A gradient, master or weight on the GPU comes over and goes back around it
-        in slices of CPU_STEP_CHUNK elements through reused pinned buffers (`_Staging`), so that the host needs
-        little memory beyond the tensors that live there."""
+        run after the loop has moved on (knobs.overlap_cpu_step); masters, m and v are the optimizer's own. A
+        gradient, master or weight on the GPU comes over and goes back around it in slices of CPU_STEP_CHUNK elements
+        through reused pinned buffers (`_Staging`), so that the host needs little memory beyond the tensors that live
+        there."""
         beta1, beta2 = group["betas"]
         lr, eps = group["lr"], group["eps"]
         scale = self.clip_coef.item() if self.clip_coef is not None else 1.0
