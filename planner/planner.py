@@ -66,8 +66,9 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
     sequences_per_gpu = global_batch_tokens // (seq_len * device.num_gpus)
     knob_pins, other = _split_overrides(r.overrides, sequences_per_gpu)
     cpu = device.kind == "cpu"
+    # `--set model.*` reshapes the model that is searched and priced, not only the plan written after the search
+    spec = _check_overrides(other, spec, seq_len, global_batch_tokens, device, r).model
     fixed = checked_pins(knob_pins, spec, seq_len, device, CPU_KNOBS if cpu else {})
-    _check_overrides(other, spec, seq_len, global_batch_tokens, device, r)
     notes = [*target.notes, *(["--lower-precision: a CPU trains in fp32 (the executor's CPU path), so there is "
                                "nothing lower to search"] if cpu and r.lower_precision else [])]
     machine = target.machine_for(sequences_per_gpu)
@@ -127,11 +128,11 @@ def _gpus(machine: Machine) -> _Target:
 
 
 def _check_overrides(other: list[str], spec: ModelSpec, seq_len: int, global_batch_tokens: int, device: Device,
-                     r: PlanRequest) -> None:
-    """The `--set` assignments of other sections than knobs, checked on a plan of this request before the search
+                     r: PlanRequest) -> Plan:
+    """A plan of this request with the `--set` assignments of other sections than knobs, checked before the search
     (the chosen plan takes them after it)."""
     sequences_per_gpu = global_batch_tokens // (seq_len * device.num_gpus)
-    with_overrides(Plan(model=spec, training=_training(spec, seq_len, global_batch_tokens, r.steps, r.data, ""),
+    return with_overrides(Plan(model=spec, training=_training(spec, seq_len, global_batch_tokens, r.steps, r.data, ""),
                         hardware=Hardware(device=device.kind, num_gpus=device.num_gpus,
                                           gpus_per_node=device.num_gpus // device.num_nodes),
                         knobs=Knobs(micro_batch_size=sequences_per_gpu, **CPU_KNOBS if device.kind == "cpu" else {})),

@@ -83,6 +83,16 @@ def test_70b_on_one_4090_is_infeasible_with_a_clear_message():
     assert "host memory" in message and "--host-mem" in message and "more GPUs" in message
 
 
+def test_model_overrides_shape_the_model_that_is_searched():
+    """`--set model.num_layers=2` plans and prices the cut model: a 70B cut to 2 layers fits where the whole does
+    not, and its prediction is the cut model's, not the whole one's under another name."""
+    cut = make_plan(model="llama-3.1-70b", hw="rtx4090", gpus=1, host_mem="64GiB", trials=20,
+                    overrides=["model.num_layers=2"]).plan
+    assert cut.model.num_layers == 2
+    again = replan(cut, "rtx4090").candidate
+    assert cut.predicted.step_time_s == pytest.approx(again.simulation.step_time_s, rel=1e-9)
+
+
 @pytest.mark.parametrize("hw, gpus, expected", [("rtx4090", 4, "memcpy"), ("h200", 2, "nccl")])
 def test_collective_choice_follows_the_links(hw, gpus, expected):
     """Without P2P, host-routed copies beat NCCL's path through host memory; over NVLink NCCL wins."""
