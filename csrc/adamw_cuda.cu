@@ -42,11 +42,15 @@ __global__ void adamw_kernel(const StepConstants c, Master* __restrict__ master,
 
 // The same step over `packs` runs of kVector elements, every buffer 16-byte aligned: each run is loaded whole into
 // registers, stepped element by element by the scalar kernel's step_element (so the bits are the same by
-// construction), and stored whole.
+// construction), and stored whole. At most 64 registers a thread, so that 4 blocks fit a multiprocessor: the step is
+// bound by its integer instructions more than by memory (ncu: the integer pipeline 68% busy, DRAM 52%), and with
+// the 67 registers it took alone only 3 fit, too few warps to keep that pipeline fed (0.76 -> 0.82 of HBM's rate
+// with bf16 weights and moments, benchmarks/NOTES.md).
 template <bool kLerpFromEnd, typename Master, typename State, typename Grad, typename Out>
-__global__ void adamw_packed_kernel(const StepConstants c, Master* __restrict__ master, State* __restrict__ exp_avg,
-                                    State* __restrict__ exp_avg_sq, const Grad* __restrict__ grad,
-                                    Out* __restrict__ out, int64_t packs) {
+__global__ void __launch_bounds__(kThreads, 4)
+    adamw_packed_kernel(const StepConstants c, Master* __restrict__ master, State* __restrict__ exp_avg,
+                        State* __restrict__ exp_avg_sq, const Grad* __restrict__ grad, Out* __restrict__ out,
+                        int64_t packs) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += stride) {
     Pack<Master> w = reinterpret_cast<const Pack<Master>*>(master)[p];
