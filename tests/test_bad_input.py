@@ -98,7 +98,7 @@ def write_and_check(raw: bytes) -> None:
         assert_plan_or_one_line_error(path)
 
 
-@settings(FUZZ, max_examples=1000)
+@FUZZ
 @given(st.data())
 def test_mutated_plans_load_or_fail_in_one_line(data):
     plan = copy.deepcopy(data.draw(st.sampled_from(base_plans())))
