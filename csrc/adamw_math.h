@@ -132,9 +132,9 @@ FASTML_HD void store_weight(uint16_t* out, int64_t i, float value) { out[i] = bf
 FASTML_HD void store_weight(NoOutput*, int64_t, float) {}
 
 // A bf16 gradient is scaled as the GPU path clips it in place: scaled in float, rounded back to bf16. On the GPU by
-// its one conversion instruction, which rounds as bf16_nearest does (its NaN, 0x7FFF, is not stored: what a NaN
-// gradient makes is stored as 0x7FC0): the step's integer pipeline was its busiest (ncu), bf16_nearest six of its
-// instructions an element.
+// its one conversion instruction, which rounds as bf16_nearest does but for a NaN's bits (0x7FFF, which the GPU's
+// arithmetic after it does not keep), instead of bf16_nearest's integer arithmetic: the step's integer pipeline was
+// its busiest (ncu), and the instruction made the step 4% faster (benchmarks/NOTES.md).
 FASTML_HD float scale_grad(float g, float scale, const float*) { return g * scale; }
 FASTML_HD float scale_grad(float g, float scale, const uint16_t*) {
 #if defined(__CUDA_ARCH__)

@@ -24,7 +24,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     from rich.console import Console
     from fastml.plan import save_plan
     from fastml.planner import report
-    from fastml.planner.planner import NoFeasiblePlan, make_plan, requested_model
+    from fastml.planner.planner import NoFeasiblePlan, make_plan, requested_model, reshaped_model
     from fastml.planner.request import RANKING_MODEL, PlanRequest
 
     console = Console(stderr=args.json)
@@ -36,7 +36,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         request = dataclasses.replace(request, model=RANKING_MODEL)
         console.print(f"[yellow]note:[/] ranking the hardware for {RANKING_MODEL} (tiny, the default model, is too "
                       f"small to tell GPUs apart); name the model to train with --model")
-    spec, _ = requested_model(request)
+    spec = reshaped_model(requested_model(request)[0], request.overrides)
     check_data(request.data, request.seq_len_for(spec.name), spec.vocab_size)  # before a search that may be long
     results = []
     for hw in hardware:

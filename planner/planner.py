@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastml import hwprofiles
-from fastml.config import UserError, as_type, check_range, fail, gib
+from fastml.config import UserError, as_type, check_range, fail, from_dict, gib, to_dict
 from fastml.plan import (KNOBS, ZERO_STAGES, Hardware, Knobs, Plan, Predicted, Training, check_init_from, check_knob,
                          parse_assignment, with_overrides)
 from fastml.hwprofiles.between_gpus import peer_access
@@ -56,6 +57,7 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
     search trial. What the request asks is checked before this machine's CPU is measured or anything is searched."""
     r = dataclasses.replace(request or PlanRequest(), **fields)
     spec, init_from = requested_model(r)
+    spec = reshaped_model(spec, r.overrides)
     seq_len = r.seq_len_for(spec.name)
     check_range("--seq", seq_len, 1)
     here = r.hw is None
@@ -66,9 +68,8 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
     sequences_per_gpu = global_batch_tokens // (seq_len * device.num_gpus)
     knob_pins, other = _split_overrides(r.overrides, sequences_per_gpu)
     cpu = device.kind == "cpu"
-    # `--set model.*` reshapes the model that is searched and priced, not only the plan written after the search
-    spec = _check_overrides(other, spec, seq_len, global_batch_tokens, device, r).model
     fixed = checked_pins(knob_pins, spec, seq_len, device, CPU_KNOBS if cpu else {})
+    _check_overrides(other, spec, seq_len, global_batch_tokens, device, r)
     notes = [*target.notes, *(["--lower-precision: a CPU trains in fp32 (the executor's CPU path), so there is "
                                "nothing lower to search"] if cpu and r.lower_precision else [])]
     machine = target.machine_for(sequences_per_gpu)
@@ -111,6 +112,16 @@ def requested_model(r: PlanRequest) -> tuple[ModelSpec, str]:
     return spec, os.path.abspath(init_from)
 
 
+def reshaped_model(spec: ModelSpec, overrides: list[str]) -> ModelSpec:
+    """`spec` with the request's `--set model.*` assignments: the model that is measured for, searched and priced,
+    not only the one the plan names after the search (`--set model.num_layers=4` planned the whole 8B)."""
+    data = to_dict(spec)
+    for section, name, value in map(parse_assignment, overrides):
+        if section == "model":
+            data[name] = value
+    return from_dict(ModelSpec, data, "model")
+
+
 @dataclass(frozen=True)
 class _Target:
     """The hardware a plan is asked for, known before this machine's CPU is measured (`device`), and how to get its
@@ -128,11 +139,11 @@ def _gpus(machine: Machine) -> _Target:
 
 
 def _check_overrides(other: list[str], spec: ModelSpec, seq_len: int, global_batch_tokens: int, device: Device,
-                     r: PlanRequest) -> Plan:
-    """A plan of this request with the `--set` assignments of other sections than knobs, checked before the search
+                     r: PlanRequest) -> None:
+    """The `--set` assignments of other sections than knobs, checked on a plan of this request before the search
     (the chosen plan takes them after it)."""
     sequences_per_gpu = global_batch_tokens // (seq_len * device.num_gpus)
-    return with_overrides(Plan(model=spec, training=_training(spec, seq_len, global_batch_tokens, r.steps, r.data, ""),
+    with_overrides(Plan(model=spec, training=_training(spec, seq_len, global_batch_tokens, r.steps, r.data, ""),
                         hardware=Hardware(device=device.kind, num_gpus=device.num_gpus,
                                           gpus_per_node=device.num_gpus // device.num_nodes),
                         knobs=Knobs(micro_batch_size=sequences_per_gpu, **CPU_KNOBS if device.kind == "cpu" else {})),
@@ -389,5 +400,6 @@ def _storage(study: str | None) -> str | None:
 
 def _study_name(problem: Problem, here: bool, lower: bool) -> str:
     m = problem.machine
-    return (f"{problem.spec.name}|seq{problem.seq_len}|gbt{problem.global_batch_tokens}|{m.num_gpus}x{m.profile}"
-            f"|{m.fingerprint}|{'runnable' if here else 'all'}|{'lower' if lower else 'full'}")
+    shape = hashlib.sha256(repr(problem.spec).encode()).hexdigest()[:12]  # a model cut by --set keeps its name
+    return (f"{problem.spec.name}-{shape}|seq{problem.seq_len}|gbt{problem.global_batch_tokens}"
+            f"|{m.num_gpus}x{m.profile}|{m.fingerprint}|{'runnable' if here else 'all'}|{'lower' if lower else 'full'}")

@@ -271,7 +271,8 @@ def check_cuda_adamw_against_the_cpu_op(n: int, master_dtype, state_dtype, out_d
     cpu = [t.clone() if t is not None else None for t in (master, m, v, out)]
     for step in range(1, steps + 1):
         grad = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
-        args = (1e-3, beta1, 0.95, EPS, 0.1, step, 0.5 if step % 2 else 1.0, 40 + step, 11)
+        # gradient scales as clipping makes them: 0.3 rounds the scaled bf16 gradient, 0.5 and 1 are exact
+        args = (1e-3, beta1, 0.95, EPS, 0.1, step, (0.3, 0.5, 1.0)[step % 3], 40 + step, 11)
         cpu_adam.adamw_step_(*gpu[:3], on_gpu_from(grad, start), gpu[3], *args)
         cpu_adam.adamw_step_(*cpu[:3], grad, cpu[3], *args)
     for name, got, want in zip(["master", "exp_avg", "exp_avg_sq", "weight_out"], gpu, cpu):

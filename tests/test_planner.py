@@ -91,6 +91,11 @@ def test_model_overrides_shape_the_model_that_is_searched():
     assert cut.model.num_layers == 2
     again = replan(cut, "rtx4090").candidate
     assert cut.predicted.step_time_s == pytest.approx(again.simulation.step_time_s, rel=1e-9)
+    # On a CPU too, whose memory is checked before the search: the tiny model deepened past the host's memory
+    deep = dict(model="tiny", device="cpu", host_mem="2GiB", trials=10)
+    assert make_plan(**deep).plan.model.num_layers == PRESETS["tiny"].num_layers
+    with pytest.raises(NoFeasiblePlan, match="the smallest plan needs 12.0 GiB"):
+        make_plan(**deep, overrides=["model.num_layers=1024"])
 
 
 @pytest.mark.parametrize("hw, gpus, expected", [("rtx4090", 4, "memcpy"), ("h200", 2, "nccl")])
