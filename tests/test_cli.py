@@ -226,13 +226,13 @@ def test_plan_json_explain_and_trace(tmp_path):
 
 
 def test_no_feasible_plan_is_one_line(tmp_path):
-    one_line_error(fastml("plan", "--model", "llama-3.1-70b", "--hw", "rtx4090", "--gpus", "1", "--host-mem",
-                          "64GiB", "--trials", "40", cwd=tmp_path), "no feasible plan", "host memory", "--host-mem")
+    one_line_error(fastml_here("plan", "--model", "llama-3.1-70b", "--hw", "rtx4090", "--gpus", "1", "--host-mem",
+                               "64GiB", "--trials", "40", cwd=tmp_path), "no feasible plan", "host memory", "--host-mem")
 
 
 def test_several_machines_are_ranked_by_cost(tmp_path):
-    result = fastml("plan", "--model", "tinyllama-1.1b", "--hw", "h200,h100-sxm,rtx4090", "--gpus", "1",
-                    "--trials", "40", "-o", "p.json", cwd=tmp_path)
+    result = fastml_here("plan", "--model", "tinyllama-1.1b", "--hw", "h200,h100-sxm,rtx4090", "--gpus", "1",
+                         "--trials", "40", "-o", "p.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "ranked by cost per million tokens" in result.stdout
     assert "limited by " in result.stdout and "the first runner-up" in result.stdout
@@ -248,7 +248,7 @@ def test_a_ranking_shows_the_gpus_and_ranks_a_model_that_tells_gpus_apart(tmp_pa
     from fastml.planner.planner import make_plan
     from fastml.planner.request import RANKING_MODEL
 
-    result = fastml("plan", "--hw", "h200,rtx4090", "--trials", "20", "-o", "p.json", cwd=tmp_path)
+    result = fastml_here("plan", "--hw", "h200,rtx4090", "--trials", "20", "-o", "p.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert f"note: ranking the hardware for {RANKING_MODEL}" in " ".join(result.stdout.split())
     assert json.loads((tmp_path / "p.json").read_text())["model"]["name"] == RANKING_MODEL
@@ -264,16 +264,22 @@ def test_a_plan_for_other_hardware_does_not_run_here(tmp_path):
     import torch
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert fastml("plan", "--model", "tiny", "--hw", "h200", "--trials", "20", "-o", "p.json",
-                  cwd=tmp_path).returncode == 0
+    assert fastml_here("plan", "--model", "tiny", "--hw", "h200", "--trials", "20", "-o", "p.json",
+                       cwd=tmp_path).returncode == 0
     one_line_error(fastml("run", "p.json", "--steps", "1", cwd=tmp_path), "hardware.device")
 
 
 def test_profile_writes_a_loadable_profile(tmp_path):
+    """`fastml profile` measures this CPU (GPU machines: tests/test_profile.py) into a profile that plans."""
+    from fastml.hwprofiles.profile import detect_topology
+    from fastml.planner.hardware import load_machine
+
     result = fastml("profile", "-o", "hw.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "hw.json").read_text())["name"]
-    assert fastml("plan", "--hw", "hw.json", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
+    host_memory = load_machine(str(tmp_path / "hw.json")).node.host_memory_bytes
+    assert host_memory == pytest.approx(detect_topology()["host"]["memory_bytes"], rel=0.1)  # a VM's may grow
+    assert fastml_here("plan", "--hw", "hw.json", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
 
 
 def test_the_suite_keeps_out_of_the_users_cache():

@@ -403,11 +403,10 @@ def test_nvml_failing_to_start_means_no_gpu(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path; this machine has a CUDA GPU")
-def test_real_detection_without_a_gpu(tmp_path):
+def test_real_detection_without_a_gpu():
+    """(`fastml profile` on this CPU, measuring it, is tests/test_cli.py's.)"""
     topology = detect_topology()
-    assert topology["gpus"] == [] and topology["no_gpu_reason"]
-    data = profile(str(tmp_path / "hw.json"), Console(file=io.StringIO()))
-    assert load_machine(str(tmp_path / "hw.json")).node.host_memory_bytes == data["node"]["host_memory_bytes"]
+    assert topology["gpus"] == [] and topology["no_gpu_reason"] and topology["host"]["memory_bytes"] > 0
 
 
 @pytest.mark.gpu

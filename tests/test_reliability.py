@@ -53,20 +53,20 @@ def finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def first_runs(tmp_path_factory):
-    """A small CPU plan (planned in this process: `fastml plan` runs as a command in tests/test_cli.py), then at once
-    an uninterrupted run of it ("reference"), the runs killed mid-step (at step 5) and mid-checkpoint (of step 4),
-    and one stopped after 6 of its 8 steps ("six"): the directory, and the runs by name."""
+    """A small CPU plan (planned in this process: `fastml plan` runs as a command in tests/test_cli.py), then the
+    runs killed mid-step (at step 5) and mid-checkpoint (of step 4) as processes and, in this process meanwhile, an
+    uninterrupted run ("reference") and one stopped after 6 of its 8 steps ("six"): the directory, and the runs by
+    name."""
     from fastml.cli import main
 
     path = tmp_path_factory.mktemp("reliability")
     pins = [arg for pin in SMALL_OVERRIDES for arg in ("--set", pin)]
     assert main(["plan", "--device", "cpu", "--seq", "64", "--global-batch-tokens", "256", "--steps", str(STEPS),
                  *pins, "-o", str(path / "plan.json")]) == 0
-    started = {"reference": run(path, "reference", wait=False),
-               "kill-mid-step": run(path, "kill-mid-step", faults="kill-mid-step@5", wait=False),
-               "kill-mid-checkpoint": run(path, "kill-mid-checkpoint", faults="kill-mid-checkpoint@4", wait=False),
-               "six": run(path, "six", "--steps", "6", wait=False)}
-    return path, {name: finished(process) for name, process in started.items()}
+    started = {"kill-mid-step": run(path, "kill-mid-step", faults="kill-mid-step@5", wait=False),
+               "kill-mid-checkpoint": run(path, "kill-mid-checkpoint", faults="kill-mid-checkpoint@4", wait=False)}
+    here = {"reference": run(path, "reference", here=True), "six": run(path, "six", "--steps", "6", here=True)}
+    return path, {**here, **{name: finished(process) for name, process in started.items()}}
 
 
 @pytest.fixture(scope="module")
