@@ -12,6 +12,9 @@ own runs of two more seeds: the noise is how far the seeds' smoothed curves lie 
 
 The precision part trains TinyLlama for 500 steps in bf16, with fp8 matmuls and with bf16 optimizer state, each over
 SEEDS seeds: each variant's final loss against bf16's of the same seed, and the spread of those ratios over the seeds.
+A final loss is a noisy reading (one step's loss is one batch's, and varies by about a tenth of it), so the part also
+compares each variant with bf16 step by step on the same batches over the last PAIRED_WINDOW steps (the mean of the
+ratios less one), and the variants' mean final loss over the seeds with bf16's.
 
 A run's final loss is the mean of its last FINAL_WINDOW steps' losses (one step's loss is one batch's); curves are
 compared smoothed over SMOOTHING steps, after the warm-up.
@@ -37,7 +40,7 @@ SEEDS = (0, 1, 2)
 PRECISION_VARIANTS = {"bf16": {}, "fp8": {"matmul_dtype": "fp8"},
                       "bf16_states": {"optimizer_dtype": "bf16", "master_dtype": "bf16"}}
 KNOBS = {"micro_batch_size": SEQUENCES, "compile": True}
-FINAL_WINDOW, SMOOTHING = 20, 10
+FINAL_WINDOW, SMOOTHING, PAIRED_WINDOW = 20, 10, 100
 
 
 def smoothed(losses: list[float]) -> list[float]:
@@ -46,6 +49,12 @@ def smoothed(losses: list[float]) -> list[float]:
 
 def final(losses: list[float]) -> float:
     return statistics.fmean(losses[-FINAL_WINDOW:])
+
+
+def paired_relative(losses: list[float], reference: list[float]) -> float:
+    """How far `losses` lie above `reference` over their last PAIRED_WINDOW steps, step by step on the same batches:
+    the mean of the ratios, less one."""
+    return statistics.fmean(a / b for a, b in zip(losses[-PAIRED_WINDOW:], reference[-PAIRED_WINDOW:])) - 1
 
 
 def mean_gap(a: list[float], b: list[float], skip: int) -> float:
@@ -80,7 +89,12 @@ def precision() -> dict:
     bf16 = {seed: final(runs["bf16"][seed]) for seed in SEEDS}
     relative = {name: {str(seed): final(runs[name][seed]) / bf16[seed] - 1 for seed in SEEDS}
                 for name in PRECISION_VARIANTS if name != "bf16"}
+    paired = {name: {str(seed): paired_relative(runs[name][seed], runs["bf16"][seed]) for seed in SEEDS}
+              for name in relative}
+    mean_final = {name: statistics.fmean(final(runs[name][seed]) for seed in SEEDS) for name in runs}
     return {"model": "tinyllama-1.1b", "steps": PRECISION_STEPS,
+            "paired_relative_to_bf16": paired,
+            "mean_final_relative_to_bf16": {name: mean_final[name] / mean_final["bf16"] - 1 for name in relative},
             "final_loss": {name: {str(s): final(losses) for s, losses in by_seed.items()}
                            for name, by_seed in runs.items()},
             "relative_to_bf16": relative,
