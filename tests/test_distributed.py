@@ -37,7 +37,7 @@ from fastml.executor.storage.tensordir import read_manifest
 from fastml.executor.loop.train import train
 from fastml.executor.parallel.world import World
 from fastml.executor.storage.prepare import prepare
-from small_model import SMALL, SMALL_OVERRIDES
+from small_model import EVAL_TOKENS, SMALL, SMALL_OVERRIDES
 from test_validation import documents, independent_loss, val_losses, validated_plan, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def plan(ranks: int = 1, nodes: int = 1, micro: int = 2, steps: int = 3, bf16: bool = False, **knobs) -> Plan:
     """The small model on SEQUENCES sequences a step, over `ranks` CPU processes on `nodes` nodes."""
     return Plan(model=SMALL, training=Training(seq_len=SEQ_LEN, global_batch_tokens=SEQ_LEN * SEQUENCES,
-                                                         steps=steps),
+                                                         steps=steps, eval_tokens=EVAL_TOKENS),
                 hardware=Hardware(device="cpu", num_gpus=ranks, gpus_per_node=ranks // nodes),
                 knobs=Knobs(micro_batch_size=micro, grad_accum_steps=SEQUENCES // (micro * ranks),
                             **({} if bf16 else FP32), **knobs))

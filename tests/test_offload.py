@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastml.plan import Knobs, Plan, Training, offloaded_groups
-from small_model import SMALL
+from small_model import EVAL_TOKENS, SMALL
 from fastml.executor.loop.build import build_training_model
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop import train as train_module
@@ -23,7 +23,8 @@ SAME_ARITHMETIC = ["offload_weights", "offload_gradients", "offload_residuals", 
 def cpu_plan(steps=3, **knobs):
     """bf16 parameters with fp32 masters, as on a GPU, so that offload moves masters and bf16 copies around; three
     micro-batches a step, so that offloaded gradients are summed across them."""
-    return Plan(model=SMALL, training=Training(seq_len=32, global_batch_tokens=32 * 6, steps=steps),
+    return Plan(model=SMALL, training=Training(seq_len=32, global_batch_tokens=32 * 6, steps=steps,
+                                               eval_tokens=EVAL_TOKENS),
                 knobs=Knobs(micro_batch_size=2, grad_accum_steps=3, **knobs))
 
 

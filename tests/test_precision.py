@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastml.plan import Knobs, Plan, Training
-from small_model import SMALL
+from small_model import EVAL_TOKENS, SMALL
 from fastml.executor.loop.build import build_training_model
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.train import train
@@ -21,7 +21,7 @@ LOWER = {"optimizer_dtype": "bf16", "master_dtype": "bf16"}
 def cpu_plan(steps=12, checkpoint_dir=None, **knobs):
     """bf16 parameters, as on a GPU; two micro-batches a step."""
     training = Training(seq_len=32, global_batch_tokens=32 * 4, steps=steps, lr=3e-3, warmup_steps=2,
-                        checkpoint_dir=checkpoint_dir, checkpoint_interval=3 if checkpoint_dir else 0)
+                        eval_tokens=EVAL_TOKENS, checkpoint_dir=checkpoint_dir, checkpoint_interval=3 if checkpoint_dir else 0)
     return Plan(model=SMALL, training=training, knobs=Knobs(micro_batch_size=2, grad_accum_steps=2, **knobs))
 
 

@@ -23,13 +23,14 @@ from fastml.executor.loop.step import StepHooks, train_step
 from fastml.executor.loop.train import train
 
 
-# CPU training in fp32, said by the plan (older CPU plans say bf16 parameters and matmuls).
-FP32 = ["knobs.param_dtype=fp32", "knobs.matmul_dtype=fp32"]
+# CPU training in fp32, said by the plan (older CPU plans say bf16 parameters and matmuls), and a short final
+# evaluation (the default's 16,384 tokens took the tiny model 1.6 s on the 2-core CPU, a run's 3 steps 0.3 s).
+CPU_PINS = ["knobs.param_dtype=fp32", "knobs.matmul_dtype=fp32", "training.eval_tokens=1024"]
 
 
 def losses(tmp_path, name, overrides=()):
     plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=3, device="cpu",
-                     overrides=FP32 + list(overrides)).plan
+                     overrides=CPU_PINS + list(overrides)).plan
     train(plan, log_json=tmp_path / name, show_progress=False)
     return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
 
@@ -59,7 +60,7 @@ PINNED_LOSSES = [6.120824813842773, 5.246685028076172, 4.7613301277160645, 4.456
 
 @pytest.mark.parametrize("recompute", ["[]", '["block"]'])
 def test_cpu_losses_are_the_pinned_ones(tmp_path, recompute):
-    pins = FP32 + ["knobs.micro_batch_size=4", f"knobs.recompute={recompute}"]
+    pins = CPU_PINS + ["knobs.micro_batch_size=4", f"knobs.recompute={recompute}"]
     plan = make_plan(seq_len=64, global_batch_tokens=64 * 8, steps=6, device="cpu", overrides=pins).plan
     assert (plan.knobs.grad_accum_steps, plan.knobs.recompute) == (2, () if recompute == "[]" else ("block",))
     train(plan, log_json=tmp_path / "log.jsonl", show_progress=False)
@@ -146,7 +147,7 @@ def test_the_step_calls_its_hooks(tmp_path):
     """The fault injection reaches the step only through its hooks: a NaN loss skips the step, and the hook after
     the first backward pass runs once per step."""
     plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=2, device="cpu",
-                     overrides=FP32 + ["knobs.micro_batch_size=2"]).plan
+                     overrides=CPU_PINS + ["knobs.micro_batch_size=2"]).plan
     model = materialize(build_model(plan.model), "cpu", torch.float32, seed=0)
     optimizer = AdamW(model, plan.training)
     batches = TokenData.open("default", 64, plan.model.vocab_size).batches(2, seed=0)
@@ -197,7 +198,7 @@ def test_mfu_on_a_cpu_is_against_the_whole_cpu_whatever_threads_this_process_has
 
 def test_the_run_shows_its_knobs_and_host_memory_beside_the_prediction(tmp_path):
     plan = make_plan(seq_len=64, global_batch_tokens=64 * 4, steps=2, device="cpu",
-                     overrides=FP32 + ["knobs.micro_batch_size=2", "knobs.lm_head_chunks=2"]).plan
+                     overrides=CPU_PINS + ["knobs.micro_batch_size=2", "knobs.lm_head_chunks=2"]).plan
     console = Console(file=io.StringIO(), width=200)
     summary = train(plan, show_progress=False, console=console)
     assert f"knobs: {describe_knobs(plan.knobs)}" in console.file.getvalue()
