@@ -54,6 +54,7 @@ def final(losses: list[float]) -> float:
 def paired_relative(losses: list[float], reference: list[float]) -> float:
     """How far `losses` lie above `reference` over their last PAIRED_WINDOW steps, step by step on the same batches:
     the mean of the ratios, less one."""
+    assert len(losses) == len(reference), "runs of different lengths"
     return statistics.fmean(a / b for a, b in zip(losses[-PAIRED_WINDOW:], reference[-PAIRED_WINDOW:])) - 1
 
 
@@ -98,7 +99,7 @@ def precision() -> dict:
             "final_loss": {name: {str(s): final(losses) for s, losses in by_seed.items()}
                            for name, by_seed in runs.items()},
             "relative_to_bf16": relative,
-            "worst_relative_to_bf16": {name: max(abs(v) for v in by_seed.values()) for name, by_seed in relative.items()},
+            "worst_relative_to_bf16": {name: max(by_seed.values(), key=abs) for name, by_seed in relative.items()},
             "seed_spread_bf16": max(bf16.values()) - min(bf16.values()),
             "losses": {name: {str(s): losses for s, losses in by_seed.items()} for name, by_seed in runs.items()}}
 
@@ -111,7 +112,8 @@ def main() -> None:
     earlier = json.loads(path.read_text()) if path.is_file() else {}
     parts = {key: earlier[key] for key in ("parity", "precision") if key in earlier}
     settings = {"seq_len": SEQ_LEN, "tokens_per_step": SEQ_LEN * SEQUENCES, "training": list(TRAINING),
-                "knobs": KNOBS, "seeds": list(SEEDS), "final_window": FINAL_WINDOW, "smoothing_steps": SMOOTHING}
+                "knobs": KNOBS, "seeds": list(SEEDS), "final_window": FINAL_WINDOW, "smoothing_steps": SMOOTHING,
+                "paired_window": PAIRED_WINDOW}
     if args.part == "parity":
         parts["parity"] = [parity(shape, extra) for shape, extra in PARITY_SHAPES.items()]
     else:

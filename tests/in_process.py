@@ -1,6 +1,8 @@
 """`fastml` commands run in the test's own process, through fastml.cli.main: a `fastml run` started as a process spends
 seconds (most of its time, on the 2-core test machine) importing torch and its compiler, which this process imported
-once. Each command still runs as a real process in at least one test (tests/test_cli.py, tests/test_reliability.py)."""
+once. Each command still runs as a real process in at least one test (plan, run, profile and explain in
+tests/test_cli.py, calibrate in tests/test_calibrate.py, generate in tests/test_generate.py, convert in
+tests/test_distributed.py, prepare in tests/test_cli.py)."""
 
 import contextlib
 import io

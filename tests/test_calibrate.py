@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from in_process import fastml_here
+from small_model import EVAL_TOKENS
 
 from fastml import hwprofiles
 from fastml.config import UserError
@@ -171,14 +172,20 @@ def fastml(*args, cwd):
                           timeout=600)
 
 
+def plan_here(tmp_path) -> int:
+    """A CPU plan of the tiny model at sequence 64 with a short final evaluation, planned in this process."""
+    return fastml_here("plan", "--device", "cpu", "--seq", "64", "--trials", "10", "--set",
+                       f"training.eval_tokens={EVAL_TOKENS}", "-o", "p.json", cwd=tmp_path).returncode
+
+
 def test_every_run_writes_a_record_that_calibrate_reads(tmp_path):
     """`fastml run` writes its log, plan and record into its run directory; `fastml calibrate` fits this CPU's
     profile to two runs (without --hw: REVIEW 10, "'detected-cpu' is not a shipped profile") and says the errors
     before and after, each run by its whole name (REVIEW 22: they were cut short)."""
-    assert fastml_here("plan", "--device", "cpu", "--seq", "64", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
+    assert plan_here(tmp_path) == 0
     names = ("20261202-051234-first", "20261202-051234-second")
-    for name, command in zip(names, (fastml, fastml_here)):  # a process once; in this process saves its start
-        ran = command("run", "p.json", "--steps", "4", "--no-progress", "--run-dir", name, cwd=tmp_path)
+    for name in names:  # in this process (a run's start costs seconds); `fastml calibrate` below runs as a process
+        ran = fastml_here("run", "p.json", "--steps", "4", "--no-progress", "--run-dir", name, cwd=tmp_path)
         assert ran.returncode == 0, ran.stderr
         assert f"run record: {name}/record.json" in ran.stdout
     record = load_record(tmp_path / names[0] / "record.json")
@@ -186,7 +193,7 @@ def test_every_run_writes_a_record_that_calibrate_reads(tmp_path):
     assert record.steps == len(log) == 4 and record.machine.device == "cpu"
     assert record.measured.step_time_s == sorted(r["step_time_s"] for r in log[1:])[1]  # the steady median
     assert record.plan.model.name == "tiny" and record.measured.memory_bytes is None  # a CPU has no GPU memory
-    calibrated = fastml_here("calibrate", *names, cwd=tmp_path)
+    calibrated = fastml("calibrate", *names, cwd=tmp_path)
     assert calibrated.returncode == 0, calibrated.stderr
     assert "mean absolute error of step time:" in calibrated.stdout and "after" in calibrated.stdout
     assert all(name in calibrated.stdout for name in names), calibrated.stdout
@@ -197,7 +204,7 @@ def test_a_traced_step_is_set_beside_the_simulated_one(tmp_path):
     """`fastml run --trace-step N` writes step N as torch's profiler saw it into the run directory; `fastml explain
     RUN_DIR --trace` writes one Chrome trace of the simulated step (process 0) and the measured one after it, both
     starting at 0."""
-    assert fastml_here("plan", "--device", "cpu", "--seq", "64", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
+    assert plan_here(tmp_path) == 0
     ran = fastml("run", "p.json", "--steps", "3", "--no-progress", "--run-dir", "r", "--trace-step", "2",
                  cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
@@ -231,6 +238,6 @@ def test_a_measured_process_without_a_name_is_named_by_its_pid():
 
 
 def test_a_trace_needs_a_run_directory_and_a_step_that_runs(tmp_path):
-    assert fastml_here("plan", "--device", "cpu", "--seq", "64", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
+    assert plan_here(tmp_path) == 0
     ran = fastml_here("run", "p.json", "--steps", "3", "--no-progress", "--trace-step", "4", cwd=tmp_path)
     assert ran.returncode != 0 and "--trace-step: 4 is outside the allowed range [1, 3]" in ran.stderr

@@ -274,11 +274,13 @@ def test_profile_writes_a_loadable_profile(tmp_path):
     from fastml.hwprofiles.profile import detect_topology
     from fastml.planner.hardware import load_machine
 
+    before = detect_topology()["host"]["memory_bytes"]
     result = fastml("profile", "-o", "hw.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "hw.json").read_text())["name"]
     host_memory = load_machine(str(tmp_path / "hw.json")).node.host_memory_bytes
-    assert host_memory == pytest.approx(detect_topology()["host"]["memory_bytes"], rel=0.1)  # a VM's may grow
+    after = detect_topology()["host"]["memory_bytes"]
+    assert min(before, after) <= host_memory <= max(before, after)  # a VM's memory may change meanwhile
     assert fastml_here("plan", "--hw", "hw.json", "--trials", "10", "-o", "p.json", cwd=tmp_path).returncode == 0
 
 

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 from rich.console import Console
+from small_model import EVAL_TOKENS
 
 from fastml import hwprofiles
 from fastml.plan import MEMORY_CATEGORIES, TIME_COMPONENTS, Knobs, Plan, Predicted, Training, describe_knobs
@@ -25,7 +26,7 @@ from fastml.executor.loop.train import train
 
 # CPU training in fp32, said by the plan (older CPU plans say bf16 parameters and matmuls), and a short final
 # evaluation (the default's 16,384 tokens took the tiny model 1.6 s on the 2-core CPU, a run's 3 steps 0.3 s).
-CPU_PINS = ["knobs.param_dtype=fp32", "knobs.matmul_dtype=fp32", "training.eval_tokens=1024"]
+CPU_PINS = ["knobs.param_dtype=fp32", "knobs.matmul_dtype=fp32", f"training.eval_tokens={EVAL_TOKENS}"]
 
 
 def losses(tmp_path, name, overrides=()):
