@@ -3,7 +3,7 @@
 GPU measured on first use), trained a few steps in its own process, and scored: predicted against measured step time
 and peak GPU memory, and the rank of throughput within each model.
 
-    python benchmarks/fidelity.py run [--parts planner,pinned,lower,grid] [--out DIR] [--deadline S]  # on a GPU
+    python benchmarks/fidelity.py run [--parts planner,pinned,lower,grid,calibration] [--out DIR] [--deadline S]  # GPU
     python benchmarks/fidelity.py score            # anywhere: the runs predicted with their first-use profile
     python benchmarks/fidelity.py score --shipped  # anywhere: the runs predicted with hwprofiles/h200.json as shipped
     python benchmarks/fidelity.py calibrate-shipped  # anywhere: h200.json's calibration fitted to its own runs
@@ -15,9 +15,10 @@ file are not run again, so that the benchmark can be spread over several calls o
 Each run is its own `fastml run` process, so that its cap, pinned memory and peak are its own. `score` re-predicts
 every run with this code and that profile as it is, nothing fitted to the runs (`fidelity.json`, `fidelity.png`);
 `--shipped` with the shipped profile instead (`fidelity-shipped.json`, `fidelity-shipped.png`). The shipped profile's
-calibration is fitted to another set of runs (`calibrate-shipped`: results/calibration-runs-h200.jsonl, 8 pinned plans
-measured on the H200 at 72eb533 and a3292f1), none of them a scored run; two of the pinned plans scored here
-(s-1b-s2048-mb8-residuals-weights, s-1.1b-s4096-mb2-norm) are the same plans as two of those, measured again.
+calibration is fitted to another set of runs (`calibrate-shipped`: results/calibration-runs-h200.jsonl, the 8 pinned
+plans of `run --parts calibration`, which writes calibration-runs-<gpu>.jsonl), none of them a scored run; two of the
+pinned plans scored here (s-1b-s2048-mb8-residuals-weights, s-1.1b-s4096-mb2-norm) are the same plans as two of
+those, measured again.
 """
 
 from __future__ import annotations
@@ -115,9 +116,23 @@ LOWER_PRECISION = [  # fp8 matmuls and bf16 optimizer state (stochastic rounding
          pin(micro_batch_size=8, offload_optimizer=0.5, optimizer_dtype="bf16")),
 ]
 
+CALIBRATION = [  # the shipped profile's calibration set (`calibrate-shipped`), apart from the scored runs
+    Case("c-0.5b-s2048-mb8", "qwen2.5-0.5b", 2048, 32, pin(micro_batch_size=8, compile=True)),
+    Case("c-0.5b-s1024-mb32-block", "qwen2.5-0.5b", 1024, 64, pin(micro_batch_size=32, recompute=["block"])),
+    Case("c-1b-s4096-mb4-attn", "llama-3.2-1b", 4096, 8,
+         pin(micro_batch_size=4, recompute=["attention"], lm_head_chunks=4, compile=True)),
+    Case("c-1.5b-s8192-mb1-ffn", "qwen2.5-1.5b", 8192, 4, pin(micro_batch_size=1, recompute=["ffn"], compile=True)),
+    Case("c-3b-s2048-mb4-cpu-adam", "llama-3.2-3b", 2048, 8,
+         pin(micro_batch_size=4, compile=True, offload_optimizer=1.0, offload_master=1.0)),
+    Case("c-1b-s2048-mb8-residuals-weights", "llama-3.2-1b", 2048, 16,
+         pin(micro_batch_size=8, recompute=["block"], offload_residuals=1.0, offload_weights=0.5)),
+    Case("c-8b-s2048-mb1", "llama-3.1-8b", 2048, 8, pin(micro_batch_size=1, lm_head_chunks=4, compile=True)),
+    Case("c-1.1b-s4096-mb2-norm", "tinyllama-1.1b", 4096, 8, pin(micro_batch_size=2, recompute=["norm"])),
+]
+
 GRID_CENTRES = ("p-1.1b-s2048",)
 SETS = {"planner": PLANNER, "pinned": PINNED, "lower": LOWER_PRECISION}
-PARTS = (*SETS, "grid")
+PARTS = (*SETS, "grid", "calibration")
 DEFAULT_PARTS = tuple(SETS)
 """The grid (the planner's neighbours) only when asked: it answers another question than the prediction's error."""
 RUN_TIMEOUT_S = 240
@@ -156,8 +171,7 @@ def run_parts(parts: list[str], out: Path, deadline_s: float, again: frozenset =
     profile_path = out / f"fidelity-profile-{gpu_tag()}.json"
     if profile_path.is_file():  # measured by an earlier call of this benchmark
         hwprofiles.save_machine_profile(json.loads(profile_path.read_text()))
-    runs = out / f"fidelity-runs-{gpu_tag()}.jsonl"
-    done = {r["name"]: r for r in _rows(runs) if r["name"] not in again}
+    done = {r["name"]: r for part in parts for r in _rows(runs_file(out, part)) if r["name"] not in again}
     longest = 60.0
     for part in parts:
         for case in _cases(part, done):
@@ -166,14 +180,21 @@ def run_parts(parts: list[str], out: Path, deadline_s: float, again: frozenset =
             if time.perf_counter() - started + longest > deadline_s:
                 print(f"stopping before {case.name}: the deadline ({deadline_s:.0f} s) is near")
                 return
-            done[case.name] = run_case(case, runs)
+            done[case.name] = run_case(case, runs_file(out, part))
             longest = max(longest, done[case.name].get("wall_s", 0.0))
             gpus = hwprofiles.local_gpus()
             if not profile_path.is_file() and gpus is not None:  # a CPU's (a dry run's) is measured at each plan
                 profile_path.write_text(json.dumps(hwprofiles.machine_profile(*gpus), indent=1) + "\n")
 
 
+def runs_file(out: Path, part: str) -> Path:
+    """Where a part's rows go: the calibration set's apart, for `calibrate-shipped`."""
+    return out / f"{'calibration' if part == 'calibration' else 'fidelity'}-runs-{gpu_tag()}.jsonl"
+
+
 def _cases(part: str, done: dict) -> list[Case]:
+    if part == "calibration":
+        return CALIBRATION
     if part != "grid":
         return SETS[part]
     return [case for centre in GRID_CENTRES if "record" in done.get(centre, {})
@@ -435,7 +456,7 @@ def main() -> None:
         unknown = set(parts) - set(PARTS)
         if unknown:
             parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
-        names = {case.name for cases in SETS.values() for case in cases}
+        names = {case.name for cases in [*SETS.values(), CALIBRATION] for case in cases}
         if set(args.again) - names:
             parser.error(f"--again: no case named {', '.join(sorted(set(args.again) - names))}")
         run_parts(parts, args.out, args.deadline, frozenset(args.again))

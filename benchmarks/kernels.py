@@ -15,7 +15,10 @@ The kernels, at the shapes of Llama-3.1-8B's micro-batch of 4 x 2,048 tokens:
   bf16 moments writing the bf16 weight in the same pass;
 - csrc/fp8_cuda.cu, `quantize_fp8`: the absolute-maximum pass and the cast pass together, rowwise and with the
   transpose, an activation (8,192 x 4,096) and the MLP's weight (14,336 x 4,096);
-- executor/model/fused.py, the Triton SwiGLU forward and backward;
+- executor/model/fused.py, the Triton SwiGLU forward and backward, and the cross-entropy over one slice of the LM
+  head's logits (2,048 tokens, a quarter of the micro-batch, as lm_head_chunks 4 makes them; the 8B's vocabulary of
+  128,256): it reads a row twice (its log-sum-exp, then the softmax) and writes the gradient once, 6 bytes a logit
+  counted, since a row of 256 KB fits no multiprocessor's shared memory;
 - csrc/cpu_adam.cpp, `adamw_step_` on the CPU (fp32 state, bf16 gradient and weight), against host memory;
 - attention (executor/model/transformer.py calls torch's SDPA, the one compute-bound kernel fastml does not leave to
   cuBLAS), against the bf16 matmul, its FLOPs counted as FlashAttention counts them: causal, the backward pass 2.5
@@ -137,6 +140,16 @@ def swiglu_rows(roofline: float, repeats: int) -> list[dict]:
                 source="executor/model/fused.py", bytes=5 * TOKENS * f * 2)]
 
 
+def cross_entropy_row(roofline: float, repeats: int) -> dict:
+    rows, vocab = TOKENS // 4, SPEC.vocab_size
+    inputs = itertools.cycle([torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) for _ in range(4)])
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    moved = 3 * rows * vocab * 2
+    seconds = _cuda_seconds(lambda: fused.cross_entropy_(next(inputs), targets), repeats)
+    return row(f"cross_entropy_ {rows}x{vocab} (loss and gradient in place)", "memory", seconds, moved, roofline,
+               source="executor/model/fused.py", bytes=moved)
+
+
 def attention_row(roofline: float, repeats: int) -> dict:
     batch, seq = TOKENS // 2048, 2048
     run = _attention_pass(batch, seq, SPEC.num_heads, SPEC.num_kv_heads, SPEC.head_dim)
@@ -155,6 +168,7 @@ def main() -> None:
     kernels = [*adamw_rows("cuda", ADAM_ELEMENTS, roof["hbm_bytes_per_s"], args.repeats, _cuda_seconds),
                *quantize_rows(roof["hbm_bytes_per_s"], args.repeats),
                *swiglu_rows(roof["hbm_bytes_per_s"], args.repeats),
+               cross_entropy_row(roof["hbm_bytes_per_s"], args.repeats),
                attention_row(roof["bf16_flop_per_s"], args.repeats),
                *adamw_rows("cpu", CPU_ADAM_ELEMENTS, roof["host_bytes_per_s"], max(3, args.repeats // 4), cpu_seconds)]
     print(f"wrote {write_result(f'kernels-{gpu_tag()}.json', {'roofline': roof, 'kernels': kernels})}")

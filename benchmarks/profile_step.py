@@ -52,7 +52,8 @@ KINDS = [  # first match wins: (kind, substrings of the kernel's name)
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "splitk")),
     ("copy", ("memcpy", "memset", "copy")),
-    ("fused elementwise", ("swiglu",)),  # executor/model/fused.py's Triton kernels
+    ("loss", ("cross_entropy",)),  # executor/model/fused.py's, the LM head's loss
+    ("fused elementwise", ("swiglu",)),  # executor/model/fused.py's other Triton kernels
     ("compiled elementwise", ("triton",)),
 ]
 

@@ -21,8 +21,8 @@ from fastml.config import fail
 from fastml.plan import KNOBS, MEMCPY_ROW_BYTES, Knobs, fp8_cached_blocks
 from fastml.hwprofiles.schema import ATTENTION_BACKWARD_FACTOR, FP8_CAST_BYTES, Calibration
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, LOSS_FORWARD_TENSORS, activation_bytes, block_input_bytes,
-                                   group_params, has_fp32_masters, loss_tensor_bytes, param_bytes)
+from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, group_params,
+                                   has_fp32_masters, loss_logit_bytes, param_bytes)
 from fastml.spec import ModelSpec
 
 @dataclass(frozen=True)
@@ -151,14 +151,13 @@ def layer_flops(spec: ModelSpec, micro_batch_size: int, seq_len: int) -> dict[st
             "backward.gemm": 2 * gemm, "backward.attention": ATTENTION_BACKWARD_FACTOR * attention}
 
 
-def head_gemm_passes(num_chunks: int) -> int:
-    """LM-head matmuls of the forward's size: forward, input and weight gradients, and with chunks the forward
-    again (the chunks are recomputed in the backward pass, executor/model/transformer.py)."""
-    return 3 + (num_chunks > 1)
+HEAD_GEMM_PASSES = 3
+"""LM-head matmuls of the forward's size: the logits, the hidden states' and the weight's gradients (all three in
+the forward pass, executor/model/loss.py)."""
 
 
-def head_flops(spec: ModelSpec, tokens: int, num_chunks: int) -> float:
-    return head_gemm_passes(num_chunks) * gemm_flops(tokens, *spec.lm_head_shape())
+def head_flops(spec: ModelSpec, tokens: int) -> float:
+    return HEAD_GEMM_PASSES * gemm_flops(tokens, *spec.lm_head_shape())
 
 
 def optimizer_step_bytes(knobs: Knobs) -> int:
@@ -192,10 +191,11 @@ RECOMPUTE_OPS = {"attention": 27, "ffn": 17, "block": 79}
 and ffn together add their sum, 44). "norm" and "qkv", which the search does not weigh, are not counted."""
 
 
-LM_HEAD_CHUNK_OPS = 30
-"""The aten ops each chunk of a chunked LM head dispatches (its forward, recomputed in the backward pass, and its
-backward), counted against the unchunked head's in tests/test_planner_vs_model.py: the host's time of a head pass
-grows by these at the host's time per op."""
+LM_HEAD_CHUNK_OPS = 11
+"""The aten ops each slice of a chunked LM head dispatches (executor/model/loss.py), counted against the unchunked
+head's in tests/test_planner_vs_model.py: the host's time of a head pass grows by these at the host's time per op."""
+LOSS_LOGIT_PASSES = 3
+"""Passes of the loss's kernel over a logit's bytes (executor/model/fused.py): two reads and one write."""
 
 
 def with_host_time(c: Costs, spec: ModelSpec, knobs: Knobs, machine: Machine) -> Costs:
@@ -294,18 +294,17 @@ def layer_work(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) ->
                                 {"matmul": gemms("gate_up", "down"),
                                  "fp8 cast": input_casts["gate_up"] + input_casts["down"]},
                                 {"matmul": gemms("qkv"), "fp8 cast": input_casts["qkv"]}, attention, elementwise)
-    # Every (tokens x vocab) tensor of the loss is written once and read once (memory.loss_tensor_bytes); chunks
-    # write the forward's again when they recompute it, each chunk's matmuls of a chunk's tokens.
+    # The head (executor/model/loss.py), a slice of the tokens at a time: its three matmuls, the loss's kernel reading
+    # each logit twice and writing its gradient over it, each slice after the first adding its weight gradient in
+    # its GEMM (which reads the sum so far), and the backward pass scaling both gradients in place.
     chunks = knobs.lm_head_chunks
     chunk = -(-t // chunks)
-    forward_passes = head_gemm_passes(chunks) - 2  # the forward, again where chunks recompute it
-    loss_bytes = loss_tensor_bytes(knobs)
-    forward_bytes = sum(loss_bytes[name] for name in LOSS_FORWARD_TENSORS if name in loss_bytes)
-    head = {"matmul": chunks * (forward_passes * gpu.gemm_seconds(chunk, *spec.lm_head_shape(), other_dtype) +
+    weight_bytes = spec.vocab_size * spec.hidden_size * param_bytes(knobs)
+    hidden_bytes = t * spec.hidden_size * activation_bytes(knobs)
+    head = {"matmul": chunks * (gpu.gemm_seconds(chunk, *spec.lm_head_shape(), other_dtype) +
                                 2 * gpu.gemm_seconds(chunk, *spec.lm_head_shape(), other_dtype, backward=True)),
-            "loss": hbm(2 * (sum(loss_bytes.values()) + (chunks > 1) * forward_bytes) * t * spec.vocab_size +
-                        # each chunk after the first adds its weight gradient to the head's, as micro-batches do
-                        (chunks - 1) * 2 * spec.vocab_size * spec.hidden_size * param_bytes(knobs))}
+            "loss": hbm(LOSS_LOGIT_PASSES * loss_logit_bytes(knobs, machine.device) * t * spec.vocab_size +
+                        (chunks - 1) * weight_bytes + 2 * (weight_bytes + hidden_bytes))}
     return LayerWork(forward, backward, recompute, head)
 
 

@@ -147,43 +147,26 @@ def layer_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: s
     return int(sum(saved_bytes_per_token(spec, knobs, device).values()) * tokens)
 
 
-def loss_tensor_bytes(knobs: Knobs) -> dict[str, int]:
-    """The (tokens x vocab) tensors of the executor's LM head and loss (executor/model/transformer.py `_lm_loss_sum`), in the
-    order forward and backward make them, in bytes per logit: the matmul's logits in the activation dtype, their
-    fp32 copy (`.float()`, none when they are fp32 already), cross-entropy's log-softmax (kept for the backward
-    pass), then the gradients: of the log-probabilities (nll_loss backward), of the fp32 logits (log-softmax
-    backward) and their cast back to the activation dtype for the matmul's backward. Checked op by op against the
-    real loss in tests/test_planner_vs_model.py."""
+def loss_logit_bytes(knobs: Knobs, device: str) -> int:
+    """Bytes a logit of the LM head takes in the loss (executor/model/loss.py), one slice of the tokens at a time:
+    the matmul's logits in the activation dtype, which the loss's kernel overwrites with their gradient, and on the
+    CPU, where they are narrower than float32, the float32 copy its reference works in (fused.py). Checked against
+    the real loss's tensors in tests/test_planner_vs_model.py."""
     act = activation_bytes(knobs)
-    upcast = act != FP32_BYTES
-    tensors = {"logits": act, "logits.fp32": FP32_BYTES if upcast else 0, "log_probs": FP32_BYTES,
-               "grad.log_probs": FP32_BYTES, "grad.logits.fp32": FP32_BYTES, "grad.logits": act if upcast else 0}
-    return {name: num_bytes for name, num_bytes in tensors.items() if num_bytes}
+    return act + (FP32_BYTES if device == "cpu" and act < FP32_BYTES else 0)
 
 
-# Of the tensors above, those alive at once at the loss's peak: log-softmax backward reads the kept log-probs and
-# their gradient and writes the logits' gradient (the forward pass peaks lower: logits and their fp32 copy, or the
-# fp32 copy and the log-probs).
-LOSS_PEAK_TENSORS = ("log_probs", "grad.log_probs", "grad.logits.fp32")
-LOSS_FORWARD_TENSORS = ("logits", "logits.fp32", "log_probs")
-"""Those the forward pass makes: made again where a chunked head recomputes its chunks in the backward pass."""
-
-
-def loss_workspace_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
-    """Peak bytes of the LM head and cross-entropy of one micro-batch beside what the model counts elsewhere (the
-    head's gradient among the gradients). Unchunked, the slice's LOSS_PEAK_TENSORS. Chunked, one slice's tensors
-    exist at a time, but the head weight's gradient is made chunk by chunk: autograd keeps the running sum of the
-    chunks' gradients, makes the next chunk's beside it and adds the two out of place, so three weight-sized
-    gradients exist at once (measured on an H200, 2026-12-03: a backward pass of the chunked loss peaks at three
-    times the head weight's gradient, or one beside a chunk's tensors where those are the larger, with or without a
-    gradient already accumulated). With one micro-batch a step the third becomes the head's gradient, which is then
-    counted twice: an upper bound, so that no choice of micro-batch looks smaller for it (tests/test_choice.py)."""
-    per_logit = sum(loss_tensor_bytes(knobs)[name] for name in LOSS_PEAK_TENSORS)
-    chunk = per_logit * spec.vocab_size * -(-tokens // knobs.lm_head_chunks)
-    if knobs.lm_head_chunks == 1:
-        return chunk
+def loss_workspace_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str = "cuda") -> int:
+    """Peak bytes of the LM head and cross-entropy of one micro-batch beside what the model counts elsewhere, in its
+    forward pass, where it makes its gradients (executor/model/loss.py): one slice's logits, the head weight's
+    gradient and the hidden states' (beside the hidden states, which the head's activations count: their gradient
+    takes their place once the loss is made). Measured against the real loss on a GPU in
+    tests/test_planner_vs_model.py. The weight's gradient is one tensor more than the gradients count only from the
+    second micro-batch of a step (in the first it becomes the head's gradient): an upper bound, so that no choice of
+    micro-batch looks smaller for it."""
+    chunk = loss_logit_bytes(knobs, device) * spec.vocab_size * -(-tokens // knobs.lm_head_chunks)
     weight_gradient = spec.vocab_size * spec.hidden_size * param_bytes(knobs)
-    return max(3 * weight_gradient, weight_gradient + chunk)
+    return chunk + weight_gradient + tokens * spec.hidden_size * activation_bytes(knobs)
 
 
 def block_backward_workspace_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
@@ -219,8 +202,9 @@ def model_state_bytes(num_params: int, knobs: Knobs, num_gpus: int,
 
 
 def head_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str) -> int:
-    """What the final norm and the LM head keep for the backward pass: the norm's input, its output (the LM head's
-    input) and its statistics, as for a block's norms (`saved_bytes_per_token`)."""
+    """What the final norm and the LM head keep for the backward pass: the norm's input and its statistics, as for a
+    block's norms (`saved_bytes_per_token`), and the gradient of its output (the LM head's input), which the loss
+    makes in its forward pass (executor/model/loss.py)."""
     per_token = 2 * spec.hidden_size * activation_bytes(knobs) + FP32_BYTES
     if device == "cpu":
         per_token += spec.hidden_size * FP32_BYTES
@@ -342,7 +326,8 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     rebuilt = rebuilt_activation_bytes(spec, knobs, tokens, device)
     gpu["activations"] += rebuilt
     gradients = block_backward_workspace_bytes(spec, knobs, tokens)
-    backward_workspace = max(loss_workspace_bytes(spec, knobs, tokens) - rebuilt - streamed_gradients, gradients)
+    loss = loss_workspace_bytes(spec, knobs, tokens, device)
+    backward_workspace = max(loss - rebuilt - streamed_gradients, gradients)
     if knobs.matmul_dtype == "fp8":
         cached = len(fp8_cached_blocks(knobs, spec.num_layers, num_gpus))
         # Cached blocks keep their weights in fp8 and transposed (executor/model/fp8.py); the others cast one layer's as

@@ -1,5 +1,6 @@
 """The fused kernels (executor/model/fused.py): their references against autograd of the plain arithmetic, the ops'
-gradients, and the Triton kernels against the references under Triton's interpreter, on the CPU
+gradients, the LM head's loss that makes its gradients in its forward pass (executor/model/loss.py) against autograd
+of F.cross_entropy, and the Triton kernels against the references under Triton's interpreter, on the CPU
 (tests/test_gpu_fused.py runs the kernels on a GPU)."""
 
 import importlib.util
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fastml.executor.model import fused
+from fastml.executor.model.loss import LinearCrossEntropy, lm_loss_sum, row_slices
 
 
 def plain_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -47,9 +49,67 @@ def test_the_op_traces_into_one_compiled_graph():
     torch.testing.assert_close(compiled(gate_up), fused.swiglu_reference(gate_up))
 
 
+def test_the_cross_entropy_reference_is_the_loss_and_its_gradient():
+    logits = torch.randn(7, 40, dtype=torch.float64, requires_grad=True) * 5
+    targets = torch.randint(0, 40, (7,))
+    expected = F.cross_entropy(logits, targets, reduction="none")
+    (expected_grad,) = torch.autograd.grad(expected.sum(), logits)
+    got = logits.detach().clone()
+    torch.testing.assert_close(fused.cross_entropy_reference_(got, targets), expected.detach())
+    torch.testing.assert_close(got, expected_grad)
+
+
+def plain_loss_and_grads(hidden, weight, targets, scale):
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    loss = F.cross_entropy(F.linear(hidden, weight), targets, reduction="sum")
+    return loss.detach(), *torch.autograd.grad(loss * scale, (hidden, weight))
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 4, 37])
+def test_the_lm_loss_has_the_plain_loss_and_gradients(chunks):
+    """In float64, chunked or not, and (an uneven split) with 37 rows in 3 or 4 slices: the summed cross-entropy
+    and, through a scale (a mean's, or the micro-batches'), the gradients of autograd on the plain head and loss."""
+    hidden, weight = torch.randn(37, 16, dtype=torch.float64), torch.randn(53, 16, dtype=torch.float64)
+    targets = torch.randint(0, 53, (37,))
+    expected, expected_hidden, expected_weight = plain_loss_and_grads(hidden, weight, targets, 0.3)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = lm_loss_sum(h, w, targets, chunks)
+    (loss * 0.3).backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(h.grad, expected_hidden)
+    torch.testing.assert_close(w.grad, expected_weight)
+    with torch.no_grad():  # evaluation: the losses alone
+        torch.testing.assert_close(lm_loss_sum(hidden, weight, targets, chunks), expected)
+
+
+def test_the_lm_loss_makes_only_the_gradients_asked_for():
+    hidden, weight = torch.randn(8, 4, dtype=torch.float64), torch.randn(11, 4, dtype=torch.float64)
+    targets = torch.randint(0, 11, (8,))
+    _, expected_hidden, _ = plain_loss_and_grads(hidden, weight, targets, 1.0)
+    h = hidden.clone().requires_grad_()
+    lm_loss_sum(h, weight, targets, 2).backward()
+    torch.testing.assert_close(h.grad, expected_hidden)
+    assert weight.grad is None
+
+
+def test_the_lm_loss_refuses_a_second_backward_pass():
+    """Its backward pass scales the gradients it kept in place: a second one would scale them again."""
+    h, w = torch.randn(8, 4, requires_grad=True), torch.randn(11, 4, requires_grad=True)
+    loss = LinearCrossEntropy.apply(h, w, torch.randint(0, 11, (8,)), 2)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="differentiated twice"):
+        loss.backward()
+
+
+def test_row_slices_cover_the_rows_evenly():
+    assert row_slices(10, 4) == [slice(0, 3), slice(3, 6), slice(6, 8), slice(8, 10)]
+    assert row_slices(2, 4) == [slice(0, 1), slice(1, 2)]
+
+
 INTERPRETED = """
 import torch
 from fastml.executor.model import fused
+from fastml.executor.model.loss import LinearCrossEntropy, lm_loss_sum, row_slices
 for dtype, tolerance in ((torch.bfloat16, {}), (torch.float32, dict(rtol=1e-5, atol=1e-6))):
     # rows of a partial block, of more than one block, one element
     for shape in [(3, 5, 2 * 1100), (7, 2 * 16), (1, 2)]:
@@ -60,6 +120,16 @@ for dtype, tolerance in ((torch.bfloat16, {}), (torch.float32, dict(rtol=1e-5, a
         strided = grad.transpose(0, -1).contiguous().transpose(0, -1)
         torch.testing.assert_close(fused.launch_swiglu_backward(strided, gate_up),
                                    fused.swiglu_backward_reference(grad, gate_up), **tolerance)
+# cross-entropy: rows of a partial block, of exactly one, of several, a one-word vocabulary
+for dtype in (torch.bfloat16, torch.float32):
+    for rows, vocab in [(5, 100), (3, fused.CROSS_ENTROPY_BLOCK), (2, 2 * fused.CROSS_ENTROPY_BLOCK + 7), (2, 1)]:
+        logits = torch.randn(rows, vocab, dtype=dtype) * 4
+        targets = torch.randint(0, vocab, (rows,))
+        got, expected = logits.clone(), logits.clone()
+        losses = fused.launch_cross_entropy_(got, targets)
+        torch.testing.assert_close(losses, fused.cross_entropy_reference_(expected, targets), rtol=1e-5, atol=1e-5)
+        # each gradient is the rounding of nearly the same float32 value: one bf16 step apart at most (|g| <= 1)
+        torch.testing.assert_close(got, expected, **({"rtol": 0, "atol": 2**-8} if dtype == torch.bfloat16 else {}))
 print("ok")
 """
 

@@ -1,9 +1,11 @@
-"""On a CUDA GPU: the fused kernels (executor/model/fused.py) against their references, and in compiled blocks."""
+"""On a CUDA GPU: the fused kernels (executor/model/fused.py) against their references, in compiled blocks, and the
+LM head's loss that uses one (executor/model/loss.py)."""
 
 import pytest
 import torch
 
 from fastml.executor.model import fused
+from fastml.executor.model.loss import lm_loss_sum
 from test_fused import plain_swiglu
 
 pytestmark = [pytest.mark.gpu,
@@ -38,3 +40,44 @@ def test_a_compiled_swiglu_matches_the_plain_one_in_bf16():
     (expected_grad,) = torch.autograd.grad(expected, wide, grad.double())
     torch.testing.assert_close(out.double(), expected, rtol=2**-8, atol=1e-6)
     torch.testing.assert_close(got.double(), expected_grad, rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, vocab", [(64, 128256), (256, 32000), (5, 151936), (3, 7)], ids=str)
+def test_the_cross_entropy_kernel_matches_the_reference(rows, vocab, dtype):
+    """Llama 3's, TinyLlama's and Qwen's vocabularies, and one under a block. The losses are float32 sums of up to
+    2**17 terms in two orders; each gradient the rounding of nearly the same float32 value, so in bf16 one step
+    apart at most (|g| <= 1)."""
+    logits = torch.randn(rows, vocab, device="cuda", dtype=dtype) * 4
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    got, expected = logits.clone(), logits.clone()
+    losses = fused.cross_entropy_(got, targets)
+    torch.testing.assert_close(losses, fused.cross_entropy_reference_(expected, targets), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, expected, **({"rtol": 0, "atol": 2**-8} if dtype == torch.bfloat16 else {}))
+
+
+def test_a_target_outside_the_vocabulary_gives_a_nan_loss():
+    logits = torch.randn(2, 100, device="cuda", dtype=torch.bfloat16)
+    losses = fused.cross_entropy_(logits, torch.tensor([3, 100], device="cuda"))
+    assert losses[0].isfinite() and losses[1].isnan()
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_the_lm_loss_matches_the_plain_loss_in_bf16(chunks):
+    """Against autograd on the plain head and float32 cross-entropy in float64 (from the same bf16 inputs): the loss
+    within float32's summing, the gradients within two bf16 roundings (the logits' gradient's, and the GEMM's
+    output's) and the GEMMs' bf16 inputs."""
+    rows, hidden_size, vocab = 4096, 512, 32000
+    hidden = torch.randn(rows, hidden_size, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16) / hidden_size**0.5
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = lm_loss_sum(h, w, targets, chunks)
+    (loss / rows).backward()
+    wide_h, wide_w = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(wide_h @ wide_w.t(), targets, reduction="sum")
+    expected_h, expected_w = torch.autograd.grad(expected / rows, (wide_h, wide_w))
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=0)
+    for got, want in ((h.grad, expected_h), (w.grad, expected_w)):
+        scale = want.abs().max()
+        torch.testing.assert_close(got.double() / scale, want / scale, rtol=0, atol=3 * 2**-8)

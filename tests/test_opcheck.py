@@ -46,6 +46,12 @@ def test_the_fused_swiglu_ops_pass_opcheck_on_the_cpu():
     assert all_succeed(torch.library.opcheck(fused.swiglu_backward, (grad, gate_up.detach())))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_cross_entropy_passes_opcheck_on_the_cpu(dtype):
+    logits = torch.randn(6, 50, dtype=dtype)
+    assert all_succeed(torch.library.opcheck(fused.cross_entropy_, (logits, torch.randint(0, 50, (6,)))))
+
+
 def test_host_barrier_declares_that_it_writes_its_flags():
     """One rank meets itself at the barrier. Only the schema is checked: a barrier is never traced (it waits on
     other processes), so it has no fake kernel."""
@@ -83,3 +89,10 @@ def test_the_fused_swiglu_kernels_pass_opcheck():
     grad = torch.randn(4, 3, 1100, device="cuda", dtype=torch.bfloat16)
     assert all_succeed(torch.library.opcheck(fused.swiglu_backward, (grad, gate_up.detach())))
 
+
+@on_gpu
+@pytest.mark.parametrize("vocab", [32000, 50])
+def test_the_fused_cross_entropy_kernel_passes_opcheck(vocab):
+    logits = torch.randn(6, vocab, device="cuda", dtype=torch.bfloat16)
+    targets = torch.randint(0, vocab, (6,), device="cuda")
+    assert all_succeed(torch.library.opcheck(fused.cross_entropy_, (logits, targets)))

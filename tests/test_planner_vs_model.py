@@ -21,12 +21,14 @@ from fastml.executor import native
 from fastml.hwprofiles.host import op_counter
 from fastml.executor.model.apply import apply_recompute
 from fastml.executor.model.fp8 import MIN_CAPABILITY, convert_to_fp8
-from fastml.executor.model.transformer import Transformer, _lm_loss_sum, build_model, lm_loss_sum, rotary_tables
+from fastml.executor.model import fused
+from fastml.executor.model.loss import lm_loss_sum
+from fastml.executor.model.transformer import Transformer, build_model, rotary_tables
 from fastml.plan import KNOBS, Knobs
 from fastml.planner.costs import (ATTENTION_BACKWARD_FACTOR, LM_HEAD_CHUNK_OPS, head_flops, layer_flops,
                                   layer_gemms)
-from fastml.planner.memory import (LOSS_PEAK_TENSORS, activation_bytes, block_backward_workspace_bytes,
-                                   layer_activation_bytes, loss_tensor_bytes, loss_workspace_bytes, memory,
+from fastml.planner.memory import (activation_bytes, block_backward_workspace_bytes, layer_activation_bytes,
+                                   loss_logit_bytes, loss_workspace_bytes, memory, param_bytes,
                                    rebuilt_activation_bytes, saved_bytes_per_token)
 from fastml.spec import PRESETS
 
@@ -107,7 +109,7 @@ def test_gemm_shapes_are_costs_shapes():
 def test_model_flops_match_the_planner_and_the_mfu_definition(name, num_chunks):
     """The whole model, loss included. `flops_per_token` (MFU) counts every matmul but the embedding's lookup,
     forward and backward (6·N_matmul), and causal attention at three times its forward; it leaves out norms,
-    rotary embedding, SwiGLU, the softmax and anything recomputed (the chunked LM head's second forward)."""
+    rotary embedding, SwiGLU and the softmax. The LM head, chunked or not, makes its three matmuls once."""
     spec = PRESETS[name]
     model = build_model(spec)
     tokens = torch.randint(0, spec.vocab_size, (BATCH, SEQ), device="meta")
@@ -115,12 +117,10 @@ def test_model_flops_match_the_planner_and_the_mfu_definition(name, num_chunks):
         model.loss(tokens, tokens, num_chunks).backward()
     num_tokens = BATCH * SEQ
     block = layer_flops(spec, BATCH, SEQ)
-    planned = spec.num_layers * (block["forward.gemm"] + block["backward.gemm"]) + \
-        head_flops(spec, num_tokens, num_chunks)
+    planned = spec.num_layers * (block["forward.gemm"] + block["backward.gemm"]) + head_flops(spec, num_tokens)
     assert counted(counter, MATMULS) == planned
     causal_attention = counted(counter, ATTENTION) / 2
-    recomputed_head = head_flops(spec, num_tokens, num_chunks) - head_flops(spec, num_tokens, 1)
-    assert counted(counter, MATMULS) - recomputed_head + causal_attention == spec.flops_per_token(SEQ) * num_tokens
+    assert counted(counter, MATMULS) + causal_attention == spec.flops_per_token(SEQ) * num_tokens
 
 
 def test_each_chunk_of_the_lm_head_dispatches_the_ops_the_planner_prices():
@@ -213,8 +213,8 @@ def test_block_recompute_keeps_the_input():
 @pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b", "qwen3-8b"])
 def test_whole_model_activations_match_memory(name):
     """The whole model's forward pass, loss included, fp32 on the CPU: the blocks and the head as `memory` counts
-    them, the log-probabilities the loss keeps (part of its workspace), and what the planner leaves out as too
-    small to matter: the token ids (int64), the rotary tables and the loss's 4-byte weight total."""
+    them, the head weight's gradient that the loss makes in its forward pass and keeps (part of its workspace), and
+    what the planner leaves out as too small to matter: the token ids (int64) and the rotary tables."""
     spec, knobs = PRESETS[name], dataclasses.replace(CPU_KNOBS, micro_batch_size=BATCH)
     with FakeTensorMode():
         with torch.device("cpu"):
@@ -222,10 +222,10 @@ def test_whole_model_activations_match_memory(name):
         tokens = torch.randint(0, spec.vocab_size, (BATCH, SEQ))
         kept = saved_bytes(lambda t: model.loss(t, t), [tokens], list(model.parameters()))
     num_tokens = BATCH * SEQ
-    log_probs = loss_tensor_bytes(knobs)["log_probs"] * num_tokens * spec.vocab_size
-    uncounted = 8 * num_tokens + 2 * SEQ * spec.head_dim * 4 + 4
+    weight_gradient = spec.vocab_size * spec.hidden_size * param_bytes(knobs)
+    uncounted = 8 * num_tokens + 2 * SEQ * spec.head_dim * 4
     planned = memory(spec, SEQ, knobs, num_gpus=1, gpus_per_node=1, device="cpu").gpu["activations"]
-    assert sum(n for n, _, _ in kept.values()) == planned + log_probs + uncounted
+    assert sum(n for n, _, _ in kept.values()) == planned + weight_gradient + uncounted
 
 
 # ---------------------------------------------------------------------------------------------------- loss
@@ -253,21 +253,32 @@ BYTES_OF = {torch.float32: 4, torch.bfloat16: 2}
 
 
 @pytest.mark.parametrize("knobs, dtype", [(Knobs(), torch.bfloat16), (CPU_KNOBS, torch.float32)])
-def test_loss_tensors_are_the_executors(knobs, dtype):
-    """The (tokens x vocab) tensors `_lm_loss_sum` and its backward create, and the one it keeps (log-probs),
-    against memory.loss_tensor_bytes, which sets both the loss's memory peak and its HBM traffic in costs.py."""
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_the_loss_makes_one_slice_of_logits_at_a_time(knobs, dtype, chunks):
+    """The (tokens x vocab) tensors the loss makes (a dispatch trace; its kernel works in place) are one slice's
+    logits at a time, in the activation dtype, as memory.loss_logit_bytes counts a GPU's; what it keeps for the
+    backward pass is the two gradients it made, of the hidden states and of the head's weight."""
     spec = PRESETS["llama-3.2-1b"]
     rows = BATCH * SEQ
     hidden = torch.randn(rows, spec.hidden_size, device="meta", dtype=dtype, requires_grad=True)
     weight = torch.randn(spec.lm_head_shape(), device="meta", dtype=dtype, requires_grad=True)
     targets = torch.randint(0, spec.vocab_size, (rows,), device="meta")
-    with _NewTensors(rows, spec.vocab_size) as trace:
-        kept = saved_bytes(lambda h: _lm_loss_sum(h, weight, targets), [hidden], [weight])
-        assert [BYTES_OF[d] for d in trace.dtypes] == list(loss_tensor_bytes(knobs).values())
-    logit_sized = [n for n, shape, _ in kept.values() if shape == (rows, spec.vocab_size)]
-    assert logit_sized == [loss_tensor_bytes(knobs)["log_probs"] * rows * spec.vocab_size]
-    assert set(LOSS_PEAK_TENSORS) <= set(loss_tensor_bytes(knobs))
-    assert loss_workspace_bytes(spec, knobs, rows) == 12 * rows * spec.vocab_size
+    with _NewTensors(rows // chunks, spec.vocab_size) as trace:
+        kept = saved_bytes(lambda h: lm_loss_sum(h, weight, targets, chunks), [hidden], [weight])
+    assert [BYTES_OF[d] for d in trace.dtypes] == [loss_logit_bytes(knobs, "cuda")] * chunks
+    assert sorted(shape for _, shape, _ in kept.values()) == sorted([hidden.shape, weight.shape])
+
+
+@pytest.mark.parametrize("dtype, knobs", [(torch.float32, CPU_KNOBS), (torch.bfloat16, Knobs())])
+def test_on_the_cpu_the_loss_works_in_the_planned_bytes(dtype, knobs):
+    """The CPU's loss (fused.cross_entropy_reference_) makes no (tokens x vocab) tensor beside float32 logits, and
+    one float32 copy of narrower ones."""
+    rows, vocab = 16, 1000
+    logits = torch.randn(rows, vocab, dtype=dtype)
+    with _NewTensors(rows, vocab) as trace:
+        trace.seen.add(StorageWeakRef(logits.untyped_storage()))  # the in-place ops' results are the logits
+        fused.cross_entropy_reference_(logits, torch.randint(0, vocab, (rows,)))
+    assert BYTES_OF[dtype] + sum(BYTES_OF[d] for d in trace.dtypes) == loss_logit_bytes(knobs, "cpu")
 
 
 # ---------------------------------------------------------------------------------------------------- dtypes
@@ -351,40 +362,24 @@ def settled_cuda_memory() -> int:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real allocator)")
-def test_on_cuda_the_loss_peaks_at_the_planned_workspace():
-    """Measured on an H200 (2026-11-30): 12 bytes per logit and 1 KiB, during log-softmax's backward; the
-    gradients of the hidden states and the LM head come later and are counted as gradients."""
-    spec = PRESETS["llama-3.2-1b"]
-    rows = 512
-    hidden = torch.randn(rows, spec.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.randn(spec.lm_head_shape(), device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    targets = torch.randint(0, spec.vocab_size, (rows,), device="cuda")
-    base = settled_cuda_memory()
-    _lm_loss_sum(hidden, weight, targets).backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    assert peak == pytest.approx(loss_workspace_bytes(spec, Knobs(), rows), rel=0.01)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real allocator)")
-@pytest.mark.parametrize("name, rows, chunks", [("llama-3.2-3b", 8192, 16), ("llama-3.2-1b", 16384, 16),
-                                                ("llama-3.2-1b", 8192, 4)])
-def test_on_cuda_the_chunked_loss_peaks_at_the_planned_workspace(name, rows, chunks):
-    """A chunked head's backward pass, a gradient already accumulated (a later micro-batch): three weight-sized
-    gradients at once, or one beside a chunk's tensors, whichever is larger (these cases have both); at most the
-    hidden states' gradient (counted among a block's) besides."""
+@pytest.mark.parametrize("name, rows, chunks", [("llama-3.2-1b", 512, 1), ("llama-3.2-3b", 8192, 16),
+                                                ("llama-3.2-1b", 16384, 16), ("llama-3.2-1b", 8192, 4)])
+@pytest.mark.parametrize("accumulated", [False, True], ids=["first", "later"])
+def test_on_cuda_the_loss_peaks_at_the_planned_workspace(name, rows, chunks, accumulated):
+    """The loss's forward and backward pass, as in a step's first micro-batch and in a later one (a weight gradient
+    already accumulated, which the new one is added to in place): the peak is its forward pass's, one slice's
+    logits beside the two gradients it makes (memory.loss_workspace_bytes)."""
     spec = PRESETS[name]
     hidden = torch.randn(rows, spec.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(spec.lm_head_shape(), device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight.grad = torch.zeros_like(weight)
+    if accumulated:
+        weight.grad = torch.zeros_like(weight)
     targets = torch.randint(0, spec.vocab_size, (rows,), device="cuda")
     base = settled_cuda_memory()
     lm_loss_sum(hidden, weight, targets, chunks).backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    planned = loss_workspace_bytes(spec, Knobs(lm_head_chunks=chunks, grad_accum_steps=2), rows)
-    assert 0.995 * planned <= peak <= 1.01 * (planned + hidden.numel() * hidden.element_size())
+    assert peak == pytest.approx(loss_workspace_bytes(spec, Knobs(lm_head_chunks=chunks), rows), rel=0.01)
 
 
 @pytest.mark.gpu

@@ -12,9 +12,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from fastml.executor.model import fused
+from fastml.executor.model.loss import lm_loss_sum
 from fastml.plan import layer_of
 from fastml.spec import ModelSpec, RopeScaling
 
@@ -119,8 +119,8 @@ class Transformer(nn.Module):
         return F.linear(self(tokens), self.lm_head_weight)  # (B, T, V)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, num_chunks: int = 1) -> torch.Tensor:
-        """Mean next-token cross-entropy. With num_chunks > 1 the LM head and loss run slice by slice and are
-        recomputed in the backward pass, so the (tokens x vocab) logits never exist whole."""
+        """Mean next-token cross-entropy. The LM head and loss run over `num_chunks` slices of the tokens, their
+        gradients made as they go (loss.py), so the (tokens x vocab) logits exist a slice at a time."""
         hidden = self(tokens).flatten(0, 1)  # (B*T, h)
         targets = targets.flatten()
         return lm_loss_sum(hidden, self.lm_head_weight, targets, num_chunks) / targets.numel()
@@ -141,22 +141,6 @@ class Transformer(nn.Module):
         else:
             scale = 1 / math.sqrt(2 * self.spec.num_layers) if name.endswith(("out.weight", "down.weight")) else 1
             p.normal_(0.0, 0.02 * scale, generator=generator)
-
-
-def lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, num_chunks: int = 1) -> torch.Tensor:
-    """The summed cross-entropy of hidden states (N, h) under the LM head `weight`, in `num_chunks` slices of rows
-    recomputed in the backward pass (none with one)."""
-    if num_chunks == 1:
-        return _lm_loss_sum(hidden, weight, targets)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for h, t in zip(hidden.tensor_split(num_chunks), targets.tensor_split(num_chunks)):
-        total = total + checkpoint(_lm_loss_sum, h, weight, t, use_reentrant=False)
-    return total
-
-
-def _lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = F.linear(hidden, weight).float()  # (N, V): the softmax in float32, as HF does
-    return F.cross_entropy(logits, targets, reduction="sum")
 
 
 def rotary_tables(spec: ModelSpec, seq_len: int, device: torch.device, dtype: torch.dtype):
