@@ -56,6 +56,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             if needs_weight:  # after the first slice, summed in the GEMM itself (cuBLAS's beta 1)
                 grad_weight = logits.t() @ h if grad_weight is None else \
                     torch.addmm(grad_weight, logits.t(), h, out=grad_weight)
+            del logits  # before the next slice's are made: one slice's logits at a time
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.used = False
         return total
