@@ -192,8 +192,9 @@ and ffn together add their sum, 44). "norm" and "qkv", which the search does not
 
 
 LM_HEAD_CHUNK_OPS = 11
-"""The aten ops each slice of a chunked LM head dispatches (executor/model/loss.py), counted against the unchunked
-head's in tests/test_planner_vs_model.py: the host's time of a head pass grows by these at the host's time per op."""
+"""The aten ops each slice of the LM head dispatches (executor/model/loss.py), counted in
+tests/test_planner_vs_model.py: a head of n slices takes the host n - 1 slices' ops more than one of a single slice
+(the profile's `head_s`), at the host's time per op."""
 LOSS_LOGIT_PASSES = 3
 """Passes of the loss's kernel over a logit's bytes (executor/model/fused.py): two reads and one write."""
 
@@ -211,7 +212,7 @@ def with_host_time(c: Costs, spec: ModelSpec, knobs: Knobs, machine: Machine) ->
     per_op = host.block_pass_s / (FORWARD_OPS + BACKWARD_OPS)
     parts = ("block",) if "block" in knobs.recompute else knobs.recompute
     recomputed = sum(RECOMPUTE_OPS.get(part, 0) for part in parts)
-    chunk_ops = LM_HEAD_CHUNK_OPS * knobs.lm_head_chunks if knobs.lm_head_chunks > 1 else 0
+    chunk_ops = LM_HEAD_CHUNK_OPS * (knobs.lm_head_chunks - 1)  # one slice's are the unchunked head's, in head_s
     # A GPU runs its kernels while the host queues the next; a CPU's one thread of control does both in turn.
     paced = (lambda work, host_s: work + host_s) if machine.device == "cpu" else max
     return dataclasses.replace(

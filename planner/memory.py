@@ -320,9 +320,10 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
 
     tokens = knobs.micro_batch_size * seq_len
     gpu["activations"], host["activations"] = _activations(spec, knobs, place, tokens, device)
-    # The backward pass peaks in one of two phases: at the loss (its tensors), or in a block's backward pass (the
-    # gradients it makes, beside its activations rebuilt where it recomputes, and the buffers its weight gradients
-    # stream to the host through, which the loss's phase does not hold yet).
+    # Past the forward pass the step peaks in one of two phases: at the loss (whose forward pass makes the head's
+    # gradients, loss_workspace_bytes), or in a block's backward pass (the gradients it makes, beside its activations
+    # rebuilt where it recomputes, and the buffers its weight gradients stream to the host through, which the loss's
+    # phase does not hold yet).
     rebuilt = rebuilt_activation_bytes(spec, knobs, tokens, device)
     gpu["activations"] += rebuilt
     gradients = block_backward_workspace_bytes(spec, knobs, tokens)

@@ -50,8 +50,7 @@ def test_a_no_op_knob_is_normalised_and_changes_no_step_time(model, gpus, noop, 
 def test_the_smallest_choice_needs_the_least_gpu_memory():
     """Where nothing fits, the planner starts from each knob's `least_memory` (fastml.plan.KNOBS): no single knob
     changed from there needs less GPU memory (but for padding: sharded weights that are offloaded anyway round up
-    each rank's shard). At 4,096 tokens a micro-batch: at 1,024 the unchunked head's logits (1.5 GiB) take less
-    than the three weight-sized gradients a chunked head's backward pass holds (2.9 GiB), and no chunks is least."""
+    each rank's shard)."""
     p = problem("llama-3.1-8b", "rtx4090", gpus=2, seq_len=4096, sequences_per_gpu=4)
     space = knob_space(p, lower_precision=True)
     smallest = smallest_choice(space)

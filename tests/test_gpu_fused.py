@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from fastml.executor.model import fused
-from fastml.executor.model.loss import lm_loss_sum
-from test_fused import plain_swiglu
+from test_fused import bf16_lm_loss_matches_float64, plain_swiglu
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")]
@@ -64,20 +63,5 @@ def test_a_target_outside_the_vocabulary_gives_a_nan_loss():
 
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_the_lm_loss_matches_the_plain_loss_in_bf16(chunks):
-    """Against autograd on the plain head and float32 cross-entropy in float64 (from the same bf16 inputs): the loss
-    within float32's summing, the gradients within two bf16 roundings (the logits' gradient's, and the GEMM's
-    output's) and the GEMMs' bf16 inputs."""
-    rows, hidden_size, vocab = 4096, 512, 32000
-    hidden = torch.randn(rows, hidden_size, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16) / hidden_size**0.5
-    targets = torch.randint(0, vocab, (rows,), device="cuda")
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss = lm_loss_sum(h, w, targets, chunks)
-    (loss / rows).backward()
-    wide_h, wide_w = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    expected = torch.nn.functional.cross_entropy(wide_h @ wide_w.t(), targets, reduction="sum")
-    expected_h, expected_w = torch.autograd.grad(expected / rows, (wide_h, wide_w))
-    torch.testing.assert_close(loss.double(), expected, rtol=1e-4, atol=0)
-    for got, want in ((h.grad, expected_h), (w.grad, expected_w)):
-        scale = want.abs().max()
-        torch.testing.assert_close(got.double() / scale, want / scale, rtol=0, atol=3 * 2**-8)
+    """test_fused's bf16 check on the GPU's kernel and GEMMs, at TinyLlama's vocabulary."""
+    bf16_lm_loss_matches_float64("cuda", rows=4096, hidden_size=512, vocab=32000, chunks=chunks)

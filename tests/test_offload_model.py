@@ -115,8 +115,7 @@ def test_host_memory_is_the_offloaded_tensors_staging_and_the_process():
 def test_gpu_steps_of_host_masters_need_one_groups_workspace():
     """With the masters on the host and the optimizer on the GPU, a group's step fetches its master into fp32
     workspace beside its fp32 gradient: 8 bytes per parameter of the largest group, which at a short sequence sets
-    the GPU's peak (the optimizer runs after the backward pass has freed the activations). The head unchunked: a
-    chunked head's backward pass holds three of its weight gradients (6 bytes a parameter), more than that."""
+    the GPU's peak (the optimizer runs after the backward pass has freed the activations)."""
     block, embed, head = sizes("llama-3.1-8b")
     short = Knobs(recompute=("block",))
     gpu, _ = gpu_and_host(dataclasses.replace(short, offload_master=1.0), "llama-3.1-8b", seq_len=256)

@@ -12,9 +12,10 @@ returning each row's loss. The eager loss it replaced (an fp32 copy of the logit
 cast back) moved about 44 bytes a logit, 62 with the chunks recomputed; this moves 6.
 
 On a GPU the ops run the Triton kernels, which need Triton (installed with CUDA builds of torch on Linux;
-`require_triton` says so once, before training); on the CPU they compute the references: the torch ops autograd ran
-for the same arithmetic before the op existed, so CPU runs are what they were bit for bit. The tests hold the
-kernels (float32 inside, one rounding of each output) to them within the dtype's rounding.
+`require_triton` says so once, before training); on the CPU they compute the references. SwiGLU's are the torch ops
+autograd ran for the same arithmetic before the op existed, so CPU runs kept their bits; cross-entropy's works in
+place in float32, and its losses and gradients differ from the log-softmax it replaced by float32's rounding. The
+tests hold the kernels (float32 inside, one rounding of each output) to the references within the dtype's rounding.
 """
 
 from __future__ import annotations
