@@ -24,16 +24,9 @@ def lm_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return LinearCrossEntropy.apply(hidden, weight, targets, num_chunks)
     total = hidden.new_zeros((), dtype=fused.loss_dtype(hidden.dtype))
-    for rows in row_slices(len(hidden), num_chunks):
-        total += fused.cross_entropy_(hidden[rows] @ weight.t(), targets[rows]).sum()
+    for h, t in zip(hidden.tensor_split(num_chunks), targets.tensor_split(num_chunks)):
+        total += fused.cross_entropy_(h @ weight.t(), t).sum()
     return total
-
-
-def row_slices(rows: int, num_chunks: int) -> list[slice]:
-    """`num_chunks` slices of `rows` rows, as even as they divide (tensor_split's)."""
-    size, extra = divmod(rows, num_chunks)
-    bounds = [i * size + min(i, extra) for i in range(num_chunks + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -47,12 +40,12 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
         grad_weight = None
         total = hidden.new_zeros((), dtype=fused.loss_dtype(hidden.dtype))
-        for rows in row_slices(len(hidden), num_chunks):
-            h = hidden[rows]
+        grad_slices = grad_hidden.tensor_split(num_chunks) if needs_hidden else [None] * num_chunks
+        for h, t, grad_h in zip(hidden.tensor_split(num_chunks), targets.tensor_split(num_chunks), grad_slices):
             logits = h @ weight.t()
-            total += fused.cross_entropy_(logits, targets[rows]).sum()  # logits now hold their gradient
+            total += fused.cross_entropy_(logits, t).sum()  # logits now hold their gradient
             if needs_hidden:
-                torch.mm(logits, weight, out=grad_hidden[rows])
+                torch.mm(logits, weight, out=grad_h)
             if needs_weight:  # after the first slice, summed in the GEMM itself (cuBLAS's beta 1)
                 grad_weight = logits.t() @ h if grad_weight is None else \
                     torch.addmm(grad_weight, logits.t(), h, out=grad_weight)
