@@ -41,13 +41,17 @@ CASES = {
     # bf16 moments and masters: room for micro-batch 4 without recompute on an H200 (vs_hf.py's best 8B plans)
     "fp8-bf16-state": dict(micro_batch_size=4, lm_head_chunks=4, compile=True, matmul_dtype="fp8",
                            optimizer_dtype="bf16", master_dtype="bf16"),
+    # the same with the weights cast to fp8 once a step: vs_hf.py's best fp8 plan
+    "fp8-cached-bf16-state": dict(micro_batch_size=4, lm_head_chunks=4, compile=True, matmul_dtype="fp8",
+                                  cache_fp8_weights=True, optimizer_dtype="bf16", master_dtype="bf16"),
     "bf16-bf16-state": dict(micro_batch_size=4, lm_head_chunks=4, compile=True, optimizer_dtype="bf16",
                             master_dtype="bf16"),
     # vs_hf.py's best bf16 plan for tinyllama-1.1b (32 sequences a step)
     "bf16-mb16": dict(micro_batch_size=16, compile=True),
+    "bf16-mb32": dict(micro_batch_size=32, compile=True),  # the same tokens in one micro-batch
 }
 KINDS = [  # first match wins: (kind, substrings of the kernel's name)
-    ("fp8 cast", ("amax_kernel", "cast_kernel")),
+    ("fp8 cast", ("quantize_kernel", "amax_kernel", "cast_kernel")),  # the last two: traces before 2026-12
     ("optimizer", ("adamw", "multi_tensor", "foreach")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "splitk")),
@@ -64,17 +68,20 @@ def kind_of(name: str) -> str:
 
 
 def summarize(trace: dict) -> dict:
-    """GPU time by kind and the 12 largest kernels, in seconds, from a trace in Chrome's format."""
+    """GPU time by kind, the 12 largest kernels and the 4 largest of each kind, in seconds, from a trace in Chrome's
+    format."""
     events = [e for e in trace["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    by_kind, by_name = Counter(), Counter()
+    by_kind, by_name, in_kind = Counter(), Counter(), {}
     for e in events:
-        seconds = e.get("dur", 0) / 1e6
-        by_kind[kind_of(e["name"])] += seconds
-        by_name[e["name"][:120]] += seconds
+        seconds, kind, name = e.get("dur", 0) / 1e6, kind_of(e["name"]), e["name"][:120]
+        by_kind[kind] += seconds
+        by_name[name] += seconds
+        in_kind.setdefault(kind, Counter())[name] += seconds
     start = min((e["ts"] for e in events), default=0)
     end = max((e["ts"] + e.get("dur", 0) for e in events), default=0)
     return {"gpu_busy_s": sum(by_kind.values()), "gpu_span_s": (end - start) / 1e6, "kernels": len(events),
-            "by_kind_s": dict(by_kind.most_common()), "largest_kernels_s": dict(by_name.most_common(12))}
+            "by_kind_s": dict(by_kind.most_common()), "largest_kernels_s": dict(by_name.most_common(12)),
+            "largest_of_kind_s": {kind: dict(names.most_common(4)) for kind, names in in_kind.items()}}
 
 
 def case_plan(model: str, case: str, steps: int, sequences: int, hw: str | None = None):

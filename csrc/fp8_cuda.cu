@@ -5,9 +5,12 @@
 // read the transposes), and the inverse scale that dequantizes them (`_scaled_mm`'s scale_a / scale_b).
 //
 // Two passes over memory, the fewest the data allows: the scale depends on every element, so one pass finds the
-// absolute maximum and a second casts. The second reads each 64 x 64 tile once and writes the row-major cast
-// directly and the transposed one through shared memory, so both outputs cost one read. It walks the tiles from the
-// last to the first: the maximum pass read the end of the matrix last, so the cast finds that part still in L2.
+// absolute maximum and a second casts. Both are one kernel, launched cooperatively (every block resident at once),
+// whose blocks wait for each other between the passes: two kernels, one tiny block each 64 x 64 tile, spent about a
+// fifth of their time launching and draining blocks (benchmarks/NOTES.md). The cast reads each 64 x 64 tile once and
+// writes the row-major cast directly and the transposed one through shared memory, so both outputs cost one read. It
+// walks the tiles from the last to the first: the maximum pass read the end of the matrix last, so the cast finds
+// that part still in L2.
 
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -15,6 +18,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <torch/library.h>
@@ -34,7 +38,6 @@ constexpr int kTile = 64;             // a cast block's tile: kTile x kTile elem
 constexpr int kThreads = 256;         // threads of a block, in both kernels
 constexpr int kVector = 8;            // bf16 elements of one 16-byte load
 constexpr int kPad = 4;               // bytes after each tile row in shared memory, to spread the transposed reads
-constexpr int kAmaxBlocksPerSm = 4;
 constexpr int kAmaxLoads = 4;           // 16-byte loads a thread of the maximum pass has in flight
 
 // The largest finite value of an fp8 format, from torch's own definition of the type (executor/model/fp8.py's FP8_MAX
@@ -57,9 +60,9 @@ __device__ __forceinline__ uint32_t packed_amax(const uint4 packed) {
   return local;
 }
 
-// amax_bits (zeroed before) receives max |x| as float32 bits.
-__global__ void amax_kernel(const __nv_bfloat16* __restrict__ x, int64_t numel, bool vectorized,
-                            uint32_t* __restrict__ amax_bits) {
+// The first pass: amax_bits (zeroed before) receives max |x| as float32 bits.
+__device__ void amax_pass(const __nv_bfloat16* __restrict__ x, int64_t numel, bool vectorized,
+                          uint32_t* __restrict__ amax_bits) {
   uint32_t local = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -110,43 +113,61 @@ __device__ __forceinline__ float scale_of(uint32_t amax_bits, float fp8_max) {
   return amax == 0.0f ? 1.0f : scale > FLT_MAX ? FLT_MAX : scale;
 }
 
-// One kTile x kTile tile of x (rows x cols, row-major) per block: q[r][c] = fp8(x[r][c] * scale) and
+struct QuantizeArgs {
+  const __nv_bfloat16* x;
+  int64_t rows, cols;
+  bool vectorized;  // the maximum pass may read x 16 bytes at a time
+  bool aligned;     // full tiles may use 16-byte loads and 8-byte stores
+  float fp8_max;
+  uint32_t* amax_bits;  // zeroed before the launch
+  uint8_t* q;           // rows x cols, or null
+  uint8_t* q_t;         // cols x rows, or null
+  float* scale_inv;
+};
+
+// The second pass over one kTile x kTile tile (its first row and column): q[r][c] = fp8(x[r][c] * scale) and
 // q_t[c][r] = the same byte, each written only where requested (non-null).
 template <typename Fp8>
-__global__ void cast_kernel(const __nv_bfloat16* __restrict__ x, int64_t rows, int64_t cols,
-                            const uint32_t* __restrict__ amax_bits, float fp8_max, uint8_t* __restrict__ q,
-                            uint8_t* __restrict__ q_t, float* __restrict__ scale_inv, bool aligned) {
-  __shared__ uint8_t tile[kTile][kTile + kPad];
-  const float scale = scale_of(*amax_bits, fp8_max);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale_inv = __frcp_rn(scale);
-  const int64_t row0 = static_cast<int64_t>(gridDim.y - 1 - blockIdx.y) * kTile;  // the last tile first
-  const int64_t col0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kTile;
-  const bool full = aligned && row0 + kTile <= rows && col0 + kTile <= cols;
+__device__ void cast_tile(const QuantizeArgs& a, float scale, int64_t row0, int64_t col0,
+                          uint8_t (&tile)[kTile][kTile + kPad]) {
+  const bool full = a.aligned && row0 + kTile <= a.rows && col0 + kTile <= a.cols;
   constexpr int kSegments = kTile * kTile / kVector;  // 8-element row segments of a tile
-  for (int s = threadIdx.x; s < kSegments; s += kThreads) {
+  constexpr int kPerThread = kSegments / kThreads;
+  static_assert(kSegments % kThreads == 0, "a tile's segments are shared evenly by the block's threads");
+  uint4 packed[kPerThread];
+  if (full) {  // every load issued before any is used, as in the maximum pass
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int s = threadIdx.x + k * kThreads;
+      const int r = s / (kTile / kVector), c = (s % (kTile / kVector)) * kVector;
+      packed[k] = *reinterpret_cast<const uint4*>(a.x + (row0 + r) * a.cols + col0 + c);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) {
+    const int s = threadIdx.x + k * kThreads;
     const int r = s / (kTile / kVector), c = (s % (kTile / kVector)) * kVector;
     const int64_t row = row0 + r, col = col0 + c;
     alignas(8) uint8_t bytes[kVector];
     if (full) {
-      const uint4 packed = *reinterpret_cast<const uint4*>(x + row * cols + col);
-      const auto* values = reinterpret_cast<const __nv_bfloat16*>(&packed);
+      const auto* values = reinterpret_cast<const __nv_bfloat16*>(&packed[k]);
 #pragma unroll
       for (int j = 0; j < kVector; ++j) bytes[j] = to_fp8<Fp8>(__bfloat162float(values[j]) * scale);
-      if (q != nullptr) *reinterpret_cast<uint2*>(q + row * cols + col) = *reinterpret_cast<const uint2*>(bytes);
+      if (a.q != nullptr) *reinterpret_cast<uint2*>(a.q + row * a.cols + col) = *reinterpret_cast<const uint2*>(bytes);
     } else {
 #pragma unroll
       for (int j = 0; j < kVector; ++j) {
-        const bool inside = row < rows && col + j < cols;
-        bytes[j] = inside ? to_fp8<Fp8>(__bfloat162float(x[row * cols + col + j]) * scale) : 0;
-        if (inside && q != nullptr) q[row * cols + col + j] = bytes[j];
+        const bool inside = row < a.rows && col + j < a.cols;
+        bytes[j] = inside ? to_fp8<Fp8>(__bfloat162float(a.x[row * a.cols + col + j]) * scale) : 0;
+        if (inside && a.q != nullptr) a.q[row * a.cols + col + j] = bytes[j];
       }
     }
-    if (q_t != nullptr) {
+    if (a.q_t != nullptr) {
 #pragma unroll
       for (int j = 0; j < kVector; ++j) tile[r][c + j] = bytes[j];
     }
   }
-  if (q_t == nullptr) return;
+  if (a.q_t == nullptr) return;
   __syncthreads();
   // q_t is cols x rows: its row (col0 + c) holds the tile's column c, written kVector bytes at a time.
   for (int s = threadIdx.x; s < kSegments; s += kThreads) {
@@ -156,14 +177,51 @@ __global__ void cast_kernel(const __nv_bfloat16* __restrict__ x, int64_t rows, i
 #pragma unroll
     for (int j = 0; j < kVector; ++j) bytes[j] = tile[r + j][c];
     if (full) {
-      *reinterpret_cast<uint2*>(q_t + out_row * rows + out_col) = *reinterpret_cast<const uint2*>(bytes);
+      *reinterpret_cast<uint2*>(a.q_t + out_row * a.rows + out_col) = *reinterpret_cast<const uint2*>(bytes);
     } else {
 #pragma unroll
       for (int j = 0; j < kVector; ++j) {
-        if (out_row < cols && out_col + j < rows) q_t[out_row * rows + out_col + j] = bytes[j];
+        if (out_row < a.cols && out_col + j < a.rows) a.q_t[out_row * a.rows + out_col + j] = bytes[j];
       }
     }
   }
+  __syncthreads();  // the tile's bytes are read before the next tile writes them
+}
+
+// Both passes: the maximum over the whole grid, a wait for every block, then the tiles, the last one first.
+template <typename Fp8>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeArgs a) {
+  __shared__ uint8_t tile[kTile][kTile + kPad];
+  amax_pass(a.x, a.rows * a.cols, a.vectorized, a.amax_bits);
+  cooperative_groups::this_grid().sync();  // a fence too: every block's atomicMax is seen after it
+  const float scale = scale_of(*reinterpret_cast<volatile uint32_t*>(a.amax_bits), a.fp8_max);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *a.scale_inv = __frcp_rn(scale);
+  const int64_t tile_cols = (a.cols + kTile - 1) / kTile;
+  const int64_t tiles = tile_cols * ((a.rows + kTile - 1) / kTile);
+  for (int64_t t = tiles - 1 - blockIdx.x; t >= 0; t -= gridDim.x) {
+    cast_tile<Fp8>(a, scale, (t / tile_cols) * kTile, (t % tile_cols) * kTile, tile);
+  }
+}
+
+// As many blocks as the GPU holds at once (a cooperative launch may not ask for more), but no more than there are
+// tiles: a block without a tile would only add to the maximum pass's wait.
+template <typename Fp8>
+int resident_blocks() {
+  static const int per_multiprocessor = [] {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, quantize_kernel<Fp8>, kThreads, 0));
+    TORCH_CHECK(blocks > 0, "fastml::quantize_fp8: the kernel cannot run on this GPU (no block fits)");
+    return blocks;
+  }();
+  return static_cast<int>(per_multiprocessor * multiprocessors());
+}
+
+template <typename Fp8>
+void launch_quantize(QuantizeArgs args, int64_t tiles, cudaStream_t stream) {
+  const int blocks = static_cast<int>(std::min<int64_t>(resident_blocks<Fp8>(), tiles));
+  void* params[] = {&args};
+  C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(&quantize_kernel<Fp8>), dim3(blocks),
+                                             dim3(kThreads), params, 0, stream));
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -193,28 +251,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tenso
     return {q, q_t, scale_inv};
   }
   const auto* input = reinterpret_cast<const __nv_bfloat16*>(x.const_data_ptr());
-  auto* amax = reinterpret_cast<uint32_t*>(amax_bits.mutable_data_ptr());
-  const bool vectorized = numel % kVector == 0 && aligned16(input);
-  const int64_t work = vectorized ? numel / kVector : numel;
-  const int64_t most = multiprocessors() *
-                       kAmaxBlocksPerSm;
-  const int amax_blocks = static_cast<int>(std::max<int64_t>(1, std::min((work + kThreads - 1) / kThreads, most)));
-  amax_kernel<<<amax_blocks, kThreads, 0, stream>>>(input, numel, vectorized, amax);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-
-  const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile), static_cast<unsigned>((rows + kTile - 1) / kTile));
-  TORCH_CHECK(grid.y <= 65535, "fastml::quantize_fp8: ", rows, " rows are more than the kernel's grid covers");
+  QuantizeArgs args;
+  args.x = input;
+  args.rows = rows;
+  args.cols = cols;
+  args.vectorized = numel % kVector == 0 && aligned16(input);
   // Full tiles use 16-byte loads and 8-byte stores: rows (and, transposed, columns) must keep them aligned.
-  const bool aligned = aligned16(input) && cols % kVector == 0 && rows % kVector == 0;
-  auto* out = rowwise ? reinterpret_cast<uint8_t*>(q.mutable_data_ptr()) : nullptr;
-  auto* out_t = transposed ? reinterpret_cast<uint8_t*>(q_t.mutable_data_ptr()) : nullptr;
-  auto* inverse = scale_inv.mutable_data_ptr<float>();
+  args.aligned = aligned16(input) && cols % kVector == 0 && rows % kVector == 0;
+  args.amax_bits = reinterpret_cast<uint32_t*>(amax_bits.mutable_data_ptr());
+  args.q = rowwise ? reinterpret_cast<uint8_t*>(q.mutable_data_ptr()) : nullptr;
+  args.q_t = transposed ? reinterpret_cast<uint8_t*>(q_t.mutable_data_ptr()) : nullptr;
+  args.scale_inv = scale_inv.mutable_data_ptr<float>();
+  const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
   if (dtype == at::kFloat8_e4m3fn) {
-    cast_kernel<__nv_fp8_e4m3><<<grid, kThreads, 0, stream>>>(input, rows, cols, amax, finite_max<c10::Float8_e4m3fn>(),
-                                                             out, out_t, inverse, aligned);
+    args.fp8_max = finite_max<c10::Float8_e4m3fn>();
+    launch_quantize<__nv_fp8_e4m3>(args, tiles, stream);
   } else {
-    cast_kernel<__nv_fp8_e5m2><<<grid, kThreads, 0, stream>>>(input, rows, cols, amax, finite_max<c10::Float8_e5m2>(),
-                                                             out, out_t, inverse, aligned);
+    args.fp8_max = finite_max<c10::Float8_e5m2>();
+    launch_quantize<__nv_fp8_e5m2>(args, tiles, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {q, q_t, scale_inv};

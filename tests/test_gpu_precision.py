@@ -80,9 +80,12 @@ def test_quantize_finds_the_maximum_wherever_it_lies():
     """The maximum pass reads a large matrix four loads a thread at a time, then the rest one at a time: a single
     largest element planted at the start, the end, in each of the first loads' places and in the rest is found."""
     x = matrix((4096, 4100), seed=2)  # 16.8M elements: many rounds of the four loads, then a rest
-    # a round of the pass: 8 elements a load, for 4 blocks of 256 threads on each multiprocessor (csrc/fp8_cuda.cu)
-    numel, stride = x.numel(), 8 * 4 * 256 * torch.cuda.get_device_properties(0).multi_processor_count
-    places = {0, 1, numel - 1, numel // 2, *(u * stride + 3 for u in range(4)), numel - stride + 5}
+    # a round of the pass: 8 elements a load for each thread of the grid, 256 a block and as many blocks as the GPU
+    # holds at once (csrc/fp8_cuda.cu, a cooperative launch: 1 to 8 a multiprocessor, by the kernel's registers)
+    numel, sms = x.numel(), torch.cuda.get_device_properties(0).multi_processor_count
+    places = {0, 1, numel - 1, numel // 2}
+    for stride in (8 * 256 * sms * per_sm for per_sm in range(1, 9)):
+        places |= {*(u * stride + 3 for u in range(4)), numel - stride + 5}
     for place in sorted(places):
         planted = x.clone()
         planted.view(-1)[place] = -1e4
