@@ -125,6 +125,26 @@ struct QuantizeArgs {
   float* scale_inv;
 };
 
+// A full tile's transpose into q_t (cols x rows): each thread reads a 4 x 4 block of the tile as four 4-byte words,
+// transposes its bytes in registers and writes four 4-byte pieces of four rows of q_t; the 16 threads of a half warp
+// cover one 64-byte row of the tile's transpose. One byte a shared-memory load, as before, kept the cast of both layouts
+// at 0.73 of HBM (benchmarks/NOTES.md).
+__device__ __forceinline__ void write_transposed(const QuantizeArgs& a, int64_t row0, int64_t col0,
+                                                 const uint8_t (&tile)[kTile][kTile + kPad]) {
+  static_assert(kTile * kTile / 16 == kThreads, "one 4 x 4 block of a tile for each thread");
+  const int r = (threadIdx.x % (kTile / 4)) * 4, c = (threadIdx.x / (kTile / 4)) * 4;
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) w[j] = *reinterpret_cast<const uint32_t*>(&tile[r + j][c]);
+  // byte i of out[k] is byte k of w[i]: pair the rows' bytes, then the pairs
+  const uint32_t low01 = __byte_perm(w[0], w[1], 0x5140), high01 = __byte_perm(w[0], w[1], 0x7362);
+  const uint32_t low23 = __byte_perm(w[2], w[3], 0x5140), high23 = __byte_perm(w[2], w[3], 0x7362);
+  const uint32_t out[4] = {__byte_perm(low01, low23, 0x5410), __byte_perm(low01, low23, 0x7632),
+                           __byte_perm(high01, high23, 0x5410), __byte_perm(high01, high23, 0x7632)};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) *reinterpret_cast<uint32_t*>(a.q_t + (col0 + c + k) * a.rows + row0 + r) = out[k];
+}
+
 // The second pass over one kTile x kTile tile (its first row and column): q[r][c] = fp8(x[r][c] * scale) and
 // q_t[c][r] = the same byte, each written only where requested (non-null).
 template <typename Fp8>
@@ -162,27 +182,20 @@ __device__ void cast_tile(const QuantizeArgs& a, float scale, int64_t row0, int6
         if (inside && a.q != nullptr) a.q[row * a.cols + col + j] = bytes[j];
       }
     }
-    if (a.q_t != nullptr) {
-#pragma unroll
-      for (int j = 0; j < kVector; ++j) tile[r][c + j] = bytes[j];
+    if (a.q_t != nullptr) {  // two 4-byte stores: a row of the tile starts 4-byte aligned
+      auto* words = reinterpret_cast<uint32_t*>(&tile[r][c]);
+      words[0] = *reinterpret_cast<const uint32_t*>(bytes);
+      words[1] = *reinterpret_cast<const uint32_t*>(bytes + 4);
     }
   }
   if (a.q_t == nullptr) return;
   __syncthreads();
-  // q_t is cols x rows: its row (col0 + c) holds the tile's column c, written kVector bytes at a time.
-  for (int s = threadIdx.x; s < kSegments; s += kThreads) {
-    const int c = s / (kTile / kVector), r = (s % (kTile / kVector)) * kVector;
-    const int64_t out_row = col0 + c, out_col = row0 + r;
-    alignas(8) uint8_t bytes[kVector];
-#pragma unroll
-    for (int j = 0; j < kVector; ++j) bytes[j] = tile[r + j][c];
-    if (full) {
-      *reinterpret_cast<uint2*>(a.q_t + out_row * a.rows + out_col) = *reinterpret_cast<const uint2*>(bytes);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVector; ++j) {
-        if (out_row < a.cols && out_col + j < a.rows) a.q_t[out_row * a.rows + out_col + j] = bytes[j];
-      }
+  if (full) {
+    write_transposed(a, row0, col0, tile);
+  } else {  // q_t is cols x rows: its row (col0 + c) holds the tile's column c, one byte at a time
+    for (int s = threadIdx.x; s < kTile * kTile; s += kThreads) {
+      const int c = s / kTile, r = s % kTile;
+      if (col0 + c < a.cols && row0 + r < a.rows) a.q_t[(col0 + c) * a.rows + row0 + r] = tile[r][c];
     }
   }
   __syncthreads();  // the tile's bytes are read before the next tile writes them
@@ -191,7 +204,7 @@ __device__ void cast_tile(const QuantizeArgs& a, float scale, int64_t row0, int6
 // Both passes: the maximum over the whole grid, a wait for every block, then the tiles, the last one first.
 template <typename Fp8>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeArgs a) {
-  __shared__ uint8_t tile[kTile][kTile + kPad];
+  __shared__ alignas(16) uint8_t tile[kTile][kTile + kPad];  // read and written 4 bytes at a time
   amax_pass(a.x, a.rows * a.cols, a.vectorized, a.amax_bits);
   cooperative_groups::this_grid().sync();  // a fence too: every block's atomicMax is seen after it
   const float scale = scale_of(*reinterpret_cast<volatile uint32_t*>(a.amax_bits), a.fp8_max);
