@@ -15,9 +15,10 @@ from pathlib import Path
 from fastml.config import UserError, fail, from_dict, read_json
 
 _HERE = Path(__file__).parent
-CPU_MEASUREMENT_VERSION = 2
+CPU_MEASUREMENT_VERSION = 3
 """Bump when what is measured or how changes, so cached CPU measurements are taken again (2: the peak is the best
-rate of every GEMM measured, and shapes are measured with a process's share of the threads too)."""
+rate of every GEMM measured, and shapes are measured with a process's share of the threads too; 3: the blocks'
+elementwise work is measured)."""
 
 
 def names() -> list[str]:
@@ -86,6 +87,9 @@ class CpuMeasurements:
     attention_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     """Causal scaled-dot-product attention's forward and backward by "batch,seq,heads,kv_heads,head_dim" (and "@T"):
     the fastest seconds measured, for the models planned here so far."""
+    elementwise_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """A block's work outside its matmuls and attention, forward and backward, as the executor runs it, by
+    "tokens,hidden,heads,kv_heads,head_dim,ffn" (and "@T"): the fastest seconds measured, for the models planned here."""
     host_overhead: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     """The training loop's host time (hwprofiles/host.py, the profile's `host_overhead`) by torch threads ("2"): on a
     CPU it adds to the arithmetic, per op."""

@@ -6,7 +6,8 @@ A GPU profile starts from the nearest shipped one: what NVML detects and what is
 the rest (the dense peaks, the collectives between GPUs, the price and the power) is the shipped profile's; the
 written `source` says which fields are which. A CPU has no datasheet to take rates from, so they are measured (a few
 seconds, once per machine and torch, cached): the best fp32 matmul rate, the forward and backward GEMMs of the
-linear layers of each model planned (the efficiency curve), and the memory bandwidth of a large tensor copy.
+linear layers of each model planned (the efficiency curve), their blocks' elementwise work as the executor runs it
+(a CPU runs it far below its copy's rate), and the memory bandwidth of a large tensor copy.
 """
 
 from __future__ import annotations
@@ -395,6 +396,22 @@ def attention_shapes(spec, seq_len: int, micro_batches: Iterable[int]) -> list[t
     return sorted(shapes)
 
 
+MAX_ELEMENTWISE_ELEMENTS = 2**25
+"""The blocks' elementwise work is measured at no more tokens than keep its largest tensor below this many elements
+(as for linear layers: a CPU's rate levels off long before)."""
+
+
+def elementwise_shapes(spec, token_counts: Iterable[int]) -> list[tuple[int, int, int, int, int, int]]:
+    """(tokens, hidden, heads, kv_heads, head_dim, ffn) of `spec`'s blocks at each token count, fewer tokens where
+    that would exceed MAX_ELEMENTWISE_ELEMENTS."""
+    shapes = set()
+    for tokens in token_counts:
+        while tokens > 1 and tokens * 2 * spec.ffn_hidden_size > MAX_ELEMENTWISE_ELEMENTS:
+            tokens //= 2
+        shapes.add((tokens, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.ffn_hidden_size))
+    return sorted(shapes)
+
+
 def _attention_flops(batch: int, seq_len: int, q_size: int) -> float:
     """Causal attention's forward matmul FLOPs, as ModelSpec.attention_forward_flops_per_token counts them."""
     return 2.0 * batch * seq_len * seq_len * q_size
@@ -408,9 +425,11 @@ def process_threads(processes: int) -> int:
     return max(1, torch.get_num_threads() // processes)
 
 
-def measure_cpu(shapes: list[tuple[int, int, int]], attention: list[tuple[int, ...]] = (), say=None,
-                fresh: bool = False, threads: int | None = None) -> hwprofiles.CpuMeasurements:
-    """This CPU's measurements for the given linear-layer and attention shapes, run with `threads` torch threads (a
+def measure_cpu(shapes: list[tuple[int, int, int]], attention: list[tuple[int, ...]] = (),
+                elementwise: list[tuple[int, ...]] = (), say=None, fresh: bool = False,
+                threads: int | None = None) -> hwprofiles.CpuMeasurements:
+    """This CPU's measurements for the given linear-layer, attention and elementwise shapes (`elementwise_shapes`),
+    run with `threads` torch threads (a
     process's share, `process_threads`; default all of them): the cached ones, with what they lack measured now (and
     cached); `fresh` measures them all again. Each figure keeps the best ever measured: other work sharing the CPU
     only ever slows a measurement, so the fastest is the machine's own rate, and a peak or a rate measured under
@@ -424,30 +443,33 @@ def measure_cpu(shapes: list[tuple[int, int, int]], attention: list[tuple[int, .
                not in cached.linear_seconds]
     missing_attention = [s for s in attention if fresh or cached is None or _shape_key(s, threads, all_threads)
                          not in cached.attention_seconds]
+    missing_elementwise = [s for s in elementwise if fresh or cached is None or _shape_key(s, threads, all_threads)
+                           not in cached.elementwise_seconds]
     missing_host = fresh or cached is None or str(threads) not in cached.host_overhead
-    if not missing and not missing_attention and not missing_host:
+    if not missing and not missing_attention and not missing_elementwise and not missing_host:
         return cached
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     per_process = f" with {threads} of its {all_threads} threads (a process's share)" if threads < all_threads else ""
-    say(f"measuring this CPU for planning: its peak and memory bandwidth, {len(missing)} GEMM and "
-        f"{len(missing_attention)} attention shapes{', the training loop' if missing_host else ''}{per_process} "
+    say(f"measuring this CPU for planning: its peak and memory bandwidth, {len(missing)} GEMM, "
+        f"{len(missing_attention)} attention and {len(missing_elementwise)} elementwise shapes"
+        f"{', the training loop' if missing_host else ''}{per_process} "
         f"(cached in {hwprofiles.cpu_cache_path()})")
     load, num_cpus = os.getloadavg()[0], os.cpu_count() or 1
     if load > num_cpus / 2:
         say(f"warning: other work loads this CPU (load average {load:.1f} on {num_cpus} CPUs): its measured rates "
             f"may be low; measure again with `fastml profile` when it is idle")
     start = time.perf_counter()
-    progress = _Progress(say, 1 + 2 * (len(missing) + len(missing_attention)) + missing_host)
+    progress = _Progress(say, 1 + 2 * (len(missing) + len(missing_attention) + len(missing_elementwise)) + missing_host)
     base = _measure_cpu_base()
     progress.step()
     with _torch_threads(threads):
         linear = _fastest_of_two(_linear_seconds, missing, progress)
         attention_s = _fastest_of_two(_attention_seconds, missing_attention, progress)
+        elementwise_s = _fastest_of_two(_elementwise_seconds, missing_elementwise, progress)
         host = {str(threads): _cpu_host_overhead(progress)} if missing_host else {}
-    keyed = {_shape_key(s, threads, all_threads): seconds for s, seconds in linear.items()}
-    keyed_attention = {_shape_key(s, threads, all_threads): seconds for s, seconds in attention_s.items()}
-    measured = _best(cached, base, keyed, keyed_attention) if cached else dataclasses.replace(
-        base, linear_seconds=keyed, attention_seconds=keyed_attention)
+    new = {name: {_shape_key(s, threads, all_threads): seconds for s, seconds in timings.items()} for name, timings in
+           (("linear_seconds", linear), ("attention_seconds", attention_s), ("elementwise_seconds", elementwise_s))}
+    measured = _best(cached, base, new) if cached else dataclasses.replace(base, **new)
     measured = dataclasses.replace(measured, host_overhead={**measured.host_overhead, **host})
     measured = dataclasses.replace(measured, peak_fp32_flops_per_s=_peak(measured))
     hwprofiles.save_cpu(measured)
@@ -475,16 +497,16 @@ class _Progress:
             self.said_s = elapsed_s
 
 
-def _best(cached: hwprofiles.CpuMeasurements, base: hwprofiles.CpuMeasurements, linear: dict[str, float],
-          attention: dict[str, float]) -> hwprofiles.CpuMeasurements:
-    """The cached measurements with new ones merged in, each figure the best of both."""
+def _best(cached: hwprofiles.CpuMeasurements, base: hwprofiles.CpuMeasurements,
+          new: dict[str, dict[str, float]]) -> hwprofiles.CpuMeasurements:
+    """The cached measurements with new ones (tables of seconds by field name) merged in, each figure the best of
+    both."""
     def fastest(old: dict[str, float], new: dict[str, float]) -> dict[str, float]:
         return {**old, **{key: min(seconds, old.get(key, seconds)) for key, seconds in new.items()}}
     return dataclasses.replace(
         cached, date=base.date, peak_fp32_flops_per_s=max(cached.peak_fp32_flops_per_s, base.peak_fp32_flops_per_s),
         memory_bytes_per_s=max(cached.memory_bytes_per_s, base.memory_bytes_per_s),
-        linear_seconds=fastest(cached.linear_seconds, linear), attention_seconds=fastest(cached.attention_seconds,
-                                                                                        attention))
+        **{name: fastest(getattr(cached, name), table) for name, table in new.items()})
 
 
 def _peak(measured: hwprofiles.CpuMeasurements) -> float:
@@ -570,6 +592,32 @@ def _attention_seconds(batch: int, seq_len: int, heads: int, kv_heads: int, head
     return _seconds(run)
 
 
+def _elementwise_seconds(tokens: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> float:
+    """A block's work outside its matmuls and attention, forward and backward, by the executor's own modules in fp32
+    (executor/model/transformer.py): its two norms, the rotary embedding of q and k, the heads' merge, SwiGLU and the
+    two residual adds. Each matmul's and attention's output is a leaf here, so that only this work is timed."""
+    import torch
+
+    from fastml.executor.model.transformer import RMSNorm, SwiGLU, apply_rotary
+
+    norms, swiglu = (RMSNorm(hidden, 1e-5), RMSNorm(hidden, 1e-5)), SwiGLU()
+    x = torch.randn(1, tokens, hidden, requires_grad=True)
+    q = torch.randn(1, tokens, heads, head_dim, requires_grad=True)
+    k = torch.randn(1, tokens, kv_heads, head_dim, requires_grad=True)
+    heads_out = torch.randn(1, heads, tokens, head_dim, requires_grad=True)  # attention's output, (B, H, T, D)
+    gate_up = torch.randn(1, tokens, 2 * ffn, requires_grad=True)
+    cos, sin = torch.randn(tokens, head_dim), torch.randn(tokens, head_dim)
+
+    def run():
+        x_attn = norms[0](x)  # into qkv
+        middle = x + heads_out.transpose(1, 2).flatten(2)  # the merged heads, through `out`, added to the residual
+        x_ffn = norms[1](middle)  # into gate_up
+        outputs = [x_attn, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), x_ffn, swiglu(gate_up),
+                   middle + x_ffn]  # the last: the ffn's output added to the residual
+        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+    return _seconds(run)
+
+
 def _seconds(run, min_repeats: int = 3, max_repeats: int = 20, min_total_s: float = 0.05) -> float:
     """The fastest of several timed runs after a warm-up: other processes sharing the CPU only ever add time, so
     the fastest run is the machine's own rate (a run under load is slower than the plan predicts, not faster)."""
@@ -602,8 +650,8 @@ def _attention_pass_flops(batch: int, seq_len: int, heads: int, kv_heads: int, h
 
 
 def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[int, int, int]],
-                     attention: list[tuple[int, ...]] = (), topology: dict | None = None,
-                     processes: int = 1) -> dict:
+                     attention: list[tuple[int, ...]] = (), elementwise: list[tuple[int, ...]] = (),
+                     topology: dict | None = None, processes: int = 1) -> dict:
     """The hwprofile of this machine's CPU (schema of hwprofiles/schema.py): its peak, the efficiency of the model's
     linear layers at their shapes and of its attention (the curve, at the size planner/costs.py gives attention) as
     each of `processes` processes trains them (with its share of the threads, on its share of the peak), its memory
@@ -623,12 +671,14 @@ def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[in
                 f"{' and '.join(map(str, PEAK_SQUARE_SIZES))} and of every shape measured; gemm_shapes the forward "
                 f"and backward GEMMs of the model's linear layers; gemm_efficiency its causal attention (forward and "
                 f"backward), at g = (batch·seq·heads·seq·head_dim)^(1/3) as planner/costs.py models it"
-                f"{as_processes}; hbm_bytes_per_s (and the host rates) a {COPY_ELEMENTS * 4 // 2**20} MiB tensor "
+                f"{as_processes}; elementwise_bytes_per_s the blocks' norms, rotary embedding, SwiGLU and residual "
+                f"adds as the executor runs them, bytes as planner/costs.py counts them; hbm_bytes_per_s (and the host rates) a {COPY_ELEMENTS * 4 // 2**20} MiB tensor "
                 f"copy; cpu_adam_params_per_s that rate over {ADAM_BYTES_PER_PARAM} bytes per parameter; memory the "
                 f"physical memory (os.sysconf). Not priced."),
         gpu={"memory_bytes": memory_bytes, "peak_flops": {"fp32": peak},
              "gemm_efficiency": _attention_curve(measured, attention, processes),
-             "gemm_shapes": _efficiencies(measured, shapes, processes), "hbm_bytes_per_s": bandwidth},
+             "gemm_shapes": _efficiencies(measured, shapes, processes), "hbm_bytes_per_s": bandwidth,
+             "elementwise_bytes_per_s": _elementwise_rate(measured, elementwise, processes)},
         node={"gpus_per_node": 1, "host_memory_bytes": memory_bytes, "h2d_all_gpus_bytes_per_s": bandwidth,
               "cpu_adam_params_per_s": bandwidth / ADAM_BYTES_PER_PARAM, "host_copy_bytes_per_s": bandwidth,
               "nic_bytes_per_s": 0.0},
@@ -648,6 +698,25 @@ def _efficiency(measured: hwprofiles.CpuMeasurements, table: dict[str, float], s
     threads = max(1, all_threads // processes)
     rate = flops / table[_shape_key(shape, threads, all_threads)] * min(1.0, all_threads / (processes * threads))
     return round(min(1.0, rate / (measured.peak_fp32_flops_per_s / processes)), 4)
+
+
+def _elementwise_rate(measured: hwprofiles.CpuMeasurements, elementwise, processes: int = 1) -> float | None:
+    """The blocks' elementwise work at `elementwise`'s shapes, bytes as planner/costs.py prices them (fp32, forward
+    once and backward twice) over the seconds measured, as the whole CPU runs it (`processes` processes, each with
+    its share of the threads: the planner gives each 1/processes of it); None where none is measured."""
+    from fastml.planner.costs import ELEMENTWISE_PASSES, elementwise_elements
+    from fastml.spec import ModelSpec
+
+    all_threads = int(measured.key["torch_threads"])
+    threads = max(1, all_threads // processes)
+    moved = seconds = 0.0
+    for tokens, hidden, heads, kv_heads, head_dim, ffn in elementwise:
+        spec = ModelSpec(name="elementwise", hidden_size=hidden, num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
+                         ffn_hidden_size=ffn, vocab_size=1, head_dim=head_dim)
+        moved += ELEMENTWISE_PASSES * elementwise_elements(spec, compiled=False) * tokens * 4
+        seconds += measured.elementwise_seconds[_shape_key((tokens, hidden, heads, kv_heads, head_dim, ffn), threads,
+                                                           all_threads)]
+    return moved / seconds * processes * min(1.0, all_threads / (processes * threads)) if seconds else None
 
 
 def _efficiencies(measured: hwprofiles.CpuMeasurements, shapes, processes: int = 1) -> list[list[float]]:
@@ -673,7 +742,8 @@ def this_cpu_profile(spec=None, seq_len: int = 256, micro_batches: Iterable[int]
     from fastml.spec import PRESETS
 
     spec = spec or PRESETS["tiny"]
-    shapes = linear_shapes(spec, [b * seq_len for b in micro_batches])
+    tokens = [b * seq_len for b in micro_batches]
+    shapes, elementwise = linear_shapes(spec, tokens), elementwise_shapes(spec, tokens)
     attention = attention_shapes(spec, seq_len, micro_batches)
-    measured = measure_cpu(shapes, attention, say, fresh, process_threads(processes))
-    return cpu_profile_json(measured, shapes, attention, topology, processes)
+    measured = measure_cpu(shapes, attention, elementwise, say, fresh, process_threads(processes))
+    return cpu_profile_json(measured, shapes, attention, elementwise, topology, processes)

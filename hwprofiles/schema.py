@@ -68,6 +68,10 @@ class DeviceSection:
     fp8_cast_bytes_per_s: float | None = None
     """fastml's fp8 cast (csrc/fp8_cuda.cu), bytes as FP8_CAST_BYTES counts them (an element, one
     more for the transposed copy) per second; None: at hbm_bytes_per_s."""
+    elementwise_bytes_per_s: float | None = None
+    """The blocks' work outside their matmuls and attention (norms, rotary embedding, SwiGLU, residual adds), bytes as
+    planner/costs.py counts them, per second; None: at hbm_bytes_per_s. A CPU profile measures it (hwprofiles/profile.py):
+    a CPU runs these eager ops far below its copy's rate (silu's exponential, SwiGLU's reference ops)."""
     pcie: Pcie | None = None
     """None where the device is the host (a CPU): nothing crosses a bus."""
     p2p: bool = False

@@ -282,12 +282,12 @@ def layer_work(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) ->
     flops = layer_flops(spec, knobs.micro_batch_size, seq_len)
     attention = _attention_s(flops["forward.attention"], spec, knobs.micro_batch_size, seq_len, machine,
                              other_dtype)
-    elementwise = hbm(_elementwise_elements(spec, knobs.compile) * t * activation_bytes(knobs))
+    elementwise = elementwise_elements(spec, knobs.compile) * t * activation_bytes(knobs) / gpu.elementwise_bytes_per_s
     quantize_forward, quantize_backward = (cast(b) for b in fp8_cast_bytes(spec, t))
     forward = {"matmul": gemms("qkv", "out", "gate_up", "down"), "attention": attention, "elementwise": elementwise,
                "fp8 cast": quantize_forward}
     backward = {"matmul": 2 * gemms("qkv", "out", "gate_up", "down", backward=True),
-                "attention": ATTENTION_BACKWARD_FACTOR * attention, "elementwise": 2 * elementwise,
+                "attention": ATTENTION_BACKWARD_FACTOR * attention, "elementwise": (ELEMENTWISE_PASSES - 1) * elementwise,
                 "fp8 cast": quantize_backward}
     # fp8: recomputed linears cast their inputs again (their weights too, where not cached: simulate.py)
     input_casts = {name: cast(t * k * (FP8_CAST_BYTES + 1)) for name, (_, k) in spec.block_linear_shapes().items()}
@@ -452,7 +452,11 @@ def _attention_s(flops: float, spec: ModelSpec, micro_batch_size: int, seq_len: 
     return flops / (machine.gpu.sustained_flops_for(dtype) * machine.gpu.gemm_efficiency_at(size))
 
 
-def _elementwise_elements(spec: ModelSpec, compiled: bool) -> float:
+ELEMENTWISE_PASSES = 3
+"""A block's elementwise work over a micro-batch: the forward pass's once, the backward pass's twice (layer_work)."""
+
+
+def elementwise_elements(spec: ModelSpec, compiled: bool) -> float:
     """Elements read and written per token by one block's forward pass outside its matmuls and attention:
     norms, rotary embedding, SwiGLU, residual adds and the head-merging copy. Compilation fuses chains of them
     into single passes; SwiGLU is one fused op either way (executor/model/fused.py: reads gate and up, writes the product)."""

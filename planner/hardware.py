@@ -49,6 +49,8 @@ class Gpu:
     """The same for the two backward GEMMs of the forward GEMM (M, N, K)."""
     fp8_cast_bytes_per_s: float
     """fastml's fp8 casts, bytes as planner/costs.py counts them; the HBM rate where the profile has none."""
+    elementwise_bytes_per_s: float
+    """The blocks' elementwise work, bytes as planner/costs.py counts them; the HBM rate where the profile has none."""
     attention_shapes: dict[int, tuple[tuple[int, float], ...]] = dataclasses.field(default_factory=dict)
     """head_dim -> ((seq_len, efficiency against the bf16 peak), ...) sorted, of causal attention forward and
     backward, measured."""
@@ -229,6 +231,7 @@ def _resized_cpu(machine: Machine, num_gpus, num_nodes, gpu_memory, host_memory)
     if n > 1:
         gpu = dataclasses.replace(gpu, peak_flops={k: v / n for k, v in gpu.peak_flops.items()},
                                   hbm_bytes_per_s=gpu.hbm_bytes_per_s / n, h2d_bytes_per_s=gpu.h2d_bytes_per_s / n,
+                                  elementwise_bytes_per_s=gpu.elementwise_bytes_per_s / n,
                                   d2h_bytes_per_s=gpu.d2h_bytes_per_s / n)
         node = dataclasses.replace(node, gpus_per_node=n)  # the CPU AdamW's rate is shared in costs.py
     if host_memory is not None:
@@ -273,6 +276,7 @@ def _machine(p: HardwareProfile, fingerprint: str) -> Machine:
                 fp8_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.fp8_gemm_shapes},
                 fp8_backward_gemm_shapes={(int(m), int(n), int(k)): e for m, n, k, e in gpu.fp8_backward_gemm_shapes},
                 fp8_cast_bytes_per_s=gpu.fp8_cast_bytes_per_s or gpu.hbm_bytes_per_s,
+                elementwise_bytes_per_s=gpu.elementwise_bytes_per_s or gpu.hbm_bytes_per_s,
                 attention_shapes=_by_head_dim(_checked_rows("gpu.attention_shapes", gpu.attention_shapes, 3)),
                 attention_half_rate_tiles=gpu.attention_half_rate_tiles,
                 sustained_compute_share=gpu.sustained_compute_share or 1.0,

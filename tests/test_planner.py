@@ -645,7 +645,7 @@ def test_a_bad_request_is_refused_before_the_cpu_is_measured(fake_cpu, kwargs, f
     """REVIEW 9: `--global-batch-tokens 1000` measured the CPU first (and a bad --set value ran the whole search)."""
     with pytest.raises(UserError, match=fragment):
         make_plan(device="cpu", trials=10, **kwargs)
-    assert fake_cpu == {"base": 0, "linear": 0, "attention": 0, "host": 0}
+    assert not any(fake_cpu.values())
 
 
 def test_an_evaluation_is_priced_by_the_micro_batches_it_runs_at_least_one():
