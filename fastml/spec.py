@@ -95,6 +95,15 @@ class ModelSpec:
         out the upper triangle (flash attention skips those tiles)."""
         return 2.0 * seq_len * self.q_size
 
+    def elementwise_elements_per_token(self, compiled: bool) -> float:
+        """Elements read and written per token by one block's forward pass outside its matmuls and attention: norms,
+        rotary embedding, SwiGLU, residual adds and the head-merging copy. Compilation fuses chains of them into single
+        passes; SwiGLU is one fused op either way (executor/model/fused.py: reads gate and up, writes the product)."""
+        h, qk, q, f = self.hidden_size, self.q_size + self.kv_size, self.q_size, self.ffn_hidden_size
+        if compiled:
+            return 4 * h + 2 * qk + 2 * q + 3 * f
+        return 10 * h + 8 * qk + 2 * q + 3 * f
+
     def layer_params(self) -> int:
         bias = self.q_size + 2 * self.kv_size if self.qkv_bias else 0
         qk_norm = 2 * self.head_dim if self.qk_norm else 0

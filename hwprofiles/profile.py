@@ -29,7 +29,7 @@ from rich.table import Table
 
 from fastml import hwprofiles
 from fastml.config import fail, gib
-from fastml.hwprofiles.schema import ATTENTION_BACKWARD_FACTOR
+from fastml.hwprofiles.schema import ATTENTION_BACKWARD_FACTOR, ELEMENTWISE_PASSES
 
 DEFAULT_OUTPUT = "hwprofile.json"
 
@@ -704,7 +704,6 @@ def _elementwise_rate(measured: hwprofiles.CpuMeasurements, elementwise, process
     """The blocks' elementwise work at `elementwise`'s shapes, bytes as planner/costs.py prices them (fp32, forward
     once and backward twice) over the seconds measured, as the whole CPU runs it (`processes` processes, each with
     its share of the threads: the planner gives each 1/processes of it); None where none is measured."""
-    from fastml.planner.costs import ELEMENTWISE_PASSES, elementwise_elements
     from fastml.spec import ModelSpec
 
     all_threads = int(measured.key["torch_threads"])
@@ -713,7 +712,7 @@ def _elementwise_rate(measured: hwprofiles.CpuMeasurements, elementwise, process
     for tokens, hidden, heads, kv_heads, head_dim, ffn in elementwise:
         spec = ModelSpec(name="elementwise", hidden_size=hidden, num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
                          ffn_hidden_size=ffn, vocab_size=1, head_dim=head_dim)
-        moved += ELEMENTWISE_PASSES * elementwise_elements(spec, compiled=False) * tokens * 4
+        moved += ELEMENTWISE_PASSES * spec.elementwise_elements_per_token(compiled=False) * tokens * 4
         seconds += measured.elementwise_seconds[_shape_key((tokens, hidden, heads, kv_heads, head_dim, ffn), threads,
                                                            all_threads)]
     return moved / seconds * processes * min(1.0, all_threads / (processes * threads)) if seconds else None

@@ -14,6 +14,9 @@ from fastml.config import from_dict
 ATTENTION_BACKWARD_FACTOR = 2.5
 """Attention's backward FLOPs over its forward's: flash attention's backward does 5 matmuls of the forward's size
 against the forward's 2 (FlashAttention-2, section 4.1; torch.utils.flop_counter counts its kernels the same way)."""
+ELEMENTWISE_PASSES = 3
+"""A block's elementwise work over a micro-batch (ModelSpec.elementwise_elements_per_token, gpu.elementwise_bytes_per_s):
+the forward pass's once, the backward pass's twice (planner/costs.py)."""
 FP8_CAST_BYTES = 2 + 2 + 1
 """Bytes moved per element by an fp8 cast (executor/model/fp8.py, csrc/fp8_cuda.cu): the bf16 read for its absolute
 maximum, the bf16 read of the cast, one fp8 byte written (and one more for the transposed copy)."""

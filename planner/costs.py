@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fastml.config import fail
 from fastml.plan import KNOBS, MEMCPY_ROW_BYTES, Knobs, fp8_cached_blocks
-from fastml.hwprofiles.schema import ATTENTION_BACKWARD_FACTOR, FP8_CAST_BYTES, Calibration
+from fastml.hwprofiles.schema import ATTENTION_BACKWARD_FACTOR, ELEMENTWISE_PASSES, FP8_CAST_BYTES, Calibration
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, group_params,
                                    has_fp32_masters, loss_logit_bytes, param_bytes)
@@ -282,12 +282,14 @@ def layer_work(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) ->
     flops = layer_flops(spec, knobs.micro_batch_size, seq_len)
     attention = _attention_s(flops["forward.attention"], spec, knobs.micro_batch_size, seq_len, machine,
                              other_dtype)
-    elementwise = elementwise_elements(spec, knobs.compile) * t * activation_bytes(knobs) / gpu.elementwise_bytes_per_s
+    elementwise = (spec.elementwise_elements_per_token(knobs.compile) * t * activation_bytes(knobs) /
+                   gpu.elementwise_bytes_per_s)
     quantize_forward, quantize_backward = (cast(b) for b in fp8_cast_bytes(spec, t))
     forward = {"matmul": gemms("qkv", "out", "gate_up", "down"), "attention": attention, "elementwise": elementwise,
                "fp8 cast": quantize_forward}
     backward = {"matmul": 2 * gemms("qkv", "out", "gate_up", "down", backward=True),
-                "attention": ATTENTION_BACKWARD_FACTOR * attention, "elementwise": (ELEMENTWISE_PASSES - 1) * elementwise,
+                "attention": ATTENTION_BACKWARD_FACTOR * attention,
+                "elementwise": (ELEMENTWISE_PASSES - 1) * elementwise,
                 "fp8 cast": quantize_backward}
     # fp8: recomputed linears cast their inputs again (their weights too, where not cached: simulate.py)
     input_casts = {name: cast(t * k * (FP8_CAST_BYTES + 1)) for name, (_, k) in spec.block_linear_shapes().items()}
@@ -450,20 +452,6 @@ def _attention_s(flops: float, spec: ModelSpec, micro_batch_size: int, seq_len: 
     # (results/fidelity-profile-h200.json's curve against results/attention-h200.json).
     size = (micro_batch_size * seq_len * spec.num_heads * seq_len * spec.head_dim) ** (1 / 3)
     return flops / (machine.gpu.sustained_flops_for(dtype) * machine.gpu.gemm_efficiency_at(size))
-
-
-ELEMENTWISE_PASSES = 3
-"""A block's elementwise work over a micro-batch: the forward pass's once, the backward pass's twice (layer_work)."""
-
-
-def elementwise_elements(spec: ModelSpec, compiled: bool) -> float:
-    """Elements read and written per token by one block's forward pass outside its matmuls and attention:
-    norms, rotary embedding, SwiGLU, residual adds and the head-merging copy. Compilation fuses chains of them
-    into single passes; SwiGLU is one fused op either way (executor/model/fused.py: reads gate and up, writes the product)."""
-    h, qk, q, f = spec.hidden_size, spec.q_size + spec.kv_size, spec.q_size, spec.ffn_hidden_size
-    if compiled:
-        return 4 * h + 2 * qk + 2 * q + 3 * f
-    return 10 * h + 8 * qk + 2 * q + 3 * f
 
 
 RECOMPUTED_ELEMENTWISE = {"norm": 0.15, "swiglu": 0.3, "attention": 0.3}
