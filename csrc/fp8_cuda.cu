@@ -35,7 +35,7 @@ namespace fastml {
 namespace {
 
 constexpr int kTile = 64;             // a cast block's tile: kTile x kTile elements
-constexpr int kThreads = 256;         // threads of a block, in both kernels
+constexpr int kThreads = 256;         // threads of a block
 constexpr int kVector = 8;            // bf16 elements of one 16-byte load
 constexpr int kPad = 4;               // bytes after each tile row in shared memory, to spread the transposed reads
 constexpr int kAmaxLoads = 4;           // 16-byte loads a thread of the maximum pass has in flight
@@ -117,7 +117,7 @@ struct QuantizeArgs {
   const __nv_bfloat16* x;
   int64_t rows, cols;
   bool vectorized;  // the maximum pass may read x 16 bytes at a time
-  bool aligned;     // full tiles may use 16-byte loads and 8-byte stores
+  bool aligned;     // full tiles may use 16-byte loads, 8-byte row-major stores and 4-byte transposed ones
   float fp8_max;
   uint32_t* amax_bits;  // zeroed before the launch
   uint8_t* q;           // rows x cols, or null
@@ -127,8 +127,8 @@ struct QuantizeArgs {
 
 // A full tile's transpose into q_t (cols x rows): each thread reads a 4 x 4 block of the tile as four 4-byte words,
 // transposes its bytes in registers and writes four 4-byte pieces of four rows of q_t; the 16 threads of a half warp
-// cover one 64-byte row of the tile's transpose. One byte a shared-memory load, as before, kept the cast of both layouts
-// at 0.73 of HBM (benchmarks/NOTES.md).
+// cover one 64-byte row of the tile's transpose. (Gathered one byte a shared-memory load, the cast of both layouts
+// stayed at 0.73 of HBM: benchmarks/NOTES.md.)
 __device__ __forceinline__ void write_transposed(const QuantizeArgs& a, int64_t row0, int64_t col0,
                                                  const uint8_t (&tile)[kTile][kTile + kPad]) {
   static_assert(kTile * kTile / 16 == kThreads, "one 4 x 4 block of a tile for each thread");
@@ -217,7 +217,10 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeArgs a
 }
 
 // As many blocks as the GPU holds at once (a cooperative launch may not ask for more), but no more than there are
-// tiles: a block without a tile would only add to the maximum pass's wait.
+// tiles: a block without a tile would only add to the maximum pass's wait. The occupancy is asked once a process: the
+// op is built for the one GPU architecture in use (executor/native.py). A cooperative grid starts only when all of
+// it fits beside what else runs, so a collective's kernel on another stream delays the cast (not yet traced on two
+// GPUs).
 template <typename Fp8>
 int resident_blocks() {
   static const int per_multiprocessor = [] {
@@ -269,7 +272,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tenso
   args.rows = rows;
   args.cols = cols;
   args.vectorized = numel % kVector == 0 && aligned16(input);
-  // Full tiles use 16-byte loads and 8-byte stores: rows (and, transposed, columns) must keep them aligned.
+  // Full tiles use 16-byte loads and 8-byte stores along a row, 4-byte stores along a transposed one: rows of x and
+  // of q_t must keep them aligned.
   args.aligned = aligned16(input) && cols % kVector == 0 && rows % kVector == 0;
   args.amax_bits = reinterpret_cast<uint32_t*>(amax_bits.mutable_data_ptr());
   args.q = rowwise ? reinterpret_cast<uint8_t*>(q.mutable_data_ptr()) : nullptr;

@@ -89,7 +89,8 @@ class CpuMeasurements:
     the fastest seconds measured, for the models planned here so far."""
     elementwise_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     """A block's work outside its matmuls and attention, forward and backward, as the executor runs it, by
-    "tokens,hidden,heads,kv_heads,head_dim,ffn" (and "@T"): the fastest seconds measured, for the models planned here."""
+    "tokens,hidden,heads,kv_heads,head_dim,ffn" (and "@T"): the fastest seconds measured, for the models planned
+    here."""
     host_overhead: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     """The training loop's host time (hwprofiles/host.py, the profile's `host_overhead`) by torch threads ("2"): on a
     CPU it adds to the arithmetic, per op."""

@@ -429,9 +429,8 @@ def measure_cpu(shapes: list[tuple[int, int, int]], attention: list[tuple[int, .
                 elementwise: list[tuple[int, ...]] = (), say=None, fresh: bool = False,
                 threads: int | None = None) -> hwprofiles.CpuMeasurements:
     """This CPU's measurements for the given linear-layer, attention and elementwise shapes (`elementwise_shapes`),
-    run with `threads` torch threads (a
-    process's share, `process_threads`; default all of them): the cached ones, with what they lack measured now (and
-    cached); `fresh` measures them all again. Each figure keeps the best ever measured: other work sharing the CPU
+    run with `threads` torch threads (a process's share, `process_threads`; default all of them): the cached ones,
+    with what they lack measured now (and cached); `fresh` measures them all again. Each figure keeps the best ever measured: other work sharing the CPU
     only ever slows a measurement, so the fastest is the machine's own rate, and a peak or a rate measured under
     load is replaced by the next measurement at a quieter time. `say` gets the progress lines."""
     import torch
@@ -593,28 +592,32 @@ def _attention_seconds(batch: int, seq_len: int, heads: int, kv_heads: int, head
 
 
 def _elementwise_seconds(tokens: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> float:
-    """A block's work outside its matmuls and attention, forward and backward, by the executor's own modules in fp32
-    (executor/model/transformer.py): its two norms, the rotary embedding of q and k, the heads' merge, SwiGLU and the
-    two residual adds. Each matmul's and attention's output is a leaf here, so that only this work is timed."""
+    """A block's work outside its matmuls and attention, forward and backward, by the executor's own modules in fp32,
+    eager as a CPU trains (executor/model/transformer.py `Block`): its two norms, the rotary embedding of q and k, the
+    heads' merge, SwiGLU and the two residual adds. Each matmul's and attention's output is a leaf here, so that only
+    this work is timed; their gradients are returned, not summed into the leaves."""
     import torch
 
     from fastml.executor.model.transformer import RMSNorm, SwiGLU, apply_rotary
 
     norms, swiglu = (RMSNorm(hidden, 1e-5), RMSNorm(hidden, 1e-5)), SwiGLU()
-    x = torch.randn(1, tokens, hidden, requires_grad=True)
-    q = torch.randn(1, tokens, heads, head_dim, requires_grad=True)
-    k = torch.randn(1, tokens, kv_heads, head_dim, requires_grad=True)
-    heads_out = torch.randn(1, heads, tokens, head_dim, requires_grad=True)  # attention's output, (B, H, T, D)
-    gate_up = torch.randn(1, tokens, 2 * ffn, requires_grad=True)
+
+    def leaf(*shape):
+        return torch.randn(1, *shape, requires_grad=True)
+    x, attn_out, ffn_out = leaf(tokens, hidden), leaf(tokens, hidden), leaf(tokens, hidden)  # `out`'s and `down`'s
+    q, k = leaf(tokens, heads, head_dim), leaf(tokens, kv_heads, head_dim)  # qkv's output, split
+    heads_out, gate_up = leaf(heads, tokens, head_dim), leaf(tokens, 2 * ffn)  # attention's output (B, H, T, D)
     cos, sin = torch.randn(tokens, head_dim), torch.randn(tokens, head_dim)
+    inputs = [x, attn_out, ffn_out, q, k, heads_out, gate_up, *norms[0].parameters(), *norms[1].parameters()]
+    output_shapes = [(1, tokens, hidden), q.shape, k.shape, (1, tokens, heads * head_dim), (1, tokens, hidden),
+                     (1, tokens, ffn), (1, tokens, hidden)]
+    grads = [torch.randn(shape) for shape in output_shapes]
 
     def run():
-        x_attn = norms[0](x)  # into qkv
-        middle = x + heads_out.transpose(1, 2).flatten(2)  # the merged heads, through `out`, added to the residual
-        x_ffn = norms[1](middle)  # into gate_up
-        outputs = [x_attn, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), x_ffn, swiglu(gate_up),
-                   middle + x_ffn]  # the last: the ffn's output added to the residual
-        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+        middle = x + attn_out  # the residual after attention
+        outputs = [norms[0](x), apply_rotary(q, cos, sin), apply_rotary(k, cos, sin),
+                   heads_out.transpose(1, 2).flatten(2), norms[1](middle), swiglu(gate_up), middle + ffn_out]
+        torch.autograd.grad(outputs, inputs, grads)
     return _seconds(run)
 
 
@@ -672,8 +675,8 @@ def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[in
                 f"and backward GEMMs of the model's linear layers; gemm_efficiency its causal attention (forward and "
                 f"backward), at g = (batch·seq·heads·seq·head_dim)^(1/3) as planner/costs.py models it"
                 f"{as_processes}; elementwise_bytes_per_s the blocks' norms, rotary embedding, SwiGLU and residual "
-                f"adds as the executor runs them, bytes as planner/costs.py counts them; hbm_bytes_per_s (and the host rates) a {COPY_ELEMENTS * 4 // 2**20} MiB tensor "
-                f"copy; cpu_adam_params_per_s that rate over {ADAM_BYTES_PER_PARAM} bytes per parameter; memory the "
+                f"adds as the executor runs them (eager), bytes as planner/costs.py counts them; hbm_bytes_per_s "
+                f"(and the host rates) a {COPY_ELEMENTS * 4 // 2**20} MiB tensor copy; cpu_adam_params_per_s that rate over {ADAM_BYTES_PER_PARAM} bytes per parameter; memory the "
                 f"physical memory (os.sysconf). Not priced."),
         gpu={"memory_bytes": memory_bytes, "peak_flops": {"fp32": peak},
              "gemm_efficiency": _attention_curve(measured, attention, processes),

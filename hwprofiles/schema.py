@@ -15,8 +15,8 @@ ATTENTION_BACKWARD_FACTOR = 2.5
 """Attention's backward FLOPs over its forward's: flash attention's backward does 5 matmuls of the forward's size
 against the forward's 2 (FlashAttention-2, section 4.1; torch.utils.flop_counter counts its kernels the same way)."""
 ELEMENTWISE_PASSES = 3
-"""A block's elementwise work over a micro-batch (ModelSpec.elementwise_elements_per_token, gpu.elementwise_bytes_per_s):
-the forward pass's once, the backward pass's twice (planner/costs.py)."""
+"""A block's elementwise work over a micro-batch (ModelSpec.elementwise_elements_per_token,
+gpu.elementwise_bytes_per_s): the forward pass's once, the backward pass's twice (planner/costs.py)."""
 FP8_CAST_BYTES = 2 + 2 + 1
 """Bytes moved per element by an fp8 cast (executor/model/fp8.py, csrc/fp8_cuda.cu): the bf16 read for its absolute
 maximum, the bf16 read of the cast, one fp8 byte written (and one more for the transposed copy)."""
@@ -73,8 +73,10 @@ class DeviceSection:
     more for the transposed copy) per second; None: at hbm_bytes_per_s."""
     elementwise_bytes_per_s: float | None = None
     """The blocks' work outside their matmuls and attention (norms, rotary embedding, SwiGLU, residual adds), bytes as
-    planner/costs.py counts them, per second; None: at hbm_bytes_per_s. A CPU profile measures it (hwprofiles/profile.py):
-    a CPU runs these eager ops far below its copy's rate (silu's exponential, SwiGLU's reference ops)."""
+    planner/costs.py counts them, per second; None: at hbm_bytes_per_s. A CPU profile measures it, eager
+    (hwprofiles/profile.py): a CPU runs these ops far below its copy's rate (silu's exponential, SwiGLU's reference
+    ops). One rate for every shape: the CPU profile's is its model's, over the micro-batches it measured; a plan pinned
+    to compile on a CPU is priced at it too."""
     pcie: Pcie | None = None
     """None where the device is the host (a CPU): nothing crosses a bus."""
     p2p: bool = False

@@ -331,7 +331,7 @@ def cpu_profile_for(plans: list[Plan]) -> dict:
                           "calibrate the runs of each count apart")
     profiles = [_this_cpu_profile(p.model, p.training.seq_len, p.training.global_batch_tokens //
                                   (p.training.seq_len * counts[0]), counts[0]) for p in plans]
-    merged = profiles[-1]  # the latest measurements, with every plan's shapes
+    merged = profiles[-1]  # the latest measurements, with every plan's shapes (its elementwise rate the last model's)
     for table in ("gemm_shapes", "gemm_efficiency"):
         rows = {tuple(row[:-1]): row for profile in profiles for row in profile["gpu"][table]}
         merged["gpu"][table] = sorted(rows.values())

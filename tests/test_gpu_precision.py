@@ -33,9 +33,9 @@ def needs_fp8_tensor_cores():
 
 # ---------------------------------------------------------------------------------------------------- quantize
 
-SHAPES = [(256, 512), (2048, 4096), (136, 200), (100, 72), (37, 13), (1, 1), (64, 8)]
+SHAPES = [(256, 512), (2048, 4096), (136, 200), (100, 72), (37, 13), (1, 1), (64, 8), (2056, 4104)]
 """Whole 64 x 64 tiles, large ones, whole tiles beside partial ones, partial tiles only, rows of odd length, one
-element, one column of tiles."""
+element, one column of tiles, and more tiles than the GPU holds blocks, whole and partial (each block walks several)."""
 FP8 = [fp8.E4M3, fp8.E5M2]
 RELATIVE = {fp8.E4M3: 2.0**-4, fp8.E5M2: 2.0**-3}
 """Half an fp8 step relative to the value: e4m3 keeps 3 mantissa bits, e5m2 2."""
