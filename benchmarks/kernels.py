@@ -14,11 +14,14 @@ The kernels, at the shapes of Llama-3.1-8B's micro-batch of 4 x 2,048 tokens:
   bf16 state; all-fp32 state steps with torch's fused AdamW): bf16 weights and bf16 moments, and fp32 masters with
   bf16 moments writing the bf16 weight in the same pass;
 - csrc/fp8_cuda.cu, `quantize_fp8`: the absolute-maximum pass and the cast pass together, rowwise and with the
-  transpose, an activation (8,192 x 4,096) and the MLP's weight (14,336 x 4,096);
-- executor/model/fused.py, the Triton SwiGLU forward and backward, and the cross-entropy over one slice of the LM
-  head's logits (2,048 tokens, a quarter of the micro-batch, as lm_head_chunks 4 makes them; the 8B's vocabulary of
-  128,256): it reads a row twice (its log-sum-exp, then the softmax) and writes the gradient once, 6 bytes a logit
-  counted, since a row of 256 KB fits no multiprocessor's shared memory;
+  transpose, an activation (8,192 x 4,096) and the MLP's weight (14,336 x 4,096); and the cast pass alone, with the
+  maxima the SwiGLU kernels took, of SwiGLU's output (8,192 x 14,336) and of gate_up's output gradient (8,192 x
+  28,672), as fp8's feed-forward layer casts them;
+- executor/model/fused.py, the Triton SwiGLU forward and backward, plain and taking their outputs' maxima, and the
+  cross-entropy over one slice of the LM head's logits (2,048 tokens, a quarter of the micro-batch, as
+  lm_head_chunks 4 makes them; the 8B's vocabulary of 128,256): it reads a row twice (its log-sum-exp, then the
+  softmax) and writes the gradient once, 6 bytes a logit counted, since a row of 256 KB fits no multiprocessor's
+  shared memory;
 - csrc/cpu_adam.cpp, `adamw_step_` on the CPU (fp32 state, bf16 gradient and weight), against host memory;
 - attention (executor/model/transformer.py calls torch's SDPA, the one compute-bound kernel fastml does not leave to
   cuBLAS), against the bf16 matmul, its FLOPs counted as FlashAttention counts them: causal, the backward pass 2.5
@@ -124,20 +127,42 @@ def quantize_rows(roofline: float, repeats: int) -> list[dict]:
             seconds = _cuda_seconds(lambda: fp8.quantize(next(inputs), fp8.E4M3, True, transposed), repeats)
             rows.append(row(f"quantize_fp8 {what} {shape[0]}x{shape[1]} ({layouts})", "memory", seconds, moved,
                             roofline, source="csrc/fp8_cuda.cu", bytes=moved))
+    # SwiGLU's output and gate_up's output gradient, cast with the maxima SwiGLU's kernels took: one read
+    f = SPEC.ffn_hidden_size
+    for what, dtype, make in (("swiglu output", fp8.E4M3, lambda h: fused.swiglu_amax(h)),
+                              ("gate_up gradient", fp8.E5M2,
+                               lambda h: fused.swiglu_backward_amax(h[:, :f].contiguous(), h))):
+        made = [make(torch.randn(TOKENS, 2 * f, device="cuda", dtype=torch.bfloat16)) for _ in range(2)]
+        x, inputs = made[0][0], itertools.cycle(made)
+        moved = x.numel() * (2 + 2)
+        seconds = _cuda_seconds(lambda: fp8.quantize(*_with_maxima(next(inputs), dtype)), repeats)
+        rows.append(row(f"quantize_fp8 {what} {x.shape[0]}x{x.shape[1]} (rowwise and transposed, SwiGLU's maxima)",
+                        "memory", seconds, moved, roofline, source="csrc/fp8_cuda.cu", bytes=moved))
+        del made, inputs, x
     return rows
+
+
+def _with_maxima(made: tuple, dtype: torch.dtype) -> tuple:
+    x, maxima = made
+    return x, dtype, True, True, maxima
 
 
 def swiglu_rows(roofline: float, repeats: int) -> list[dict]:
     f = SPEC.ffn_hidden_size
     gate_up = torch.randn(TOKENS, 2 * f, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(TOKENS, f, device="cuda", dtype=torch.bfloat16)
-    forward = _cuda_seconds(lambda: fused.swiglu(gate_up), repeats)
-    backward = _cuda_seconds(lambda: fused.swiglu_backward(grad, gate_up), repeats)
-    # forward reads gate and up and writes the product; backward reads those three and writes two gradients
-    return [row("swiglu forward", "memory", forward, 3 * TOKENS * f * 2, roofline,
-                source="executor/model/fused.py", bytes=3 * TOKENS * f * 2),
-            row("swiglu backward", "memory", backward, 5 * TOKENS * f * 2, roofline,
-                source="executor/model/fused.py", bytes=5 * TOKENS * f * 2)]
+    rows = []
+    for suffix, forward_op, backward_op in (("", fused.swiglu, fused.swiglu_backward),
+                                            (" with its maxima", fused.swiglu_amax, fused.swiglu_backward_amax)):
+        forward = _cuda_seconds(lambda: forward_op(gate_up), repeats)
+        backward = _cuda_seconds(lambda: backward_op(grad, gate_up), repeats)
+        # forward reads gate and up and writes the product; backward reads those three and writes two gradients (the
+        # maxima, one float a program of 1,024 elements, are not counted)
+        rows += [row(f"swiglu forward{suffix}", "memory", forward, 3 * TOKENS * f * 2, roofline,
+                     source="executor/model/fused.py", bytes=3 * TOKENS * f * 2),
+                 row(f"swiglu backward{suffix}", "memory", backward, 5 * TOKENS * f * 2, roofline,
+                     source="executor/model/fused.py", bytes=5 * TOKENS * f * 2)]
+    return rows
 
 
 def cross_entropy_row(roofline: float, repeats: int) -> dict:

@@ -5,7 +5,9 @@
 // read the transposes), and the inverse scale that dequantizes them (`_scaled_mm`'s scale_a / scale_b).
 //
 // Two passes over memory, the fewest the data allows: the scale depends on every element, so one pass finds the
-// absolute maximum and a second casts. Both are one kernel, launched cooperatively (every block resident at once),
+// absolute maximum and a second casts. Where the kernel that made x already took its maximum (the fused SwiGLU,
+// executor/model/fused.py, gives one for each block of its output: `partial_amax`), the first pass reduces those
+// instead, and x is read once. Both are one kernel, launched cooperatively (every block resident at once),
 // whose blocks wait for each other between the passes: two kernels, one tiny block each 64 x 64 tile, spent about a
 // fifth of their time launching and draining blocks (benchmarks/NOTES.md). The cast reads each 64 x 64 tile once and
 // writes the row-major cast directly and the transposed one through shared memory, so both outputs cost one read. It
@@ -27,6 +29,7 @@
 #include <cfloat>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <tuple>
 
 #include "cuda_util.h"
@@ -60,13 +63,28 @@ __device__ __forceinline__ uint32_t packed_amax(const uint4 packed) {
   return local;
 }
 
-// The first pass: amax_bits (zeroed before) receives max |x| as float32 bits.
+// A block's maximum into amax_bits, with every other block's (atomicMax).
+__device__ void block_amax(uint32_t local, uint32_t* __restrict__ amax_bits) {
+  for (int shift = 16; shift > 0; shift /= 2) local = max(local, __shfl_xor_sync(0xFFFFFFFFu, local, shift));
+  __shared__ uint32_t warps[kThreads / 32];
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = local;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) local = max(local, warps[w]);
+    atomicMax(amax_bits, local);
+  }
+}
+
+// The first pass: amax_bits (zeroed before) receives max |x| as float32 bits: from x itself, or from the maxima of
+// x's parts that the kernel that made x wrote (`partials`, `count` of them, float32 bits of |x|'s maxima).
 __device__ void amax_pass(const __nv_bfloat16* __restrict__ x, int64_t numel, bool vectorized,
-                          uint32_t* __restrict__ amax_bits) {
+                          const uint32_t* __restrict__ partials, int64_t count, uint32_t* __restrict__ amax_bits) {
   uint32_t local = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (vectorized) {  // numel divisible by kVector and x 16-byte aligned
+  if (partials != nullptr) {
+    for (int64_t i = first; i < count; i += stride) local = max(local, partials[i]);
+  } else if (vectorized) {  // numel divisible by kVector and x 16-byte aligned
     const auto* vectors = reinterpret_cast<const uint4*>(x);
     const int64_t count = numel / kVector;
     int64_t v = first;
@@ -83,14 +101,7 @@ __device__ void amax_pass(const __nv_bfloat16* __restrict__ x, int64_t numel, bo
   } else {
     for (int64_t i = first; i < numel; i += stride) local = max(local, abs_bits(x[i]));
   }
-  for (int shift = 16; shift > 0; shift /= 2) local = max(local, __shfl_xor_sync(0xFFFFFFFFu, local, shift));
-  __shared__ uint32_t warps[kThreads / 32];
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = local;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) local = max(local, warps[w]);
-    atomicMax(amax_bits, local);
-  }
+  block_amax(local, amax_bits);
 }
 
 template <typename Fp8>
@@ -119,6 +130,8 @@ struct QuantizeArgs {
   bool vectorized;  // the maximum pass may read x 16 bytes at a time
   bool aligned;     // full tiles may use 16-byte loads, 8-byte row-major stores and 4-byte transposed ones
   float fp8_max;
+  const uint32_t* partials;  // maxima of x's parts, or null: the first pass then reads x
+  int64_t partial_count;
   uint32_t* amax_bits;  // zeroed before the launch
   uint8_t* q;           // rows x cols, or null
   uint8_t* q_t;         // cols x rows, or null
@@ -205,7 +218,7 @@ __device__ void cast_tile(const QuantizeArgs& a, float scale, int64_t row0, int6
 template <typename Fp8>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeArgs a) {
   __shared__ alignas(16) uint8_t tile[kTile][kTile + kPad];  // read and written 4 bytes at a time
-  amax_pass(a.x, a.rows * a.cols, a.vectorized, a.amax_bits);
+  amax_pass(a.x, a.rows * a.cols, a.vectorized, a.partials, a.partial_count, a.amax_bits);
   cooperative_groups::this_grid().sync();  // a fence too: every block's atomicMax is seen after it
   const float scale = scale_of(*reinterpret_cast<volatile uint32_t*>(a.amax_bits), a.fp8_max);
   if (blockIdx.x == 0 && threadIdx.x == 0) *a.scale_inv = __frcp_rn(scale);
@@ -243,7 +256,8 @@ void launch_quantize(QuantizeArgs args, int64_t tiles, cudaStream_t stream) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, at::ScalarType dtype,
-                                                                 bool rowwise, bool transposed) {
+                                                                 bool rowwise, bool transposed,
+                                                                 const std::optional<at::Tensor>& partial_amax) {
   TORCH_CHECK(x.is_cuda(), "fastml::quantize_fp8: x must be a CUDA tensor, got one on ", x.device());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "fastml::quantize_fp8: x must be bfloat16, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 2, "fastml::quantize_fp8: x must be a matrix, got ", x.dim(), " dimensions");
@@ -251,6 +265,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tenso
   TORCH_CHECK(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2,
               "fastml::quantize_fp8: dtype must be float8_e4m3fn or float8_e5m2, got ", dtype);
   TORCH_CHECK(rowwise || transposed, "fastml::quantize_fp8: ask for the row-major cast, the transposed one or both");
+  if (partial_amax.has_value()) {
+    const at::Tensor& p = *partial_amax;
+    TORCH_CHECK(p.device() == x.device() && p.scalar_type() == at::kInt && p.is_contiguous(),
+                "fastml::quantize_fp8: partial_amax must be a contiguous int32 tensor on x's device (the float32 "
+                "bits of |x|'s maxima), got ", p.scalar_type(), " on ", p.device());
+    TORCH_CHECK(p.numel() > 0 || x.numel() == 0, "fastml::quantize_fp8: partial_amax is empty, x is not");
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), cols = x.size(1);
   const auto options = x.options().dtype(dtype);
@@ -275,6 +296,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tenso
   // Full tiles use 16-byte loads and 8-byte stores along a row, 4-byte stores along a transposed one: rows of x and
   // of q_t must keep them aligned.
   args.aligned = aligned16(input) && cols % kVector == 0 && rows % kVector == 0;
+  const void* partials = partial_amax.has_value() ? partial_amax->const_data_ptr() : nullptr;
+  args.partials = reinterpret_cast<const uint32_t*>(partials);
+  args.partial_count = partial_amax.has_value() ? partial_amax->numel() : 0;
   args.amax_bits = reinterpret_cast<uint32_t*>(amax_bits.mutable_data_ptr());
   args.q = rowwise ? reinterpret_cast<uint8_t*>(q.mutable_data_ptr()) : nullptr;
   args.q_t = transposed ? reinterpret_cast<uint8_t*>(q_t.mutable_data_ptr()) : nullptr;
@@ -294,7 +318,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastml, m) {
-  m.def("quantize_fp8(Tensor x, ScalarType dtype, bool rowwise, bool transposed) -> (Tensor, Tensor, Tensor)");
+  m.def("quantize_fp8(Tensor x, ScalarType dtype, bool rowwise, bool transposed, Tensor? partial_amax=None) -> "
+        "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastml, CUDA, m) { m.impl("quantize_fp8", &quantize_fp8_cuda); }

@@ -17,7 +17,10 @@ against the forward's 2 (FlashAttention-2, section 4.1; torch.utils.flop_counter
 ELEMENTWISE_PASSES = 3
 """A block's elementwise work over a micro-batch (ModelSpec.elementwise_elements_per_token,
 gpu.elementwise_bytes_per_s): the forward pass's once, the backward pass's twice (planner/costs.py)."""
-FP8_CAST_BYTES = 2 + 2 + 1
+FP8_AMAX_BYTES = 2
+"""The bf16 read of an fp8 cast's absolute-maximum pass, which a cast skips where the kernel that made its input took
+the maximum (SwiGLU's, executor/model/fp8.py FP8FeedForwardFunction)."""
+FP8_CAST_BYTES = FP8_AMAX_BYTES + 2 + 1
 """Bytes moved per element by an fp8 cast (executor/model/fp8.py, csrc/fp8_cuda.cu): the bf16 read for its absolute
 maximum, the bf16 read of the cast, one fp8 byte written (and one more for the transposed copy)."""
 

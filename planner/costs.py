@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from fastml.config import fail
 from fastml.plan import KNOBS, MEMCPY_ROW_BYTES, Knobs, fp8_cached_blocks
-from fastml.hwprofiles.schema import ATTENTION_BACKWARD_FACTOR, ELEMENTWISE_PASSES, FP8_CAST_BYTES, Calibration
+from fastml.hwprofiles.schema import (ATTENTION_BACKWARD_FACTOR, ELEMENTWISE_PASSES, FP8_AMAX_BYTES, FP8_CAST_BYTES,
+                                      Calibration)
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, group_params,
                                    has_fp32_masters, loss_logit_bytes, param_bytes)
@@ -113,11 +114,21 @@ def layer_gemms(spec: ModelSpec, tokens: int) -> dict[str, tuple[int, int, int]]
 
 def fp8_cast_bytes(spec: ModelSpec, tokens: int) -> tuple[float, float]:
     """Bytes one block's fp8 casts of activations move over `tokens` tokens, forward and backward: forward each
-    linear's input (row-major and transposed), backward each output gradient (both)."""
-    shapes = spec.block_linear_shapes().values()
-    inputs = tokens * sum(k for _, k in shapes) * (FP8_CAST_BYTES + 1)
-    output_grads = tokens * sum(n for n, _ in shapes) * (FP8_CAST_BYTES + 1)
-    return inputs, output_grads
+    linear's input (row-major and transposed, `fp8_input_cast_bytes`), backward each output gradient (both), but
+    for gate_up's, whose absolute maximum SwiGLU's backward kernel takes (no read for it)."""
+    shapes = spec.block_linear_shapes()
+    output_grads = tokens * (sum(n for n, _ in shapes.values()) * (FP8_CAST_BYTES + 1) -
+                             shapes["gate_up"][0] * FP8_AMAX_BYTES)
+    return sum(fp8_input_cast_bytes(spec, tokens).values()), output_grads
+
+
+def fp8_input_cast_bytes(spec: ModelSpec, tokens: int) -> dict[str, float]:
+    """Bytes the fp8 cast of each linear's input moves, both layouts: down's input is SwiGLU's output, whose absolute
+    maximum SwiGLU's kernel takes as it writes it, so the cast reads it once (executor/model/fp8.py,
+    FP8FeedForwardFunction)."""
+    cast = {name: tokens * k * (FP8_CAST_BYTES + 1) for name, (_, k) in spec.block_linear_shapes().items()}
+    cast["down"] -= tokens * spec.block_linear_shapes()["down"][1] * FP8_AMAX_BYTES
+    return cast
 
 
 def fp8_weight_cast_bytes(spec: ModelSpec) -> tuple[float, float, float]:
@@ -292,7 +303,7 @@ def layer_work(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) ->
                 "elementwise": (ELEMENTWISE_PASSES - 1) * elementwise,
                 "fp8 cast": quantize_backward}
     # fp8: recomputed linears cast their inputs again (their weights too, where not cached: simulate.py)
-    input_casts = {name: cast(t * k * (FP8_CAST_BYTES + 1)) for name, (_, k) in spec.block_linear_shapes().items()}
+    input_casts = {name: cast(num_bytes) for name, num_bytes in fp8_input_cast_bytes(spec, t).items()}
     recompute = _recompute_work(knobs.recompute, forward,
                                 {"matmul": gemms("gate_up", "down"),
                                  "fp8 cast": input_casts["gate_up"] + input_casts["down"]},

@@ -49,6 +49,18 @@ def test_the_op_traces_into_one_compiled_graph():
     torch.testing.assert_close(compiled(gate_up), fused.swiglu_reference(gate_up))
 
 
+def test_the_amax_ops_give_swiglus_results_and_their_maximum():
+    gate_up = torch.randn(5, 2 * 24) * 4
+    grad = torch.randn(5, 24)
+    cases = [(fused.swiglu_amax(gate_up), fused.swiglu_reference(gate_up)),
+             (fused.swiglu_backward_amax(grad, gate_up), fused.swiglu_backward_reference(grad, gate_up))]
+    for (out, amax), want in cases:
+        assert torch.equal(out, want)
+        assert amax.dtype == torch.int32 and amax.view(torch.float32).max() == want.abs().max()
+    gate_up[2, 30] = float("nan")  # an up value: SwiGLU's output is NaN there
+    assert fused.swiglu_amax(gate_up)[1].view(torch.float32).isnan().all()
+
+
 def test_the_cross_entropy_reference_is_the_loss_and_its_gradient():
     logits = torch.randn(7, 40, dtype=torch.float64, requires_grad=True) * 5
     targets = torch.randint(0, 40, (7,))
@@ -157,6 +169,12 @@ for dtype, tolerance in ((torch.bfloat16, {}), (torch.float32, dict(rtol=1e-5, a
         strided = grad.transpose(0, -1).contiguous().transpose(0, -1)
         torch.testing.assert_close(fused.launch_swiglu_backward(strided, gate_up),
                                    fused.swiglu_backward_reference(grad, gate_up), **tolerance)
+        # the maxima's kernels: the same outputs, and maxima whose largest is that of |output|
+        for (out, amax), plain in ((fused.launch_swiglu(gate_up, with_amax=True), fused.launch_swiglu(gate_up)),
+                                   (fused.launch_swiglu_backward(grad, gate_up, with_amax=True),
+                                    fused.launch_swiglu_backward(grad, gate_up))):
+            assert torch.equal(out, plain)
+            assert amax.max().view(torch.float32) == plain.abs().max().float()
 # cross-entropy: rows of a partial block, of exactly one, of several, a one-word vocabulary
 for dtype in (torch.bfloat16, torch.float32):
     for rows, vocab in [(5, 100), (3, fused.CROSS_ENTROPY_BLOCK), (2, 2 * fused.CROSS_ENTROPY_BLOCK + 7), (2, 1)]:

@@ -27,6 +27,22 @@ def test_the_swiglu_kernels_match_the_references(shape, dtype):
     torch.testing.assert_close(grad_x, fused.swiglu_backward_reference(grad, gate_up), **tolerance)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_the_amax_kernels_give_the_plain_outputs_and_their_maximum(shape):
+    """One maximum for each program (row and block of columns), whose largest is that of |output|; a NaN output
+    makes it NaN (its bits exceed every number's)."""
+    gate_up = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 4
+    grad = torch.randn(*shape[:-1], shape[-1] // 2, device="cuda", dtype=torch.bfloat16)
+    programs = gate_up.numel() // shape[-1] * -(-(shape[-1] // 2) // fused.BLOCK)
+    for (out, amax), plain in ((fused.swiglu_amax(gate_up), fused.swiglu(gate_up)),
+                               (fused.swiglu_backward_amax(grad, gate_up), fused.swiglu_backward(grad, gate_up))):
+        assert torch.equal(out, plain)
+        assert amax.shape == (programs,) and amax.max().view(torch.float32) == plain.abs().max().float()
+    gate_up.view(-1, shape[-1])[-1, -1] = float("nan")  # the last up value: the last output is NaN
+    assert fused.swiglu_amax(gate_up)[1].max().view(torch.float32).isnan()
+    assert fused.swiglu_backward_amax(grad, gate_up)[1].max().view(torch.float32).isnan()
+
+
 def test_a_compiled_swiglu_matches_the_plain_one_in_bf16():
     """Within bf16's rounding of the plain arithmetic's result, forward and backward, compiled into one graph."""
     gate_up = torch.randn(4096, 2 * 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -64,6 +64,19 @@ def test_quantize_is_its_reference_bit_for_bit(dtype, shape, rowwise, transposed
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_quantize_from_partial_maxima_is_quantize_bit_for_bit(dtype, shape):
+    """Given its rows' maxima (as the fused SwiGLU gives its blocks'), the cast skips its own maximum pass: the same
+    scale and bytes. A NaN among the maxima stays visible, as one in x does."""
+    x = matrix(shape)
+    rows_amax = x.abs().float().amax(1).view(torch.int32)
+    for got, want in zip(fp8.quantize(x, dtype, True, True, rows_amax), fp8.quantize(x, dtype, True, True)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    rows_amax[-1] = torch.tensor(float("nan")).view(torch.int32)
+    assert fp8.quantize(x, dtype, True, True, rows_amax)[2].isnan().item()
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
 def test_quantize_of_a_matrix_that_starts_off_alignment(dtype):
     """A matrix whose storage starts 2 bytes past a 16-byte boundary takes the kernels' element-wise paths."""
     storage = torch.empty(128 * 128 + 1, device="cuda", dtype=torch.bfloat16)
@@ -220,6 +233,15 @@ def test_cached_fp8_weights_give_the_uncached_results_bit_for_bit():
         results.append((y, xi.grad, wi.grad))
     for name, uncached, cached in zip(("output", "input gradient", "weight gradient"), *results):
         assert torch.equal(uncached, cached), name
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["cast", "cached"])
+@pytest.mark.parametrize("shape", [(96, 64, 160), (8192, 4096, 14336)], ids=["small", "llama-3.1-8b"])
+def test_the_fp8_feed_forward_is_its_parts_bit_for_bit(cached, shape):
+    needs_fp8_tensor_cores()
+    from test_precision import fused_feed_forward_matches_its_parts
+
+    fused_feed_forward_matches_its_parts("cuda", cached, *shape)
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["cast", "cached"])

@@ -44,6 +44,8 @@ def test_the_fused_swiglu_ops_pass_opcheck_on_the_cpu():
     assert all_succeed(torch.library.opcheck(fused.swiglu, (gate_up,)))
     grad = torch.randn(4, 3, 8, dtype=torch.bfloat16)
     assert all_succeed(torch.library.opcheck(fused.swiglu_backward, (grad, gate_up.detach())))
+    assert all_succeed(torch.library.opcheck(fused.swiglu_amax, (gate_up.detach(),)))
+    assert all_succeed(torch.library.opcheck(fused.swiglu_backward_amax, (grad, gate_up.detach())))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -80,6 +82,9 @@ def test_quantize_fp8_passes_opcheck(dtype, rowwise, transposed):
     native.load_cuda()
     x = torch.randn(192, 320, device="cuda", dtype=torch.bfloat16)
     assert all_succeed(torch.library.opcheck(torch.ops.fastml.quantize_fp8.default, (x, dtype, rowwise, transposed)))
+    rows_amax = x.abs().float().amax(1).view(torch.int32)
+    assert all_succeed(torch.library.opcheck(torch.ops.fastml.quantize_fp8.default,
+                                             (x, dtype, rowwise, transposed, rows_amax)))
 
 
 @on_gpu
@@ -88,6 +93,8 @@ def test_the_fused_swiglu_kernels_pass_opcheck():
     assert all_succeed(torch.library.opcheck(fused.swiglu, (gate_up,)))
     grad = torch.randn(4, 3, 1100, device="cuda", dtype=torch.bfloat16)
     assert all_succeed(torch.library.opcheck(fused.swiglu_backward, (grad, gate_up.detach())))
+    assert all_succeed(torch.library.opcheck(fused.swiglu_amax, (gate_up.detach(),)))
+    assert all_succeed(torch.library.opcheck(fused.swiglu_backward_amax, (grad, gate_up.detach())))
 
 
 @on_gpu

@@ -124,9 +124,9 @@ def test_every_recompute_part_runs_the_converted_linears(emulated_fp8, monkeypat
     their cache, in the forward pass and again where recompute reruns it (a conversion after recompute would have
     been bypassed: the recompute reruns the forward it wrapped)."""
     calls = []
-    linear = emulated_fp8.fp8_linear
-    monkeypatch.setattr(emulated_fp8, "fp8_linear",
-                        lambda x, w, b=None, cache=(): calls.append(bool(cache)) or linear(x, w, b, cache))
+    gemm = emulated_fp8.forward_gemm
+    monkeypatch.setattr(emulated_fp8, "forward_gemm", lambda flat, w, cache, partial_amax=None:
+                        calls.append(bool(cache)) or gemm(flat, w, cache, partial_amax))
     plan = cpu_plan(matmul_dtype="fp8", recompute=(part,), cache_fp8_weights=cached)
     model = build_training_model(plan, torch.device("cpu"))
     tokens = torch.randint(0, SMALL.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
@@ -134,6 +134,44 @@ def test_every_recompute_part_runs_the_converted_linears(emulated_fp8, monkeypat
     recomputed_linears = {"norm": 0, "attention": 0, "qkv": 1, "ffn": 2, "block": 4}[part]
     assert len(calls) == len(model.blocks) * (4 + recomputed_linears)
     assert set(calls) == {cached}
+
+
+def fused_feed_forward_matches_its_parts(device: str, cached: bool, tokens=96, hidden=64, ffn=160) -> None:
+    """fp8.FP8FeedForwardFunction against the two fp8 linears around SwiGLU it replaces: the same output and gradients
+    bit for bit, since it runs the same kernels and takes the same maxima (SwiGLU's, not the cast's own pass)."""
+    from fastml.executor.model import fp8, fused
+
+    gen = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(2, tokens // 2, hidden, device=device, generator=gen).to(torch.bfloat16)
+    gate_up = (torch.randn(2 * ffn, hidden, device=device, generator=gen) * 0.05).to(torch.bfloat16)
+    down = (torch.randn(hidden, ffn, device=device, generator=gen) * 0.05).to(torch.bfloat16)
+    grad = torch.randn(2, tokens // 2, hidden, device=device, generator=gen).to(torch.bfloat16)
+
+    def caches(*weights):
+        return [fp8.quantize(w, fp8.E4M3, rowwise=True, transposed=True) if cached else () for w in weights]
+
+    def parts(x, gate_up, down):
+        gate_up_cache, down_cache = caches(gate_up, down)
+        h = fp8.fp8_linear(x, gate_up, cache=gate_up_cache)
+        return fp8.fp8_linear(fused.swiglu(h), down, cache=down_cache)
+
+    def fused_function(x, gate_up, down):
+        flat = [t for cache in caches(gate_up, down) for t in (cache or (None,) * 3)]
+        return fp8.FP8FeedForwardFunction.apply(x, gate_up, down, *flat)
+
+    results = []
+    for forward in (parts, fused_function):
+        inputs = [t.clone().requires_grad_() for t in (x, gate_up, down)]
+        y = forward(*inputs)
+        y.backward(grad)
+        results.append((y, *(t.grad for t in inputs)))
+    for name, want, got in zip(("output", "input gradient", "gate_up gradient", "down gradient"), *results):
+        assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["cast", "cached"])
+def test_the_fp8_feed_forward_is_its_parts_bit_for_bit(emulated_fp8, cached):
+    fused_feed_forward_matches_its_parts("cpu", cached)
 
 
 def kept_by_a_recomputed_block(device: str, backend: str = "inductor", **knobs) -> list:

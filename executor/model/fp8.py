@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from fastml.config import fail
+from fastml.executor.model import fused
+from fastml.executor.model.transformer import FeedForward
 from fastml.plan import block_group
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -28,15 +30,19 @@ MIN_CAPABILITY = (8, 9)
 MIN_CAPABILITY_TEXT = "compute capability {}.{}".format(*MIN_CAPABILITY)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool = True, transposed: bool = False):
-    """(fp8 x or an empty tensor, fp8 x.T contiguous or an empty tensor, the inverse scale) of a bf16 matrix."""
-    return torch.ops.fastml.quantize_fp8(x, dtype, rowwise, transposed)
+def quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool = True, transposed: bool = False,
+             partial_amax: torch.Tensor | None = None):
+    """(fp8 x or an empty tensor, fp8 x.T contiguous or an empty tensor, the inverse scale) of a bf16 matrix.
+    `partial_amax`: maxima of |x|'s parts as float32 bits (int32), from the kernel that made x (fused.py's `_amax`
+    ops); the op then reads x once, to cast it."""
+    return torch.ops.fastml.quantize_fp8(x, dtype, rowwise, transposed, partial_amax)
 
 
-def quantize_reference(x: torch.Tensor, dtype: torch.dtype, rowwise: bool = True, transposed: bool = False):
+def quantize_reference(x: torch.Tensor, dtype: torch.dtype, rowwise: bool = True, transposed: bool = False,
+                       partial_amax: torch.Tensor | None = None):
     """The op's result in plain torch ops: scale = fp8_max / amax in float32 (1 for an all-zero x, at most float32's
     largest), x * scale rounded to the nearest fp8, and the inverse 1 / scale."""
-    amax = x.abs().max().float()
+    amax = x.abs().max().float() if partial_amax is None else partial_amax.max().view(torch.float32)
     scale = torch.where(amax == 0, 1.0, torch.tensor(FP8_MAX[dtype], device=x.device) / amax)
     scale = torch.clamp(scale, max=torch.finfo(torch.float32).max)
     q = (x.float() * scale).to(dtype)
@@ -44,7 +50,8 @@ def quantize_reference(x: torch.Tensor, dtype: torch.dtype, rowwise: bool = True
     return q if rowwise else empty, q.t().contiguous() if transposed else empty, 1 / scale
 
 
-def _quantize_fake(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, transposed: bool):
+def _quantize_fake(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, transposed: bool,
+                   partial_amax: torch.Tensor | None = None):
     rows, cols = x.shape
     return (x.new_empty((rows, cols) if rowwise else (0, 0), dtype=dtype),
             x.new_empty((cols, rows) if transposed else (0, 0), dtype=dtype), x.new_empty((), dtype=torch.float32))
@@ -57,6 +64,41 @@ def register_fakes() -> None:
     torch.library.register_fake("fastml::quantize_fp8")(_quantize_fake)
 
 
+def forward_gemm(flat: torch.Tensor, weight: torch.Tensor, cache: tuple, partial_amax: torch.Tensor | None = None):
+    """flat (tokens, in) @ weight.T in fp8, and what the weight's gradient needs of flat: (y, fp8 flat.T, its inverse
+    scale). `cache`: the weight's fp8 copies (row-major, transposed, inverse scale) or ()."""
+    xq, xq_t, x_inv = quantize(flat, E4M3, rowwise=True, transposed=weight.requires_grad, partial_amax=partial_amax)
+    wq, _, w_inv = cache or quantize(weight, E4M3)
+    # Fast accumulation only forward, as Transformer Engine: the gradients keep full-precision sums.
+    y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=flat.dtype, use_fast_accum=True)
+    return y, xq_t, x_inv
+
+
+def backward_gemms(grad: torch.Tensor, xq_t: torch.Tensor, x_inv: torch.Tensor, weight: torch.Tensor, cache: tuple,
+                   needs_x: bool, needs_weight: bool, partial_amax: torch.Tensor | None = None):
+    """The gradients of forward_gemm's input and weight (each None where not needed) from the gradient of its
+    output, grad (tokens, out)."""
+    if not (needs_x or needs_weight):
+        return None, None
+    gq, gq_t, g_inv = quantize(grad, E5M2, rowwise=needs_x, transposed=needs_weight, partial_amax=partial_amax)
+    # _scaled_mm wants its first operand row-major and its second column-major: the transposes' .t() are.
+    grad_x = grad_weight = None
+    if needs_x:
+        wq_t, w_inv = (cache[1], cache[2]) if cache else quantize(weight, E4M3, rowwise=False, transposed=True)[1:]
+        grad_x = torch._scaled_mm(gq, wq_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
+    if needs_weight:
+        grad_weight = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=grad.dtype)
+    return grad_x, grad_weight
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()  # a copy only where x is a strided view
+
+
+def _cache(*tensors) -> tuple:
+    return () if tensors[0] is None else tensors
+
+
 class FP8Matmul(torch.autograd.Function):
     """x @ weight.T in fp8, x (..., in) and weight (out, in) bf16; the result bf16. Given the weight's fp8 copies
     (`CachedFP8Linear`: `wq` row-major, `wq_t` transposed, `w_inv` their inverse scale), it uses them instead of
@@ -65,32 +107,53 @@ class FP8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, wq: torch.Tensor | None = None,
                 wq_t: torch.Tensor | None = None, w_inv: torch.Tensor | None = None) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).contiguous()  # a copy only where x is a strided view
-        xq, xq_t, x_inv = quantize(flat, E4M3, rowwise=True, transposed=weight.requires_grad)
-        if wq is None:
-            wq, _, w_inv = quantize(weight, E4M3)
-        # Fast accumulation only forward, as Transformer Engine: the gradients keep full-precision sums.
-        y = torch._scaled_mm(xq, wq.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=x.dtype, use_fast_accum=True)
-        ctx.cached = wq_t is not None
-        ctx.save_for_backward(xq_t, x_inv, weight, *((wq_t, w_inv) if ctx.cached else ()))
+        cache = _cache(wq, wq_t, w_inv)
+        y, xq_t, x_inv = forward_gemm(_rows(x), weight, cache)
+        ctx.save_for_backward(xq_t, x_inv, weight, *cache)
         ctx.x_shape = x.shape
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         xq_t, x_inv, weight, *cache = ctx.saved_tensors
-        needs_x, needs_weight = ctx.needs_input_grad[:2]
-        flat = grad.reshape(-1, grad.shape[-1]).contiguous()
-        gq, gq_t, g_inv = quantize(flat, E5M2, rowwise=needs_x, transposed=needs_weight)
-        # _scaled_mm wants its first operand row-major and its second column-major: the transposes' .t() are.
-        grad_x = grad_weight = None
-        if needs_x:
-            wq_t, w_inv = cache if ctx.cached else quantize(weight, E4M3, rowwise=False, transposed=True)[1:]
-            grad_x = torch._scaled_mm(gq, wq_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
-            grad_x = grad_x.view(ctx.x_shape)
-        if needs_weight:
-            grad_weight = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=grad.dtype)
-        return grad_x, grad_weight, None, None, None
+        grad_x, grad_weight = backward_gemms(_rows(grad), xq_t, x_inv, weight, tuple(cache), *ctx.needs_input_grad[:2])
+        return None if grad_x is None else grad_x.view(ctx.x_shape), grad_weight, None, None, None
+
+
+class FP8FeedForwardFunction(torch.autograd.Function):
+    """down(swiglu(gate_up(x))) with both matmuls in fp8, as two FP8Matmuls around the fused SwiGLU would compute it,
+    bit for bit, but with fewer reads: SwiGLU's kernels give the absolute maxima of what they write (fused.py's
+    `_amax` ops), so the casts of SwiGLU's output (forward) and of gate_up's output gradient (backward), the largest
+    a block makes, read their input once instead of twice. It keeps what the three ops kept: gate_up's input in fp8,
+    transposed, gate_up's output for SwiGLU's backward pass, and SwiGLU's output in fp8, transposed. `caches`: each
+    weight's fp8 copies (CachedFP8Linear's buffers) or three Nones."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *caches) -> torch.Tensor:
+        gate_up_cache, down_cache = _cache(*caches[:3]), _cache(*caches[3:])
+        h, xq_t, x_inv = forward_gemm(_rows(x), gate_up, gate_up_cache)
+        a, a_amax = fused.swiglu_amax(h)
+        y, aq_t, a_inv = forward_gemm(a, down, down_cache, partial_amax=a_amax)
+        ctx.save_for_backward(xq_t, x_inv, h, aq_t, a_inv, gate_up, down, *gate_up_cache, *down_cache)
+        ctx.cached = bool(gate_up_cache), bool(down_cache)
+        ctx.x_shape = x.shape
+        return y.view(*x.shape[:-1], down.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        xq_t, x_inv, h, aq_t, a_inv, gate_up, down, *caches = ctx.saved_tensors
+        gate_up_cache = tuple(caches[:3]) if ctx.cached[0] else ()
+        down_cache = tuple(caches[-3:]) if ctx.cached[1] else ()
+        needs_x, needs_gate_up, needs_down = ctx.needs_input_grad[:3]
+        needs_a = needs_x or needs_gate_up
+        grad_a, grad_down = backward_gemms(_rows(grad), aq_t, a_inv, down, down_cache, needs_a, needs_down)
+        grad_x = grad_gate_up = None
+        if needs_a:
+            grad_h, h_amax = fused.swiglu_backward_amax(grad_a, h)
+            grad_x, grad_gate_up = backward_gemms(grad_h, xq_t, x_inv, gate_up, gate_up_cache, needs_x,
+                                                  needs_gate_up, partial_amax=h_amax)
+        grad_x = None if grad_x is None else grad_x.view(ctx.x_shape)
+        return grad_x, grad_gate_up, grad_down, *[None] * (len(ctx.needs_input_grad) - 3)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cache=()) -> torch.Tensor:
@@ -111,7 +174,23 @@ class CachedFP8Linear(FP8Linear):
     `refresh_weight_caches` casts anew once per optimizer step: every micro-batch's passes use them."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias, (self.weight_fp8, self.weight_fp8_t, self.weight_fp8_inv))
+        return fp8_linear(x, self.weight, self.bias, weight_cache(self))
+
+
+def weight_cache(linear: nn.Linear) -> tuple:
+    """A cached fp8 linear's copies of its weight (row-major, transposed, inverse scale), else three Nones."""
+    if isinstance(linear, CachedFP8Linear):
+        return tuple(getattr(linear, name) for name in CACHE_BUFFERS)
+    return None, None, None
+
+
+class FP8FeedForward(FeedForward):
+    """A feed-forward layer whose linears are fp8 (`convert_to_fp8`): one FP8FeedForwardFunction instead of two fp8
+    matmuls around SwiGLU, the same bits with fewer reads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return FP8FeedForwardFunction.apply(x, self.gate_up.weight, self.down.weight, *weight_cache(self.gate_up),
+                                            *weight_cache(self.down))
 
 
 def block_linears(block: nn.Module) -> list[nn.Linear]:
@@ -124,6 +203,7 @@ def convert_to_fp8(model: nn.Module, cached: frozenset[str] = frozenset()) -> No
     fills (non-persistent: checkpoints hold the weights alone). One class for all of them, not a forward per module:
     the compiled blocks (apply.py) then share one graph instead of recompiling for each block's own function."""
     for i, block in enumerate(model.blocks):
+        block.ffn.__class__ = FP8FeedForward
         for linear in block_linears(block):
             linear.__class__ = CachedFP8Linear if block_group(i) in cached else FP8Linear
             if block_group(i) in cached:

@@ -4,7 +4,9 @@ SwiGLU, silu(gate) * up over the (..., 2f) output of the gate_up projection (mod
 backward, each reading its inputs once and writing its outputs once. The backward kernel that torch.compile writes
 for the same arithmetic reads gate_up once for each half of the gradient it writes (TinyLlama's profile: 0.038 s of
 a 0.857 s step, the step's largest kernel that is not a matmul or attention). The op keeps only its input for the
-backward pass, as a compiled block did; eager PyTorch kept silu's output as well.
+backward pass, as a compiled block did; eager PyTorch kept silu's output as well. Their `_amax` twins also give the
+absolute maximum of what they write, as float32 bits, one for each block of the output (one value on the CPU): an
+fp8 matmul that casts that output then reads it once instead of twice (fp8.py, `quantize_fp8`'s `partial_amax`).
 
 Cross-entropy over rows of logits (`cross_entropy_`, the LM head's loss, loss.py): one kernel reads each row twice
 (its log-sum-exp, then the softmax) and writes, in place of the logits, their gradient softmax - one_hot(target),
@@ -59,6 +61,26 @@ def swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return swiglu_backward_reference(grad, gate_up)
 
 
+def amax_bits(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as the int32 bits of a float32, one value: what the `_amax` ops give on the CPU. A NaN's bits exceed
+    every number's, as in the GPU kernels."""
+    return x.abs().amax().float().reshape(1).view(torch.int32)
+
+
+@torch.library.custom_op("fastml::swiglu_amax", mutates_args=())
+def swiglu_amax(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """swiglu(gate_up) and its absolute maximum's float32 bits (int32; on the GPU one for each block the kernel
+    wrote, whose largest is the maximum). No autograd: fp8.FP8FeedForwardFunction calls it and its backward twin."""
+    out = swiglu_reference(gate_up)
+    return out, amax_bits(out)
+
+
+@torch.library.custom_op("fastml::swiglu_backward_amax", mutates_args=())
+def swiglu_backward_amax(grad: torch.Tensor, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_gate_up = swiglu_backward_reference(grad, gate_up)
+    return grad_gate_up, amax_bits(grad_gate_up)
+
+
 @swiglu.register_fake
 def _swiglu_shape(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
@@ -67,6 +89,27 @@ def _swiglu_shape(gate_up: torch.Tensor) -> torch.Tensor:
 @swiglu_backward.register_fake
 def _swiglu_backward_shape(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(gate_up)
+
+
+def _amax_shape(gate_up: torch.Tensor, columns: int) -> torch.Tensor:
+    """The partial maxima's shape: one for each of the kernels' programs on the GPU (rows x column blocks of
+    `columns` columns each), one on the CPU."""
+    count = gate_up.numel() // gate_up.shape[-1] * _column_blocks(columns) if gate_up.is_cuda else 1
+    return gate_up.new_empty(count, dtype=torch.int32)
+
+
+def _column_blocks(columns: int) -> int:
+    return -(-columns // BLOCK)
+
+
+@swiglu_amax.register_fake
+def _swiglu_amax_shape(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _swiglu_shape(gate_up), _amax_shape(gate_up, gate_up.shape[-1] // 2)
+
+
+@swiglu_backward_amax.register_fake
+def _swiglu_backward_amax_shape(grad: torch.Tensor, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(gate_up), _amax_shape(gate_up, gate_up.shape[-1] // 2)
 
 
 def _keep_input(ctx, inputs, output) -> None:
@@ -126,23 +169,29 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(-1, x.shape[-1])
 
 
-def launch_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """The forward kernel over gate_up (any device Triton runs on; under TRITON_INTERPRET=1 the CPU too)."""
+def launch_swiglu(gate_up: torch.Tensor, with_amax: bool = False):
+    """The forward kernel over gate_up (any device Triton runs on; under TRITON_INTERPRET=1 the CPU too); with
+    `with_amax`, (output, the partial maxima of `swiglu_amax`)."""
     rows = _rows(gate_up)
     f = rows.shape[1] // 2
     out = rows.new_empty((rows.shape[0], f))
+    amax = _amax_shape(gate_up, f) if with_amax else out
     if out.numel():
-        _swiglu_forward_kernel[(rows.shape[0], triton.cdiv(f, BLOCK))](rows, out, f, BLOCK=BLOCK)
-    return out.view(*gate_up.shape[:-1], f)
+        _swiglu_forward_kernel[(rows.shape[0], _column_blocks(f))](rows, out, amax, f, BLOCK=BLOCK, AMAX=with_amax)
+    out = out.view(*gate_up.shape[:-1], f)
+    return (out, amax) if with_amax else out
 
 
-def launch_swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+def launch_swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor, with_amax: bool = False):
     rows, grad_rows = _rows(gate_up), _rows(grad)
     f = rows.shape[1] // 2
     out = torch.empty_like(rows)
+    amax = _amax_shape(gate_up, f) if with_amax else out
     if out.numel():
-        _swiglu_backward_kernel[(rows.shape[0], triton.cdiv(f, BLOCK))](grad_rows, rows, out, f, BLOCK=BLOCK)
-    return out.view(gate_up.shape)
+        _swiglu_backward_kernel[(rows.shape[0], _column_blocks(f))](grad_rows, rows, out, amax, f, BLOCK=BLOCK,
+                                                                    AMAX=with_amax)
+    out = out.view(gate_up.shape)
+    return (out, amax) if with_amax else out
 
 
 CROSS_ENTROPY_BLOCK = 4096
@@ -192,16 +241,28 @@ if triton is not None:
     cross_entropy_.register_kernel("cuda")(launch_cross_entropy_)
 
     @triton.jit
-    def _swiglu_forward_kernel(gate_up, out, f, BLOCK: tl.constexpr):
+    def _abs_bits(values, inside):
+        """The largest |value| where `inside`, as float32 bits (int32): a NaN's exceed every number's."""
+        return tl.max(tl.where(inside, tl.abs(values.to(tl.float32)).to(tl.int32, bitcast=True), 0), axis=0)
+
+    @triton.jit
+    def _store_amax(amax, largest):
+        tl.store(amax + tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1), largest)
+
+    @triton.jit
+    def _swiglu_forward_kernel(gate_up, out, amax, f, BLOCK: tl.constexpr, AMAX: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < f
         gate = tl.load(gate_up + row * 2 * f + cols, mask=inside).to(tl.float32)
         up = tl.load(gate_up + row * 2 * f + f + cols, mask=inside).to(tl.float32)
-        tl.store(out + row * f + cols, (gate * tl.sigmoid(gate) * up).to(out.dtype.element_ty), mask=inside)
+        y = (gate * tl.sigmoid(gate) * up).to(out.dtype.element_ty)
+        tl.store(out + row * f + cols, y, mask=inside)
+        if AMAX:  # of the rounded values, which the cast reads
+            _store_amax(amax, _abs_bits(y, inside))
 
     @triton.jit
-    def _swiglu_backward_kernel(grad, gate_up, grad_gate_up, f, BLOCK: tl.constexpr):
+    def _swiglu_backward_kernel(grad, gate_up, grad_gate_up, amax, f, BLOCK: tl.constexpr, AMAX: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < f
@@ -210,8 +271,15 @@ if triton is not None:
         up = tl.load(gate_up + row * 2 * f + f + cols, mask=inside).to(tl.float32)
         s = tl.sigmoid(gate)
         dtype = grad_gate_up.dtype.element_ty
-        tl.store(grad_gate_up + row * 2 * f + cols, (g * up * s * (1 + gate * (1 - s))).to(dtype), mask=inside)
-        tl.store(grad_gate_up + row * 2 * f + f + cols, (g * gate * s).to(dtype), mask=inside)
+        grad_gate = (g * up * s * (1 + gate * (1 - s))).to(dtype)
+        grad_up = (g * gate * s).to(dtype)
+        tl.store(grad_gate_up + row * 2 * f + cols, grad_gate, mask=inside)
+        tl.store(grad_gate_up + row * 2 * f + f + cols, grad_up, mask=inside)
+        if AMAX:
+            _store_amax(amax, tl.maximum(_abs_bits(grad_gate, inside), _abs_bits(grad_up, inside)))
 
     swiglu.register_kernel("cuda")(launch_swiglu)
     swiglu_backward.register_kernel("cuda")(launch_swiglu_backward)
+    swiglu_amax.register_kernel("cuda")(lambda gate_up: launch_swiglu(gate_up, with_amax=True))
+    swiglu_backward_amax.register_kernel("cuda")(
+        lambda grad, gate_up: launch_swiglu_backward(grad, gate_up, with_amax=True))
