@@ -70,8 +70,11 @@ def test_quantize_from_partial_maxima_is_quantize_bit_for_bit(dtype, shape):
     scale and bytes. A NaN among the maxima stays visible, as one in x does."""
     x = matrix(shape)
     rows_amax = x.abs().float().amax(1).view(torch.int32)
-    for got, want in zip(fp8.quantize(x, dtype, True, True, rows_amax), fp8.quantize(x, dtype, True, True)):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    (q, q_t, scale_inv), (want_q, want_q_t, want_scale_inv) = (fp8.quantize(x, dtype, True, True, maxima)
+                                                                for maxima in (rows_amax, None))
+    assert torch.equal(scale_inv, want_scale_inv)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(q_t.view(torch.uint8), want_q_t.view(torch.uint8))
     rows_amax[-1] = torch.tensor(float("nan")).view(torch.int32)
     assert fp8.quantize(x, dtype, True, True, rows_amax)[2].isnan().item()
 
