@@ -76,14 +76,15 @@ __device__ void block_amax(uint32_t local, uint32_t* __restrict__ amax_bits) {
 }
 
 // The first pass: amax_bits (zeroed before) receives max |x| as float32 bits: from x itself, or from the maxima of
-// x's parts that the kernel that made x wrote (`partials`, `count` of them, float32 bits of |x|'s maxima).
+// x's parts that the kernel that made x wrote (`partials`, `partial_count` of them, float32 bits of |x|'s maxima).
 __device__ void amax_pass(const __nv_bfloat16* __restrict__ x, int64_t numel, bool vectorized,
-                          const uint32_t* __restrict__ partials, int64_t count, uint32_t* __restrict__ amax_bits) {
+                          const uint32_t* __restrict__ partials, int64_t partial_count,
+                          uint32_t* __restrict__ amax_bits) {
   uint32_t local = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (partials != nullptr) {
-    for (int64_t i = first; i < count; i += stride) local = max(local, partials[i]);
+    for (int64_t i = first; i < partial_count; i += stride) local = max(local, partials[i]);
   } else if (vectorized) {  // numel divisible by kVector and x 16-byte aligned
     const auto* vectors = reinterpret_cast<const uint4*>(x);
     const int64_t count = numel / kVector;

@@ -111,7 +111,7 @@ def _saved_activations(spec: ModelSpec, recompute: tuple[str, ...]) -> dict[str,
         # (its transpose, flattened) is the same storage: counted once.
         "attention.output": q,
         "ffn_norm.input": h, "gate_up.input": h,
-        "gate_up.output": 2 * f,  # the fused SwiGLU keeps its input (executor/model/fused.py)
+        "gate_up.output": 2 * f,  # the fused SwiGLU keeps its input (fused.py; in fp8, FP8FeedForwardFunction)
         "down.input": f,
     }
     if "attention" in recompute:  # keeps its inputs (q, k, v) and output, drops the rotated copies

@@ -79,6 +79,15 @@ def test_quantize_from_partial_maxima_is_quantize_bit_for_bit(dtype, shape):
     assert fp8.quantize(x, dtype, True, True, rows_amax)[2].isnan().item()
 
 
+
+def test_quantize_from_more_partial_maxima_than_threads():
+    """Each thread reduces several of the maxima (grid-stride): one for each element of a matrix of few tiles."""
+    x = matrix((64, 4096))
+    for got, want in zip(fp8.quantize(x, fp8.E4M3, True, True, x.abs().float().flatten().view(torch.int32))[:2],
+                         fp8.quantize(x, fp8.E4M3, True, True)[:2]):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", FP8, ids=["e4m3", "e5m2"])
 def test_quantize_of_a_matrix_that_starts_off_alignment(dtype):
     """A matrix whose storage starts 2 bytes past a 16-byte boundary takes the kernels' element-wise paths."""

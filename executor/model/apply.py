@@ -57,9 +57,9 @@ def _checkpoint_forward(module: nn.Module, compiled: bool) -> None:
     # hooks) wraps the recomputed forward.
     forward = module.forward
     # Traced by torch.compile (2.11), a plain checkpoint tags for recompute the ops it sees itself but not those inside
-    # an autograd.Function (fp8.FP8Matmul): the partitioner then saved the fp8 linears' casts and GEMM outputs, 14 GiB
-    # more than the inputs for Llama-3.2-3B (benchmarks/NOTES.md). A policy that recomputes every op tags those too.
-    # Eager checkpoints need none, and skip the dispatch mode's cost per op.
+    # an autograd.Function (fp8.FP8Matmul, fp8.FP8FeedForwardFunction): the partitioner then saved the fp8 linears'
+    # casts and GEMM outputs, 14 GiB more than the inputs for Llama-3.2-3B (benchmarks/NOTES.md). A policy that
+    # recomputes every op tags those too. Eager checkpoints need none, and skip the dispatch mode's cost per op.
     context = {"context_fn": _recompute_everything} if compiled else {}
 
     @functools.wraps(forward)

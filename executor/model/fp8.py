@@ -9,6 +9,9 @@ backward pass the fp8 transpose of its input (1 byte an element, not bf16's 2) a
 again there: a streamed weight is then fetched for backward as any other (offload.py), never kept in fp8 on the GPU.
 With knobs.cache_fp8_weights the blocks whose weights stay on the GPU keep them in fp8 instead, cast once per
 optimizer step (`CachedFP8Linear`): the weights' casts then cost a step what they cost each micro-batch's passes.
+The feed-forward layer becomes one autograd function (`FP8FeedForward`): its linears' own forwards and its SwiGLU
+module are then not called, their weights read by the function, so that SwiGLU's kernels can give the casts the
+maxima they need.
 """
 
 from __future__ import annotations
@@ -91,10 +94,6 @@ def backward_gemms(grad: torch.Tensor, xq_t: torch.Tensor, x_inv: torch.Tensor, 
     return grad_x, grad_weight
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).contiguous()  # a copy only where x is a strided view
-
-
 def _cache(*tensors) -> tuple:
     return () if tensors[0] is None else tensors
 
@@ -108,7 +107,7 @@ class FP8Matmul(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, wq: torch.Tensor | None = None,
                 wq_t: torch.Tensor | None = None, w_inv: torch.Tensor | None = None) -> torch.Tensor:
         cache = _cache(wq, wq_t, w_inv)
-        y, xq_t, x_inv = forward_gemm(_rows(x), weight, cache)
+        y, xq_t, x_inv = forward_gemm(fused.as_rows(x), weight, cache)
         ctx.save_for_backward(xq_t, x_inv, weight, *cache)
         ctx.x_shape = x.shape
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -116,7 +115,8 @@ class FP8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         xq_t, x_inv, weight, *cache = ctx.saved_tensors
-        grad_x, grad_weight = backward_gemms(_rows(grad), xq_t, x_inv, weight, tuple(cache), *ctx.needs_input_grad[:2])
+        grad_x, grad_weight = backward_gemms(fused.as_rows(grad), xq_t, x_inv, weight, tuple(cache),
+                                             *ctx.needs_input_grad[:2])
         return None if grad_x is None else grad_x.view(ctx.x_shape), grad_weight, None, None, None
 
 
@@ -131,7 +131,7 @@ class FP8FeedForwardFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *caches) -> torch.Tensor:
         gate_up_cache, down_cache = _cache(*caches[:3]), _cache(*caches[3:])
-        h, xq_t, x_inv = forward_gemm(_rows(x), gate_up, gate_up_cache)
+        h, xq_t, x_inv = forward_gemm(fused.as_rows(x), gate_up, gate_up_cache)
         a, a_amax = fused.swiglu_amax(h)
         y, aq_t, a_inv = forward_gemm(a, down, down_cache, partial_amax=a_amax)
         ctx.save_for_backward(xq_t, x_inv, h, aq_t, a_inv, gate_up, down, *gate_up_cache, *down_cache)
@@ -146,10 +146,11 @@ class FP8FeedForwardFunction(torch.autograd.Function):
         down_cache = tuple(caches[-3:]) if ctx.cached[1] else ()
         needs_x, needs_gate_up, needs_down = ctx.needs_input_grad[:3]
         needs_a = needs_x or needs_gate_up
-        grad_a, grad_down = backward_gemms(_rows(grad), aq_t, a_inv, down, down_cache, needs_a, needs_down)
+        grad_a, grad_down = backward_gemms(fused.as_rows(grad), aq_t, a_inv, down, down_cache, needs_a, needs_down)
         grad_x = grad_gate_up = None
         if needs_a:
             grad_h, h_amax = fused.swiglu_backward_amax(grad_a, h)
+            del grad_a  # h and aq_t stay until this function returns: autograd frees what a node saved after it
             grad_x, grad_gate_up = backward_gemms(grad_h, xq_t, x_inv, gate_up, gate_up_cache, needs_x,
                                                   needs_gate_up, partial_amax=h_amax)
         grad_x = None if grad_x is None else grad_x.view(ctx.x_shape)
@@ -203,6 +204,8 @@ def convert_to_fp8(model: nn.Module, cached: frozenset[str] = frozenset()) -> No
     fills (non-persistent: checkpoints hold the weights alone). One class for all of them, not a forward per module:
     the compiled blocks (apply.py) then share one graph instead of recompiling for each block's own function."""
     for i, block in enumerate(model.blocks):
+        if block.ffn.gate_up.bias is not None or block.ffn.down.bias is not None:
+            raise ValueError("FP8FeedForward multiplies the feed-forward's weights alone: its linears have no bias")
         block.ffn.__class__ = FP8FeedForward
         for linear in block_linears(block):
             linear.__class__ = CachedFP8Linear if block_group(i) in cached else FP8Linear

@@ -22,6 +22,8 @@ tests hold the kernels (float32 inside, one rounding of each output) to the refe
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -77,6 +79,7 @@ def swiglu_amax(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.library.custom_op("fastml::swiglu_backward_amax", mutates_args=())
 def swiglu_backward_amax(grad: torch.Tensor, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """swiglu_backward(grad, gate_up) and its absolute maximum's float32 bits, as `swiglu_amax` gives them."""
     grad_gate_up = swiglu_backward_reference(grad, gate_up)
     return grad_gate_up, amax_bits(grad_gate_up)
 
@@ -92,14 +95,15 @@ def _swiglu_backward_shape(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.T
 
 
 def _amax_shape(gate_up: torch.Tensor, columns: int) -> torch.Tensor:
-    """The partial maxima's shape: one for each of the kernels' programs on the GPU (rows x column blocks of
-    `columns` columns each), one on the CPU."""
-    count = gate_up.numel() // gate_up.shape[-1] * _column_blocks(columns) if gate_up.is_cuda else 1
-    return gate_up.new_empty(count, dtype=torch.int32)
+    """The partial maxima the ops return: one for each of the kernels' programs on the GPU, one on the CPU (the
+    reference)."""
+    return _partial_maxima(math.prod(gate_up.shape[:-1]), columns, gate_up) if gate_up.is_cuda else \
+        gate_up.new_empty(1, dtype=torch.int32)
 
 
-def _column_blocks(columns: int) -> int:
-    return -(-columns // BLOCK)
+def _partial_maxima(rows: int, columns: int, like: torch.Tensor) -> torch.Tensor:
+    """Room for one maximum for each program of the kernels: rows x blocks of BLOCK columns."""
+    return like.new_empty(rows * -(-columns // BLOCK), dtype=torch.int32)
 
 
 @swiglu_amax.register_fake
@@ -164,7 +168,7 @@ def require_triton(device: torch.device) -> None:
                         "lacks: pip install triton (the version your torch names)")
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as a contiguous (rows, last dim) matrix: a view where it is one already."""
     return x.contiguous().view(-1, x.shape[-1])
 
@@ -172,23 +176,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def launch_swiglu(gate_up: torch.Tensor, with_amax: bool = False):
     """The forward kernel over gate_up (any device Triton runs on; under TRITON_INTERPRET=1 the CPU too); with
     `with_amax`, (output, the partial maxima of `swiglu_amax`)."""
-    rows = _rows(gate_up)
+    rows = as_rows(gate_up)
     f = rows.shape[1] // 2
     out = rows.new_empty((rows.shape[0], f))
-    amax = _amax_shape(gate_up, f) if with_amax else out
+    amax = _partial_maxima(rows.shape[0], f, out) if with_amax else out
     if out.numel():
-        _swiglu_forward_kernel[(rows.shape[0], _column_blocks(f))](rows, out, amax, f, BLOCK=BLOCK, AMAX=with_amax)
+        _swiglu_forward_kernel[(rows.shape[0], triton.cdiv(f, BLOCK))](rows, out, amax, f, BLOCK=BLOCK,
+                                                                       AMAX=with_amax)
     out = out.view(*gate_up.shape[:-1], f)
     return (out, amax) if with_amax else out
 
 
 def launch_swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor, with_amax: bool = False):
-    rows, grad_rows = _rows(gate_up), _rows(grad)
+    rows, grad_rows = as_rows(gate_up), as_rows(grad)
     f = rows.shape[1] // 2
     out = torch.empty_like(rows)
-    amax = _amax_shape(gate_up, f) if with_amax else out
+    amax = _partial_maxima(rows.shape[0], f, out) if with_amax else out
     if out.numel():
-        _swiglu_backward_kernel[(rows.shape[0], _column_blocks(f))](grad_rows, rows, out, amax, f, BLOCK=BLOCK,
+        _swiglu_backward_kernel[(rows.shape[0], triton.cdiv(f, BLOCK))](grad_rows, rows, out, amax, f, BLOCK=BLOCK,
                                                                     AMAX=with_amax)
     out = out.view(gate_up.shape)
     return (out, amax) if with_amax else out
@@ -243,7 +248,8 @@ if triton is not None:
     @triton.jit
     def _abs_bits(values, inside):
         """The largest |value| where `inside`, as float32 bits (int32): a NaN's exceed every number's."""
-        return tl.max(tl.where(inside, tl.abs(values.to(tl.float32)).to(tl.int32, bitcast=True), 0), axis=0)
+        bits = values.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF  # the sign cleared, a NaN's too
+        return tl.max(tl.where(inside, bits, 0), axis=0)
 
     @triton.jit
     def _store_amax(amax, largest):
