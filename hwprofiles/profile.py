@@ -169,7 +169,8 @@ def profile_json(topology: dict, measured: dict | None = None) -> dict:
     data["source"] = (
         f"detected by `fastml profile` on {topology['date']}: {', '.join(fields)}; the raw NVML topology is under "
         f"`detected`{mixed}.{measured_here} Taken from shipped profile {base!r} ({match}): every other figure "
-        f"(the dense peaks, price and power, and NVLink and the collectives where not measured). Source of {base!r}: {data['source']}")
+        f"(the dense peaks, price and power, and NVLink and the collectives where not measured). Source of "
+        f"{base!r}: {data['source']}")
     data["detected"] = {**topology, "base_profile": base, "base_match": match}
     if measured:
         data["measured"] = measured
@@ -430,44 +431,43 @@ def measure_cpu(shapes: list[tuple[int, int, int]], attention: list[tuple[int, .
                 threads: int | None = None) -> hwprofiles.CpuMeasurements:
     """This CPU's measurements for the given linear-layer, attention and elementwise shapes (`elementwise_shapes`),
     run with `threads` torch threads (a process's share, `process_threads`; default all of them): the cached ones,
-    with what they lack measured now (and cached); `fresh` measures them all again. Each figure keeps the best ever measured: other work sharing the CPU
-    only ever slows a measurement, so the fastest is the machine's own rate, and a peak or a rate measured under
-    load is replaced by the next measurement at a quieter time. `say` gets the progress lines."""
+    with what they lack measured now (and cached); `fresh` measures them all again. Each figure keeps the best ever
+    measured: other work sharing the CPU only ever slows a measurement, so the fastest is the machine's own rate,
+    and a peak or a rate measured under load is replaced by the next measurement at a quieter time. `say` gets the
+    progress lines."""
     import torch
 
     cached = hwprofiles.this_cpu()
     all_threads = torch.get_num_threads()
     threads = min(threads or all_threads, all_threads)
-    missing = [s for s in shapes if fresh or cached is None or _shape_key(s, threads, all_threads)
-               not in cached.linear_seconds]
-    missing_attention = [s for s in attention if fresh or cached is None or _shape_key(s, threads, all_threads)
-                         not in cached.attention_seconds]
-    missing_elementwise = [s for s in elementwise if fresh or cached is None or _shape_key(s, threads, all_threads)
-                           not in cached.elementwise_seconds]
+    # each table of timings: the shapes asked for that it lacks, and how to time one
+    tables = {"linear_seconds": (shapes, _linear_seconds), "attention_seconds": (attention, _attention_seconds),
+              "elementwise_seconds": (elementwise, _elementwise_seconds)}
+    missing = {table: [s for s in wanted if fresh or cached is None or
+                       _shape_key(s, threads, all_threads) not in getattr(cached, table)]
+               for table, (wanted, _) in tables.items()}
     missing_host = fresh or cached is None or str(threads) not in cached.host_overhead
-    if not missing and not missing_attention and not missing_elementwise and not missing_host:
+    if not any(missing.values()) and not missing_host:
         return cached
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     per_process = f" with {threads} of its {all_threads} threads (a process's share)" if threads < all_threads else ""
-    say(f"measuring this CPU for planning: its peak and memory bandwidth, {len(missing)} GEMM, "
-        f"{len(missing_attention)} attention and {len(missing_elementwise)} elementwise shapes"
-        f"{', the training loop' if missing_host else ''}{per_process} "
+    counts = [len(missing[table]) for table in tables]
+    say(f"measuring this CPU for planning: its peak and memory bandwidth, {counts[0]} GEMM, {counts[1]} attention "
+        f"and {counts[2]} elementwise shapes{', the training loop' if missing_host else ''}{per_process} "
         f"(cached in {hwprofiles.cpu_cache_path()})")
     load, num_cpus = os.getloadavg()[0], os.cpu_count() or 1
     if load > num_cpus / 2:
         say(f"warning: other work loads this CPU (load average {load:.1f} on {num_cpus} CPUs): its measured rates "
             f"may be low; measure again with `fastml profile` when it is idle")
     start = time.perf_counter()
-    progress = _Progress(say, 1 + 2 * (len(missing) + len(missing_attention) + len(missing_elementwise)) + missing_host)
+    progress = _Progress(say, 1 + 2 * sum(counts) + missing_host)
     base = _measure_cpu_base()
     progress.step()
     with _torch_threads(threads):
-        linear = _fastest_of_two(_linear_seconds, missing, progress)
-        attention_s = _fastest_of_two(_attention_seconds, missing_attention, progress)
-        elementwise_s = _fastest_of_two(_elementwise_seconds, missing_elementwise, progress)
+        new = {table: {_shape_key(s, threads, all_threads): seconds
+                       for s, seconds in _fastest_of_two(time_one, missing[table], progress).items()}
+               for table, (_, time_one) in tables.items()}
         host = {str(threads): _cpu_host_overhead(progress)} if missing_host else {}
-    new = {name: {_shape_key(s, threads, all_threads): seconds for s, seconds in timings.items()} for name, timings in
-           (("linear_seconds", linear), ("attention_seconds", attention_s), ("elementwise_seconds", elementwise_s))}
     measured = _best(cached, base, new) if cached else dataclasses.replace(base, **new)
     measured = dataclasses.replace(measured, host_overhead={**measured.host_overhead, **host})
     measured = dataclasses.replace(measured, peak_fp32_flops_per_s=_peak(measured))
@@ -676,7 +676,8 @@ def cpu_profile_json(measured: hwprofiles.CpuMeasurements, shapes: list[tuple[in
                 f"backward), at g = (batch·seq·heads·seq·head_dim)^(1/3) as planner/costs.py models it"
                 f"{as_processes}; elementwise_bytes_per_s the blocks' norms, rotary embedding, SwiGLU and residual "
                 f"adds as the executor runs them (eager), bytes as planner/costs.py counts them; hbm_bytes_per_s "
-                f"(and the host rates) a {COPY_ELEMENTS * 4 // 2**20} MiB tensor copy; cpu_adam_params_per_s that rate over {ADAM_BYTES_PER_PARAM} bytes per parameter; memory the "
+                f"(and the host rates) a {COPY_ELEMENTS * 4 // 2**20} MiB tensor copy; cpu_adam_params_per_s that "
+                f"rate over {ADAM_BYTES_PER_PARAM} bytes per parameter; memory the "
                 f"physical memory (os.sysconf). Not priced."),
         gpu={"memory_bytes": memory_bytes, "peak_flops": {"fp32": peak},
              "gemm_efficiency": _attention_curve(measured, attention, processes),
