@@ -126,8 +126,9 @@ def fp8_input_cast_bytes(spec: ModelSpec, tokens: int) -> dict[str, float]:
     """Bytes the fp8 cast of each linear's input moves, both layouts: down's input is SwiGLU's output, whose absolute
     maximum SwiGLU's kernel takes as it writes it, so the cast reads it once (executor/model/fp8.py,
     FP8FeedForwardFunction)."""
-    cast = {name: tokens * k * (FP8_CAST_BYTES + 1) for name, (_, k) in spec.block_linear_shapes().items()}
-    cast["down"] -= tokens * spec.block_linear_shapes()["down"][1] * FP8_AMAX_BYTES
+    shapes = spec.block_linear_shapes()
+    cast = {name: tokens * k * (FP8_CAST_BYTES + 1) for name, (_, k) in shapes.items()}
+    cast["down"] -= tokens * shapes["down"][1] * FP8_AMAX_BYTES
     return cast
 
 

@@ -134,16 +134,14 @@ class FP8FeedForwardFunction(torch.autograd.Function):
         h, xq_t, x_inv = forward_gemm(fused.as_rows(x), gate_up, gate_up_cache)
         a, a_amax = fused.swiglu_amax(h)
         y, aq_t, a_inv = forward_gemm(a, down, down_cache, partial_amax=a_amax)
-        ctx.save_for_backward(xq_t, x_inv, h, aq_t, a_inv, gate_up, down, *gate_up_cache, *down_cache)
-        ctx.cached = bool(gate_up_cache), bool(down_cache)
+        ctx.save_for_backward(xq_t, x_inv, h, aq_t, a_inv, gate_up, down, *caches)
         ctx.x_shape = x.shape
         return y.view(*x.shape[:-1], down.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         xq_t, x_inv, h, aq_t, a_inv, gate_up, down, *caches = ctx.saved_tensors
-        gate_up_cache = tuple(caches[:3]) if ctx.cached[0] else ()
-        down_cache = tuple(caches[-3:]) if ctx.cached[1] else ()
+        gate_up_cache, down_cache = _cache(*caches[:3]), _cache(*caches[3:])
         needs_x, needs_gate_up, needs_down = ctx.needs_input_grad[:3]
         needs_a = needs_x or needs_gate_up
         grad_a, grad_down = backward_gemms(fused.as_rows(grad), aq_t, a_inv, down, down_cache, needs_a, needs_down)
