@@ -6,7 +6,7 @@ import torch
 from fastml.plan import Knobs, Plan, Training
 from fastml.spec import PRESETS
 from fastml.executor.loop.build import build_training_model
-from fastml.executor.model.apply import apply_recompute
+from fastml.executor.model.apply import apply_plan, apply_recompute
 from fastml.executor.model.transformer import build_model, materialize
 from fastml.config import UserError
 
@@ -108,6 +108,42 @@ def test_recompute_survives_compile(parts):
             block.compile(backend="aot_eager")
         saved[recompute] = saved_activation_bytes(materialize(model, "cpu", torch.float32), tokens)
     assert saved[parts] < saved[()]
+
+
+MODULE_COMPILE = torch.nn.Module.compile
+
+
+def compiled_tiny_model(monkeypatch, graphs: list, **changes):
+    """A tiny model whose blocks apply_compile compiled, with a backend that appends each graph it is given to
+    `graphs` and runs it as traced (no C++ compiler needed)."""
+    import dataclasses
+    backend = lambda graph, inputs: graphs.append(graph) or graph.forward  # noqa: E731
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda module: MODULE_COMPILE(module, backend=backend))
+    model = apply_plan(build_model(dataclasses.replace(PRESETS["tiny"], **changes)), Knobs(compile=True))
+    return materialize(model, "cpu", torch.float32)
+
+
+def test_every_model_built_runs_its_blocks_compiled(monkeypatch):
+    """The blocks of every model share one code object, whose graphs dynamo counts against one limit: a process
+    that builds more models than that, each with blocks of other shapes (the GPU tests, a benchmark), still runs
+    the last one's blocks compiled, not eager (apply_compile drops the graphs of models built before)."""
+    tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(5))
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=False):  # as it was, after the test
+        for i in range(torch._dynamo.config.recompile_limit + 1):
+            graphs = []
+            model = compiled_tiny_model(monkeypatch, graphs, ffn_hidden_size=PRESETS["tiny"].ffn_hidden_size + 8 * i)
+            tiny_loss(model, tokens)
+            assert graphs, f"model {i}: its blocks ran without a graph"
+
+
+def test_blocks_past_the_recompile_limit_fail_instead_of_running_eager(monkeypatch):
+    # each length its own graph, and one graph at most
+    with torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False,
+                                    fail_on_recompile_limit_hit=False):
+        model = compiled_tiny_model(monkeypatch, [])
+        tiny_loss(model, torch.zeros(2, 17, dtype=torch.long))
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            tiny_loss(model, torch.zeros(2, 33, dtype=torch.long))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -86,6 +87,14 @@ def _recompute_everything():
 
 def apply_compile(model: Transformer) -> None:
     """Compiles each block alone: the blocks share one graph, so compile time does not grow with depth
-    (torchtitan's per-block compile)."""
+    (torchtitan's per-block compile).
+
+    The blocks of every model share one code object, the block's forward, and dynamo keeps at most
+    `recompile_limit` (8) graphs for a code object; past that it runs the frame eager and only logs a warning. A
+    process that builds many models (the GPU tests, a benchmark's plans) reached it: its later "compiled" blocks ran
+    eager. So the graphs of models built before are dropped here (a model built again is traced again, its kernels
+    taken from inductor's cache on disk), and reaching the limit with one model is an error, not a silent eager run."""
+    torch._dynamo.reset()
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     for block in model.blocks:
         block.compile()
