@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeArgs a
   const int64_t tiles = tile_cols * ((a.rows + kTile - 1) / kTile);
   // The next tile's loads are issued before this one is cast: a block then has two tiles' reads in flight, not one
   // that stops at each tile's barriers.
-  TileLoads loads, next;
+  TileLoads loads{}, next{};  // a partial tile's are never read
   int64_t t = tiles - 1 - blockIdx.x;
   if (t >= 0) load_tile(a, (t / tile_cols) * kTile, (t % tile_cols) * kTile, loads);
   for (; t >= 0; t -= gridDim.x) {
