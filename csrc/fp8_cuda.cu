@@ -159,47 +159,32 @@ __device__ __forceinline__ void write_transposed(const QuantizeArgs& a, int64_t 
   for (int k = 0; k < 4; ++k) *reinterpret_cast<uint32_t*>(a.q_t + (col0 + c + k) * a.rows + row0 + r) = out[k];
 }
 
-constexpr int kSegments = kTile * kTile / kVector;  // 8-element row segments of a tile
-constexpr int kPerThread = kSegments / kThreads;
-static_assert(kSegments % kThreads == 0, "a tile's segments are shared evenly by the block's threads");
-
-// A thread's part of a tile: the segments it casts, as 16-byte loads of x.
-struct TileLoads {
-  uint4 packed[kPerThread];
-};
-
-__device__ __forceinline__ bool full_tile(const QuantizeArgs& a, int64_t row0, int64_t col0) {
-  return a.aligned && row0 + kTile <= a.rows && col0 + kTile <= a.cols;
-}
-
-// A thread's k-th segment: its row in the tile, and its first column.
-__device__ __forceinline__ int segment_row(int k) { return (threadIdx.x + k * kThreads) / (kTile / kVector); }
-__device__ __forceinline__ int segment_col(int k) {
-  return ((threadIdx.x + k * kThreads) % (kTile / kVector)) * kVector;
-}
-
-// Issues a full tile's loads (every one before any is used); a partial tile is read element by element in cast_tile.
-__device__ __forceinline__ void load_tile(const QuantizeArgs& a, int64_t row0, int64_t col0, TileLoads& loads) {
-  if (!full_tile(a, row0, col0)) return;
-#pragma unroll
-  for (int k = 0; k < kPerThread; ++k) {
-    loads.packed[k] = *reinterpret_cast<const uint4*>(a.x + (row0 + segment_row(k)) * a.cols + col0 + segment_col(k));
-  }
-}
-
-// The second pass over one kTile x kTile tile (its first row and column), from its loads: q[r][c] = fp8(x[r][c] *
-// scale) and q_t[c][r] = the same byte, each written only where requested (non-null).
+// The second pass over one kTile x kTile tile (its first row and column): q[r][c] = fp8(x[r][c] * scale) and
+// q_t[c][r] = the same byte, each written only where requested (non-null).
 template <typename Fp8>
-__device__ void cast_tile(const QuantizeArgs& a, float scale, int64_t row0, int64_t col0, const TileLoads& loads,
+__device__ void cast_tile(const QuantizeArgs& a, float scale, int64_t row0, int64_t col0,
                           uint8_t (&tile)[kTile][kTile + kPad]) {
-  const bool full = full_tile(a, row0, col0);
+  const bool full = a.aligned && row0 + kTile <= a.rows && col0 + kTile <= a.cols;
+  constexpr int kSegments = kTile * kTile / kVector;  // 8-element row segments of a tile
+  constexpr int kPerThread = kSegments / kThreads;
+  static_assert(kSegments % kThreads == 0, "a tile's segments are shared evenly by the block's threads");
+  uint4 packed[kPerThread];
+  if (full) {  // every load issued before any is used, as in the maximum pass
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int s = threadIdx.x + k * kThreads;
+      const int r = s / (kTile / kVector), c = (s % (kTile / kVector)) * kVector;
+      packed[k] = *reinterpret_cast<const uint4*>(a.x + (row0 + r) * a.cols + col0 + c);
+    }
+  }
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
-    const int r = segment_row(k), c = segment_col(k);
+    const int s = threadIdx.x + k * kThreads;
+    const int r = s / (kTile / kVector), c = (s % (kTile / kVector)) * kVector;
     const int64_t row = row0 + r, col = col0 + c;
     alignas(8) uint8_t bytes[kVector];
     if (full) {
-      const auto* values = reinterpret_cast<const __nv_bfloat16*>(&loads.packed[k]);
+      const auto* values = reinterpret_cast<const __nv_bfloat16*>(&packed[k]);
 #pragma unroll
       for (int j = 0; j < kVector; ++j) bytes[j] = to_fp8<Fp8>(__bfloat162float(values[j]) * scale);
       if (a.q != nullptr) *reinterpret_cast<uint2*>(a.q + row * a.cols + col) = *reinterpret_cast<const uint2*>(bytes);
@@ -240,16 +225,8 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeArgs a
   if (blockIdx.x == 0 && threadIdx.x == 0) *a.scale_inv = __frcp_rn(scale);
   const int64_t tile_cols = (a.cols + kTile - 1) / kTile;
   const int64_t tiles = tile_cols * ((a.rows + kTile - 1) / kTile);
-  // The next tile's loads are issued before this one is cast: a block then has two tiles' reads in flight, not one
-  // that stops at each tile's barriers.
-  TileLoads loads{}, next{};  // a partial tile's are never read
-  int64_t t = tiles - 1 - blockIdx.x;
-  if (t >= 0) load_tile(a, (t / tile_cols) * kTile, (t % tile_cols) * kTile, loads);
-  for (; t >= 0; t -= gridDim.x) {
-    const int64_t n = t - gridDim.x;
-    if (n >= 0) load_tile(a, (n / tile_cols) * kTile, (n % tile_cols) * kTile, next);
-    cast_tile<Fp8>(a, scale, (t / tile_cols) * kTile, (t % tile_cols) * kTile, loads, tile);
-    loads = next;
+  for (int64_t t = tiles - 1 - blockIdx.x; t >= 0; t -= gridDim.x) {
+    cast_tile<Fp8>(a, scale, (t / tile_cols) * kTile, (t % tile_cols) * kTile, tile);
   }
 }
 
