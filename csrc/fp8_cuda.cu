@@ -9,10 +9,15 @@
 // executor/model/fused.py, gives one for each block of its output: `partial_amax`), the first pass reduces those
 // instead, and x is read once. Both are one kernel, launched cooperatively (every block resident at once),
 // whose blocks wait for each other between the passes: two kernels, one tiny block each 64 x 64 tile, spent about a
-// fifth of their time launching and draining blocks (benchmarks/NOTES.md). The cast reads each 64 x 64 tile once and
-// writes the row-major cast directly and the transposed one through shared memory, so both outputs cost one read. It
-// walks the tiles from the last to the first: the maximum pass read the end of the matrix last, so the cast finds
-// that part still in L2.
+// fifth of their time launching and draining blocks (benchmarks/NOTES.md). The cast reads each 64 x 128 tile once and
+// writes the row-major cast directly and the transposed one through shared memory, so both outputs cost one read.
+//
+// The tile's shape and order were measured (benchmarks/NOTES.md, issue 25 part 9). Four 16-byte loads a thread, at
+// three blocks a multiprocessor, beat two loads at five; more blocks, or the next tile's loads in flight, were slower.
+// The blocks at work together cover groups of 8 tile rows, down a group before across it: walked row by row, they
+// wrote 64 bytes into each of thousands of rows of the transpose at once, and a long-rowed matrix's transposing cast
+// ran at 0.74 of HBM. The walk goes from the last tile to the first: the maximum pass read the end of the matrix
+// last, so the cast finds that part still in L2.
 
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -37,11 +42,14 @@
 namespace fastml {
 namespace {
 
-constexpr int kTile = 64;             // a cast block's tile: kTile x kTile elements
+constexpr int kTileRows = 64;         // a cast block's tile: kTileRows x kTileCols elements
+constexpr int kTileCols = 128;
+constexpr int kGroupRows = 8;         // tile rows of a group, walked down before across (the header says why)
 constexpr int kThreads = 256;         // threads of a block
+constexpr int kBlocksPerMultiprocessor = 3;  // registers for four tile loads a thread in flight, without spills
 constexpr int kVector = 8;            // bf16 elements of one 16-byte load
 constexpr int kPad = 4;               // bytes after each tile row in shared memory, to spread the transposed reads
-constexpr int kAmaxLoads = 4;           // 16-byte loads a thread of the maximum pass has in flight
+constexpr int kAmaxLoads = 4;         // 16-byte loads a thread of the maximum pass has in flight
 
 // The largest finite value of an fp8 format, from torch's own definition of the type (executor/model/fp8.py's FP8_MAX
 // reads the same through torch.finfo), so the scale fp8_max / amax is the reference's.
@@ -144,28 +152,33 @@ struct QuantizeArgs {
 // cover one 64-byte row of the tile's transpose. (Gathered one byte a shared-memory load, the cast of both layouts
 // stayed at 0.73 of HBM: benchmarks/NOTES.md.)
 __device__ __forceinline__ void write_transposed(const QuantizeArgs& a, int64_t row0, int64_t col0,
-                                                 const uint8_t (&tile)[kTile][kTile + kPad]) {
-  static_assert(kTile * kTile / 16 == kThreads, "one 4 x 4 block of a tile for each thread");
-  const int r = (threadIdx.x % (kTile / 4)) * 4, c = (threadIdx.x / (kTile / 4)) * 4;
-  uint32_t w[4];
+                                                 const uint8_t (&tile)[kTileRows][kTileCols + kPad]) {
+  constexpr int kBlocks = kTileRows * kTileCols / 16;  // 4 x 4 blocks of a tile
+  static_assert(kBlocks % kThreads == 0, "a tile's 4 x 4 blocks are shared evenly by the block's threads");
 #pragma unroll
-  for (int j = 0; j < 4; ++j) w[j] = *reinterpret_cast<const uint32_t*>(&tile[r + j][c]);
-  // byte i of out[k] is byte k of w[i]: pair the rows' bytes, then the pairs
-  const uint32_t low01 = __byte_perm(w[0], w[1], 0x5140), high01 = __byte_perm(w[0], w[1], 0x7362);
-  const uint32_t low23 = __byte_perm(w[2], w[3], 0x5140), high23 = __byte_perm(w[2], w[3], 0x7362);
-  const uint32_t out[4] = {__byte_perm(low01, low23, 0x5410), __byte_perm(low01, low23, 0x7632),
-                           __byte_perm(high01, high23, 0x5410), __byte_perm(high01, high23, 0x7632)};
+  for (int i = 0; i < kBlocks / kThreads; ++i) {
+    const int block = threadIdx.x + i * kThreads;
+    const int r = (block % (kTileRows / 4)) * 4, c = (block / (kTileRows / 4)) * 4;
+    uint32_t w[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) *reinterpret_cast<uint32_t*>(a.q_t + (col0 + c + k) * a.rows + row0 + r) = out[k];
+    for (int j = 0; j < 4; ++j) w[j] = *reinterpret_cast<const uint32_t*>(&tile[r + j][c]);
+    // byte i of out[k] is byte k of w[i]: pair the rows' bytes, then the pairs
+    const uint32_t low01 = __byte_perm(w[0], w[1], 0x5140), high01 = __byte_perm(w[0], w[1], 0x7362);
+    const uint32_t low23 = __byte_perm(w[2], w[3], 0x5140), high23 = __byte_perm(w[2], w[3], 0x7362);
+    const uint32_t out[4] = {__byte_perm(low01, low23, 0x5410), __byte_perm(low01, low23, 0x7632),
+                             __byte_perm(high01, high23, 0x5410), __byte_perm(high01, high23, 0x7632)};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) *reinterpret_cast<uint32_t*>(a.q_t + (col0 + c + k) * a.rows + row0 + r) = out[k];
+  }
 }
 
-// The second pass over one kTile x kTile tile (its first row and column): q[r][c] = fp8(x[r][c] * scale) and
+// The second pass over one kTileRows x kTileCols tile (its first row and column): q[r][c] = fp8(x[r][c] * scale) and
 // q_t[c][r] = the same byte, each written only where requested (non-null).
 template <typename Fp8>
 __device__ void cast_tile(const QuantizeArgs& a, float scale, int64_t row0, int64_t col0,
-                          uint8_t (&tile)[kTile][kTile + kPad]) {
-  const bool full = a.aligned && row0 + kTile <= a.rows && col0 + kTile <= a.cols;
-  constexpr int kSegments = kTile * kTile / kVector;  // 8-element row segments of a tile
+                          uint8_t (&tile)[kTileRows][kTileCols + kPad]) {
+  const bool full = a.aligned && row0 + kTileRows <= a.rows && col0 + kTileCols <= a.cols;
+  constexpr int kSegments = kTileRows * kTileCols / kVector;  // 8-element row segments of a tile
   constexpr int kPerThread = kSegments / kThreads;
   static_assert(kSegments % kThreads == 0, "a tile's segments are shared evenly by the block's threads");
   uint4 packed[kPerThread];
@@ -173,14 +186,14 @@ __device__ void cast_tile(const QuantizeArgs& a, float scale, int64_t row0, int6
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
       const int s = threadIdx.x + k * kThreads;
-      const int r = s / (kTile / kVector), c = (s % (kTile / kVector)) * kVector;
+      const int r = s / (kTileCols / kVector), c = (s % (kTileCols / kVector)) * kVector;
       packed[k] = *reinterpret_cast<const uint4*>(a.x + (row0 + r) * a.cols + col0 + c);
     }
   }
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int s = threadIdx.x + k * kThreads;
-    const int r = s / (kTile / kVector), c = (s % (kTile / kVector)) * kVector;
+    const int r = s / (kTileCols / kVector), c = (s % (kTileCols / kVector)) * kVector;
     const int64_t row = row0 + r, col = col0 + c;
     alignas(8) uint8_t bytes[kVector];
     if (full) {
@@ -207,26 +220,38 @@ __device__ void cast_tile(const QuantizeArgs& a, float scale, int64_t row0, int6
   if (full) {
     write_transposed(a, row0, col0, tile);
   } else {  // q_t is cols x rows: its row (col0 + c) holds the tile's column c, one byte at a time
-    for (int s = threadIdx.x; s < kTile * kTile; s += kThreads) {
-      const int c = s / kTile, r = s % kTile;
+    for (int s = threadIdx.x; s < kTileRows * kTileCols; s += kThreads) {
+      const int c = s / kTileRows, r = s % kTileRows;
       if (col0 + c < a.cols && row0 + r < a.rows) a.q_t[(col0 + c) * a.rows + row0 + r] = tile[r][c];
     }
   }
   __syncthreads();  // the tile's bytes are read before the next tile writes them
 }
 
+// Tile t's first row and column, in groups of kGroupRows tile rows walked down before across (a permutation of the
+// row-major order; the last group may be shorter).
+__device__ __forceinline__ void tile_origin(int64_t t, int64_t tile_rows, int64_t tile_cols, int64_t& row0,
+                                            int64_t& col0) {
+  const int64_t group = t / (kGroupRows * tile_cols), first = group * kGroupRows;
+  const int64_t height = min(static_cast<int64_t>(kGroupRows), tile_rows - first);
+  const int64_t within = t - group * kGroupRows * tile_cols;
+  row0 = (first + within % height) * kTileRows;
+  col0 = (within / height) * kTileCols;
+}
+
 // Both passes: the maximum over the whole grid, a wait for every block, then the tiles, the last one first.
 template <typename Fp8>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeArgs a) {
-  __shared__ alignas(16) uint8_t tile[kTile][kTile + kPad];  // read and written 4 bytes at a time
+__global__ void __launch_bounds__(kThreads, kBlocksPerMultiprocessor) quantize_kernel(const QuantizeArgs a) {
+  __shared__ alignas(16) uint8_t tile[kTileRows][kTileCols + kPad];  // read and written 4 bytes at a time
   amax_pass(a.x, a.rows * a.cols, a.vectorized, a.partials, a.partial_count, a.amax_bits);
   cooperative_groups::this_grid().sync();  // a fence too: every block's atomicMax is seen after it
   const float scale = scale_of(*reinterpret_cast<volatile uint32_t*>(a.amax_bits), a.fp8_max);
   if (blockIdx.x == 0 && threadIdx.x == 0) *a.scale_inv = __frcp_rn(scale);
-  const int64_t tile_cols = (a.cols + kTile - 1) / kTile;
-  const int64_t tiles = tile_cols * ((a.rows + kTile - 1) / kTile);
-  for (int64_t t = tiles - 1 - blockIdx.x; t >= 0; t -= gridDim.x) {
-    cast_tile<Fp8>(a, scale, (t / tile_cols) * kTile, (t % tile_cols) * kTile, tile);
+  const int64_t tile_cols = (a.cols + kTileCols - 1) / kTileCols, tile_rows = (a.rows + kTileRows - 1) / kTileRows;
+  for (int64_t t = tile_rows * tile_cols - 1 - blockIdx.x; t >= 0; t -= gridDim.x) {
+    int64_t row0, col0;
+    tile_origin(t, tile_rows, tile_cols, row0, col0);
+    cast_tile<Fp8>(a, scale, row0, col0, tile);
   }
 }
 
@@ -304,7 +329,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tenso
   args.q = rowwise ? reinterpret_cast<uint8_t*>(q.mutable_data_ptr()) : nullptr;
   args.q_t = transposed ? reinterpret_cast<uint8_t*>(q_t.mutable_data_ptr()) : nullptr;
   args.scale_inv = scale_inv.mutable_data_ptr<float>();
-  const int64_t tiles = ((rows + kTile - 1) / kTile) * ((cols + kTile - 1) / kTile);
+  const int64_t tiles = ((rows + kTileRows - 1) / kTileRows) * ((cols + kTileCols - 1) / kTileCols);
   if (dtype == at::kFloat8_e4m3fn) {
     args.fp8_max = finite_max<c10::Float8_e4m3fn>();
     launch_quantize<__nv_fp8_e4m3>(args, tiles, stream);

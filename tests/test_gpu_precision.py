@@ -33,9 +33,10 @@ def needs_fp8_tensor_cores():
 
 # ---------------------------------------------------------------------------------------------------- quantize
 
-SHAPES = [(256, 512), (2048, 4096), (136, 200), (100, 72), (37, 13), (1, 1), (64, 8), (2056, 4104)]
-"""Whole 64 x 64 tiles, large ones, whole tiles beside partial ones, partial tiles only, rows of odd length, one
-element, one column of tiles, and more tiles than the GPU holds blocks, whole and partial (each block walks several)."""
+SHAPES = [(256, 512), (2048, 4096), (136, 200), (100, 72), (37, 13), (1, 1), (64, 8), (2056, 4104), (1300, 4104)]
+"""Whole 64 x 128 tiles, large ones, whole tiles beside partial ones, partial tiles only, rows of odd length, one
+element, one column of tiles, more tiles than the GPU holds blocks, whole and partial (each block walks several), the
+last of them with a last group of 1 tile row and of 5 (the cast walks groups of 8 tile rows)."""
 FP8 = [fp8.E4M3, fp8.E5M2]
 RELATIVE = {fp8.E4M3: 2.0**-4, fp8.E5M2: 2.0**-3}
 """Half an fp8 step relative to the value: e4m3 keeps 3 mantissa bits, e5m2 2."""
@@ -77,7 +78,6 @@ def test_quantize_from_partial_maxima_is_quantize_bit_for_bit(dtype, shape):
     assert torch.equal(q_t.view(torch.uint8), want_q_t.view(torch.uint8))
     rows_amax[-1] = torch.tensor(float("nan")).view(torch.int32)
     assert fp8.quantize(x, dtype, True, True, rows_amax)[2].isnan().item()
-
 
 
 def test_quantize_from_more_partial_maxima_than_threads():

@@ -194,7 +194,7 @@ def launch_swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor, with_amax:
     amax = _partial_maxima(rows.shape[0], f, out) if with_amax else out
     if out.numel():
         _swiglu_backward_kernel[(rows.shape[0], triton.cdiv(f, BLOCK))](grad_rows, rows, out, amax, f, BLOCK=BLOCK,
-                                                                    AMAX=with_amax)
+                                                                        AMAX=with_amax)
     out = out.view(gate_up.shape)
     return (out, amax) if with_amax else out
 
