@@ -12,7 +12,8 @@ before it is written, which the count of its bytes leaves out; AdamW, like the a
 The kernels, at the shapes of Llama-3.1-8B's micro-batch of 4 x 2,048 tokens:
 - csrc/adamw_cuda.cu, `adamw_step_` on the GPU, in the two dtype combinations the executor steps with it (those with
   bf16 state; all-fp32 state steps with torch's fused AdamW): bf16 weights and bf16 moments, and fp32 masters with
-  bf16 moments writing the bf16 weight in the same pass;
+  bf16 moments writing the bf16 weight in the same pass; and, the file's last row, bf16 weights with their
+  compensation (master_dtype "bf16_kahan") and bf16 moments;
 - csrc/fp8_cuda.cu, `quantize_fp8`: the absolute-maximum pass and the cast pass together, rowwise and with the
   transpose, an activation (8,192 x 4,096) and the MLP's weight (14,336 x 4,096); and the cast pass alone, with the
   maxima the SwiGLU kernels took, of SwiGLU's output (8,192 x 14,336) and of gate_up's output gradient (8,192 x
@@ -82,37 +83,43 @@ def row(name: str, bound: str, seconds: float, work: float, roofline: float, **d
 
 
 ADAM_KINDS = {
-    # name: (master, moments, gradient, weight written beside an fp32 master)
-    "bf16 weights, bf16 moments": (torch.bfloat16, torch.bfloat16, torch.bfloat16, None),
-    "fp32 masters, bf16 moments, bf16 weight out": (torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16),
-    "fp32 masters, fp32 moments, bf16 weight out": (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16),
+    # name: (master, moments, gradient, weight written beside an fp32 master, a compensation of bf16 masters)
+    "bf16 weights, bf16 moments": (torch.bfloat16, torch.bfloat16, torch.bfloat16, None, False),
+    "fp32 masters, bf16 moments, bf16 weight out": (torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16,
+                                                    False),
+    "fp32 masters, fp32 moments, bf16 weight out": (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16,
+                                                    False),
+    "bf16 weights with a compensation, bf16 moments": (torch.bfloat16, torch.bfloat16, torch.bfloat16, None, True),
 }
-STEPPED_BY_THE_OP = {"cuda": list(ADAM_KINDS)[:2], "cpu": list(ADAM_KINDS)[1:]}
+STEPPED_BY_THE_OP = {"cuda": list(ADAM_KINDS)[:2], "cpu": list(ADAM_KINDS)[1:3]}
 """The kinds each device's op steps in training: the GPU's, bf16 state (all-fp32 state steps with torch's fused
-AdamW there); the CPU's, offloaded fp32 masters with either moments."""
+AdamW there); the CPU's, offloaded fp32 masters with either moments. The compensated kind (master_dtype
+"bf16_kahan", not searched by the planner yet) is timed on the GPU after every other kernel, so that the rows before
+it keep their places in the file."""
 
 
-def adamw_rows(device: str, elements: int, roofline: float, repeats: int, timer) -> list[dict]:
+def adamw_rows(device: str, elements: int, roofline: float, repeats: int, timer, kinds=None) -> list[dict]:
     rows = []
-    for kind in STEPPED_BY_THE_OP[device]:
-        master_dtype, state_dtype, grad_dtype, out_dtype = ADAM_KINDS[kind]
+    for kind in STEPPED_BY_THE_OP[device] if kinds is None else kinds:
+        master_dtype, state_dtype, grad_dtype, out_dtype, compensated = ADAM_KINDS[kind]
         master = torch.randn(elements, device=device).to(master_dtype)
         m = (torch.randn(elements, device=device) * 1e-3).to(state_dtype)
         v = (torch.rand(elements, device=device) * 1e-6).to(state_dtype)
         grad = (torch.randn(elements, device=device) * 1e-3).to(grad_dtype)
         out = torch.empty(elements, device=device, dtype=out_dtype) if out_dtype is not None else None
-        tensors = [master, m, v, grad] + ([out] if out is not None else [])
-        # master, m, v and the gradient are read; master, m, v and the weight out written
+        low = torch.zeros(elements, device=device, dtype=torch.bfloat16) if compensated else None
+        tensors = [master, m, v, grad] + [t for t in (out, low) if t is not None]
+        # master, m, v, the compensation and the gradient are read; all but the gradient written
         moved = sum(t.numel() * t.element_size() for t in tensors) + sum(
-            t.numel() * t.element_size() for t in (master, m, v))
+            t.numel() * t.element_size() for t in (master, m, v, low) if t is not None)
 
         def step():
-            cpu_adam.adamw_step_(master, m, v, grad, out, 1e-4, 0.9, 0.95, 1e-8, 0.1, 10, seed=1)
+            cpu_adam.adamw_step_(master, m, v, grad, out, 1e-4, 0.9, 0.95, 1e-8, 0.1, 10, seed=1, master_low=low)
 
         where = "csrc/adamw_cuda.cu" if device == "cuda" else "csrc/cpu_adam.cpp"
         rows.append(row(f"adamw_step_ {device} ({kind})", "memory", timer(step, repeats), moved, roofline,
                         source=where, elements=elements, bytes=moved))
-        del master, m, v, grad, out, tensors
+        del master, m, v, grad, out, low, tensors
     return rows
 
 
@@ -195,7 +202,9 @@ def main() -> None:
                *swiglu_rows(roof["hbm_bytes_per_s"], args.repeats),
                cross_entropy_row(roof["hbm_bytes_per_s"], args.repeats),
                attention_row(roof["bf16_flop_per_s"], args.repeats),
-               *adamw_rows("cpu", CPU_ADAM_ELEMENTS, roof["host_bytes_per_s"], max(3, args.repeats // 4), cpu_seconds)]
+               *adamw_rows("cpu", CPU_ADAM_ELEMENTS, roof["host_bytes_per_s"], max(3, args.repeats // 4), cpu_seconds),
+               *adamw_rows("cuda", ADAM_ELEMENTS, roof["hbm_bytes_per_s"], args.repeats, _cuda_seconds,
+                           kinds=["bf16 weights with a compensation, bf16 moments"])]
     print(f"wrote {write_result(f'kernels-{gpu_tag()}.json', {'roofline': roof, 'kernels': kernels})}")
 
 

@@ -3,6 +3,7 @@ benchmarks/results/loss_parity-<gpu>.json, one part a call (each fits the device
 
     python benchmarks/loss_parity.py --part parity      # fastml's bf16 curve beside HF's, two shapes, 300 steps
     python benchmarks/loss_parity.py --part precision   # fp8 and bf16 optimizer state beside bf16, 500 steps
+    python benchmarks/loss_parity.py --part precision --variants bf16,bf16_kahan_states   # only these again
 
 The parity part starts HF's LlamaForCausalLM from fastml's initial weights of seed 0 and feeds it the same tokens with
 the same schedule (vs_hf.run_hf): for TinyLlama and for Llama-3.1-8B's shape cut to PARITY_LAYERS layers, fastml's
@@ -10,8 +11,10 @@ bf16 run of seed 0 beside HF's, at lr 3e-4 with warm-up. Rounding alone parts th
 HF's bf16 Adam state against fastml's fp32 masters); whether that is within bf16's noise is judged against fastml's
 own runs of two more seeds: the noise is how far the seeds' smoothed curves lie apart.
 
-The precision part trains TinyLlama for 500 steps in bf16, with fp8 matmuls and with bf16 optimizer state, each over
-SEEDS seeds: each variant's final loss against bf16's of the same seed, and the spread of those ratios over the seeds.
+The precision part trains TinyLlama for 500 steps in bf16, with fp8 matmuls and with bf16 optimizer state (bf16 masters
+with stochastic rounding, or with a compensation), each over SEEDS seeds: each variant's final loss against bf16's of
+the same seed, and the spread of those ratios over the seeds. `--variants` runs some of them again, keeping the
+file's runs of the others (`variant_runs` says which commit ran each).
 A final loss is a noisy reading (one step's loss is one batch's, and varies by about a tenth of it), so the part also
 compares each variant with bf16 step by step on the same batches over the last PAIRED_WINDOW steps (the mean of the
 ratios less one), and the variants' mean final loss over the seeds with bf16's.
@@ -26,7 +29,7 @@ import argparse
 import json
 import statistics
 
-from record import RESULTS, gpu_tag, write_result
+from record import RESULTS, _commit, gpu_tag, write_result
 from vs_hf import run_fastml, run_hf
 
 SEQ_LEN, SEQUENCES = 512, 8
@@ -38,7 +41,8 @@ PARITY_SHAPES = {"tinyllama-1.1b": (), "llama-3.1-8b": (f"model.num_layers={PARI
 PARITY_STEPS, PRECISION_STEPS = 300, 500
 SEEDS = (0, 1, 2)
 PRECISION_VARIANTS = {"bf16": {}, "fp8": {"matmul_dtype": "fp8"},
-                      "bf16_states": {"optimizer_dtype": "bf16", "master_dtype": "bf16"}}
+                      "bf16_states": {"optimizer_dtype": "bf16", "master_dtype": "bf16"},
+                      "bf16_kahan_states": {"optimizer_dtype": "bf16", "master_dtype": "bf16_kahan"}}
 KNOBS = {"micro_batch_size": SEQUENCES, "compile": True}
 FINAL_WINDOW, SMOOTHING, PAIRED_WINDOW = 20, 10, 100
 
@@ -83,17 +87,30 @@ def parity(shape: str, extra: tuple[str, ...]) -> dict:
             "losses": {"hf": hf, **{f"fastml_seed{s}": ours[s] for s in SEEDS}}}
 
 
-def precision() -> dict:
-    runs = {name: {seed: run_fastml("tinyllama-1.1b", SEQUENCES, KNOBS | knobs, PRECISION_STEPS, SEQ_LEN,
-                                    training(seed))["losses"] for seed in SEEDS}
-            for name, knobs in PRECISION_VARIANTS.items()}
+def precision(variants: list[str], earlier: dict, commit: str) -> dict:
+    """The part, from new runs of `variants` and the `earlier` part's runs of the others (made with the same settings:
+    `main` checks)."""
+    kept = {name: {int(s): losses for s, losses in by_seed.items()}
+            for name, by_seed in earlier.get("losses", {}).items() if name in PRECISION_VARIANTS and name not in variants}
+    if kept and earlier.get("steps") != PRECISION_STEPS:
+        raise SystemExit(f"the results file's runs are {earlier.get('steps')} steps long, not {PRECISION_STEPS}: "
+                         "run every variant")
+    missing = set(PRECISION_VARIANTS) - set(kept) - set(variants)
+    if missing:
+        raise SystemExit(f"no earlier runs of {', '.join(sorted(missing))} in the results file: run them too")
+    made = {name: earlier.get("variant_runs", {}).get(name, earlier.get("made_by_commit")) for name in kept}
+    runs = kept | {name: {seed: run_fastml("tinyllama-1.1b", SEQUENCES, KNOBS | PRECISION_VARIANTS[name],
+                                           PRECISION_STEPS, SEQ_LEN, training(seed))["losses"] for seed in SEEDS}
+                   for name in variants}
+    runs = {name: runs[name] for name in PRECISION_VARIANTS}
+    made |= dict.fromkeys(variants, commit)
     bf16 = {seed: final(runs["bf16"][seed]) for seed in SEEDS}
     relative = {name: {str(seed): final(runs[name][seed]) / bf16[seed] - 1 for seed in SEEDS}
                 for name in PRECISION_VARIANTS if name != "bf16"}
     paired = {name: {str(seed): paired_relative(runs[name][seed], runs["bf16"][seed]) for seed in SEEDS}
               for name in relative}
     mean_final = {name: statistics.fmean(final(runs[name][seed]) for seed in SEEDS) for name in runs}
-    return {"model": "tinyllama-1.1b", "steps": PRECISION_STEPS,
+    return {"model": "tinyllama-1.1b", "steps": PRECISION_STEPS, "variant_runs": made,
             "paired_relative_to_bf16": paired,
             "mean_final_relative_to_bf16": {name: mean_final[name] / mean_final["bf16"] - 1 for name in relative},
             "final_loss": {name: {str(s): final(losses) for s, losses in by_seed.items()}
@@ -107,17 +124,28 @@ def precision() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--part", choices=("parity", "precision"), required=True)
+    parser.add_argument("--variants", default=",".join(PRECISION_VARIANTS),
+                        help="the precision part's variants to run (the others' runs are kept from the file)")
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(PRECISION_VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {', '.join(sorted(unknown))}; choose from {', '.join(PRECISION_VARIANTS)}")
     path = RESULTS / f"loss_parity-{gpu_tag()}.json"
     earlier = json.loads(path.read_text()) if path.is_file() else {}
     parts = {key: earlier[key] for key in ("parity", "precision") if key in earlier}
     settings = {"seq_len": SEQ_LEN, "tokens_per_step": SEQ_LEN * SEQUENCES, "training": list(TRAINING),
                 "knobs": KNOBS, "seeds": list(SEEDS), "final_window": FINAL_WINDOW, "smoothing_steps": SMOOTHING,
                 "paired_window": PAIRED_WINDOW}
+    changed = [key for key, value in settings.items() if key in earlier and earlier[key] != value]
+    if args.part == "precision" and set(variants) != set(PRECISION_VARIANTS) and changed:
+        parser.error(f"the results file's runs were made with other settings ({', '.join(changed)}): run every variant")
     if args.part == "parity":
         parts["parity"] = [parity(shape, extra) for shape, extra in PARITY_SHAPES.items()]
     else:
-        parts["precision"] = precision()
+        earlier_part = dict(parts.get("precision", {}))
+        earlier_part.setdefault("made_by_commit", earlier.get("made_by", {}).get("precision", {}).get("git_commit"))
+        parts["precision"] = precision(variants, earlier_part, _commit())
     made_by = dict(earlier.get("made_by", {}))
     written = write_result(path.name, {**settings, **parts, "made_by": made_by})
     record = json.loads(written.read_text())

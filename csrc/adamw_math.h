@@ -10,6 +10,12 @@
 // an update smaller than half a bfloat16 step still moves the weight on average instead of being lost. The random
 // bits are a hash of a per-call seed and the element's index (`random_bits`): no generator state, the same bits on
 // the CPU and the GPU, and a resumed run draws exactly what the uninterrupted one drew.
+//
+// A bfloat16 master may instead come with a compensation (`low`, bfloat16, knobs.master_dtype "bf16_kahan"): the
+// master is then the sum master + low, about 16 significant bits, and both are written rounded to nearest, master to
+// the bfloat16 nearest the float32 result and low to the one nearest what that rounding dropped. An update too small
+// for the weight's own bits accumulates in low until it moves the weight, without the noise stochastic rounding adds
+// to every weight at every step (the Kahan summation of Zamirai et al., "Revisiting BFloat16 Training", 2020).
 
 #pragma once
 
@@ -131,6 +137,22 @@ FASTML_HD void store_weight(float* out, int64_t i, float value) { out[i] = value
 FASTML_HD void store_weight(uint16_t* out, int64_t i, float value) { out[i] = bf16_nearest(value); }
 FASTML_HD void store_weight(NoOutput*, int64_t, float) {}
 
+// The master's value, and its store: alone (`NoOutput` low), or bf16 with its compensation.
+template <typename Master>
+FASTML_HD float load_master(const Master* master, const NoOutput*, int64_t i) { return load(master, i); }
+FASTML_HD float load_master(const uint16_t* master, const uint16_t* low, int64_t i) {
+  return bf16_float(master[i]) + bf16_float(low[i]);
+}
+template <typename Master>
+FASTML_HD void store_master(Master* master, NoOutput*, int64_t i, float value, uint32_t random16) {
+  store_rounded(master, i, value, random16);
+}
+FASTML_HD void store_master(uint16_t* master, uint16_t* low, int64_t i, float value, uint32_t) {
+  const uint16_t high = bf16_nearest(value);
+  master[i] = high;
+  low[i] = bf16_nearest(value - bf16_float(high));  // exact in float32: value and high are within a bf16 step
+}
+
 // A bf16 gradient is scaled as the GPU path clips it in place: scaled in float, rounded back to bf16. On the GPU by
 // its one conversion instruction, which rounds as bf16_nearest does but for a NaN's bits (0x7FFF, which the GPU's
 // arithmetic after it does not keep), instead of bf16_nearest's integer arithmetic: the step's integer pipeline was
@@ -163,12 +185,12 @@ FASTML_HD float square_root(float x) {  // correctly rounded on both
 // `c` by value: a reference could alias the buffers, and GCC would reload it in the loop instead of vectorising.
 // kLerpFromEnd is a template parameter for the same reason: a select on a run-time flag stops GCC when the loop mixes
 // 16- and 32-bit types.
-template <bool kLerpFromEnd, typename Master, typename State, typename Grad, typename Out>
+template <bool kLerpFromEnd, typename Master, typename State, typename Grad, typename Out, typename Low>
 FASTML_HD void step_element(const StepConstants c, Master* __restrict__ master, State* __restrict__ exp_avg,
                             State* __restrict__ exp_avg_sq, const Grad* __restrict__ grad, Out* __restrict__ out,
-                            int64_t i) {
+                            Low* __restrict__ low, int64_t i) {
   const float g = scale_grad(load(grad, i), c.grad_scale, grad);
-  const float decayed = load(master, i) * c.decay_factor;
+  const float decayed = load_master(master, low, i) * c.decay_factor;
   const float m_old = load(exp_avg, i);
   const float m = fused_multiply_add(c.lerp_coeff, g - m_old, kLerpFromEnd ? g : m_old);
   const float v = fused_multiply_add(c.one_minus_beta2 * g, g, load(exp_avg_sq, i) * c.beta2);
@@ -178,7 +200,7 @@ FASTML_HD void step_element(const StepConstants c, Master* __restrict__ master, 
   const uint32_t bits = random_bits(c.key_low, c.key_high, c.offset + static_cast<uint64_t>(i));
   store_rounded(exp_avg, i, m, bits >> 16);
   store_rounded(exp_avg_sq, i, v, mix32(bits));
-  store_rounded(master, i, updated, bits);
+  store_master(master, low, i, updated, bits);
   store_weight(out, i, updated);
 }
 
@@ -203,30 +225,35 @@ inline StepConstants step_constants(double lr, double beta1, double beta2, doubl
 }
 
 // The dtypes of one call, and the one instantiation of step_element for them: `run` is called with null pointers of
-// the five types and the lerp flag as std::integral_constant, and casts the buffers itself. The switch sits outside
+// the six types and the lerp flag as std::integral_constant, and casts the buffers itself. The switch sits outside
 // the loops so that each loop is compiled (and vectorised) for its types alone.
 enum class Kind { kNone, kFloat, kBFloat16 };
 
 struct StepKinds {
-  Kind master, state, grad, out;
+  Kind master, state, grad, out, low;
 };
 
 template <bool kLerpFromEnd, typename Master, typename State, typename Grad, typename Run>
-FASTML_DISPATCH void with_out(Kind out, Run&& run) {
+FASTML_DISPATCH void with_out(const StepKinds& k, Run&& run) {
   const std::integral_constant<bool, kLerpFromEnd> lerp;
   if constexpr (std::is_same_v<Master, float>) {  // bf16 masters are the weights themselves: no output
-    if (out == Kind::kFloat) return run(lerp, (Master*)nullptr, (State*)nullptr, (const Grad*)nullptr, (float*)nullptr);
-    if (out == Kind::kBFloat16) {
-      return run(lerp, (Master*)nullptr, (State*)nullptr, (const Grad*)nullptr, (uint16_t*)nullptr);
+    if (k.out == Kind::kFloat) {
+      return run(lerp, (Master*)nullptr, (State*)nullptr, (const Grad*)nullptr, (float*)nullptr, (NoOutput*)nullptr);
     }
+    if (k.out == Kind::kBFloat16) {
+      return run(lerp, (Master*)nullptr, (State*)nullptr, (const Grad*)nullptr, (uint16_t*)nullptr,
+                 (NoOutput*)nullptr);
+    }
+  } else if (k.low == Kind::kBFloat16) {  // a compensation goes with bf16 masters only
+    return run(lerp, (Master*)nullptr, (State*)nullptr, (const Grad*)nullptr, (NoOutput*)nullptr, (uint16_t*)nullptr);
   }
-  run(lerp, (Master*)nullptr, (State*)nullptr, (const Grad*)nullptr, (NoOutput*)nullptr);
+  run(lerp, (Master*)nullptr, (State*)nullptr, (const Grad*)nullptr, (NoOutput*)nullptr, (NoOutput*)nullptr);
 }
 
 template <bool kLerpFromEnd, typename Master, typename State, typename Run>
 FASTML_DISPATCH void with_grad(const StepKinds& k, Run&& run) {
-  if (k.grad == Kind::kBFloat16) with_out<kLerpFromEnd, Master, State, uint16_t>(k.out, run);
-  else with_out<kLerpFromEnd, Master, State, float>(k.out, run);
+  if (k.grad == Kind::kBFloat16) with_out<kLerpFromEnd, Master, State, uint16_t>(k, run);
+  else with_out<kLerpFromEnd, Master, State, float>(k, run);
 }
 
 template <bool kLerpFromEnd, typename Run>

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -22,16 +23,26 @@ struct NamedTensor {
 
 inline std::vector<NamedTensor> named_tensors(const at::Tensor& master, const at::Tensor& exp_avg,
                                               const at::Tensor& exp_avg_sq, const at::Tensor& grad,
-                                              const std::optional<at::Tensor>& weight_out) {
+                                              const std::optional<at::Tensor>& weight_out,
+                                              const std::optional<at::Tensor>& master_low) {
   std::vector<NamedTensor> tensors = {
       {master, "master"}, {exp_avg, "exp_avg"}, {exp_avg_sq, "exp_avg_sq"}, {grad, "grad"}};
   if (weight_out.has_value()) tensors.push_back({*weight_out, "weight_out"});
+  if (master_low.has_value()) tensors.push_back({*master_low, "master_low"});
   return tensors;
+}
+
+// The tensor called `name`, or null where the call has none (an optional one).
+inline const at::Tensor* find_named(const std::vector<NamedTensor>& tensors, const char* name) {
+  for (const auto& t : tensors) {
+    if (std::strcmp(t.name, name) == 0) return &t.tensor;
+  }
+  return nullptr;
 }
 
 // Each tensor is float32 or bfloat16, contiguous, of master's length, on `device` (the kernel's: CPU or CUDA; meta
 // for the meta kernel when every tensor is on meta). m and v share a dtype; a weight to write goes with float32
-// masters only (bf16 masters are the weights themselves).
+// masters only (bf16 masters are the weights themselves); a compensation with bfloat16 masters only, in bfloat16.
 inline void check_tensors(const std::vector<NamedTensor>& tensors, c10::DeviceType device, const char* where) {
   const c10::SymInt numel = tensors.front().tensor.sym_numel();  // symbolic where torch.compile traces dynamic shapes
   for (const auto& [t, name] : tensors) {
@@ -49,8 +60,13 @@ inline void check_tensors(const std::vector<NamedTensor>& tensors, c10::DeviceTy
   TORCH_CHECK(tensors[1].tensor.scalar_type() == tensors[2].tensor.scalar_type(),
               "fastml::adamw_step_: exp_avg and exp_avg_sq must have one dtype, got ", tensors[1].tensor.scalar_type(),
               " and ", tensors[2].tensor.scalar_type());
-  TORCH_CHECK(tensors.size() == 4 || tensors[0].tensor.scalar_type() == at::kFloat,
+  const auto master_dtype = tensors[0].tensor.scalar_type();
+  TORCH_CHECK(find_named(tensors, "weight_out") == nullptr || master_dtype == at::kFloat,
               "fastml::adamw_step_: weight_out goes with float32 masters; bfloat16 masters are the weights");
+  const at::Tensor* low = find_named(tensors, "master_low");  // the message is built only on failure: low is set
+  TORCH_CHECK(low == nullptr || (master_dtype == at::kBFloat16 && low->scalar_type() == at::kBFloat16),
+              "fastml::adamw_step_: master_low, the compensation of bfloat16 masters, goes with bfloat16 masters and "
+              "is bfloat16; got ", master_dtype, " masters and a ", low->scalar_type(), " master_low");
 }
 
 inline bool overlaps(const at::Tensor& a, const at::Tensor& b) {
@@ -93,6 +109,7 @@ struct StepBuffers {
   void* exp_avg_sq;
   const void* grad;
   void* out;
+  void* low;
   StepKinds kinds;
 };
 
@@ -100,16 +117,18 @@ struct StepBuffers {
 inline std::pair<StepConstants, StepBuffers> checked_step(
     const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq, const at::Tensor& grad,
     const std::optional<at::Tensor>& weight_out, double lr, double beta1, double beta2, double eps,
-    double weight_decay, int64_t step, double grad_scale, int64_t seed, int64_t offset, c10::DeviceType device,
-    const char* where) {
-  const auto tensors = named_tensors(master, exp_avg, exp_avg_sq, grad, weight_out);
+    double weight_decay, int64_t step, double grad_scale, int64_t seed, int64_t offset,
+    const std::optional<at::Tensor>& master_low, c10::DeviceType device, const char* where) {
+  const auto tensors = named_tensors(master, exp_avg, exp_avg_sq, grad, weight_out, master_low);
   check_tensors(tensors, device, where);
   check_no_overlap(tensors);
   check_arguments(lr, beta1, beta2, eps, weight_decay, step, grad_scale, offset, master.numel());
   StepBuffers buffers{master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.const_data_ptr(),
                       weight_out.has_value() ? weight_out->data_ptr() : nullptr,
+                      master_low.has_value() ? master_low->data_ptr() : nullptr,
                       {kind_of(master), kind_of(exp_avg), kind_of(grad),
-                       weight_out.has_value() ? kind_of(*weight_out) : Kind::kNone}};
+                       weight_out.has_value() ? kind_of(*weight_out) : Kind::kNone,
+                       master_low.has_value() ? kind_of(*master_low) : Kind::kNone}};
   return {step_constants(lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed, offset), buffers};
 }
 

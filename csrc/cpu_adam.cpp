@@ -35,31 +35,33 @@ constexpr int64_t kGrainSize = 1 << 16;  // elements a thread takes at least: ~2
                                          // of waking a thread
 
 // `c` by value and the buffers restrict: GCC then keeps the constants in registers and vectorises the loop.
-template <bool kLerpFromEnd, typename Master, typename State, typename Grad, typename Out>
+template <bool kLerpFromEnd, typename Master, typename State, typename Grad, typename Out, typename Low>
 C10_ALWAYS_INLINE void step_range(const StepConstants c, Master* __restrict__ master, State* __restrict__ exp_avg,
                                   State* __restrict__ exp_avg_sq, const Grad* __restrict__ grad,
-                                  Out* __restrict__ out, int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; ++i) step_element<kLerpFromEnd>(c, master, exp_avg, exp_avg_sq, grad, out, i);
+                                  Out* __restrict__ out, Low* __restrict__ low, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    step_element<kLerpFromEnd>(c, master, exp_avg, exp_avg_sq, grad, out, low, i);
+  }
 }
 
 // One clone per ISA level; each instantiation's loop is vectorised on its own.
 FASTML_ISA_CLONES void step_chunk(const StepConstants& c, const StepBuffers& b, int64_t begin, int64_t end) {
-  dispatch_step(c, b.kinds, [&](auto lerp_from_end, auto* master, auto* state, auto* grad, auto* out)
+  dispatch_step(c, b.kinds, [&](auto lerp_from_end, auto* master, auto* state, auto* grad, auto* out, auto* low)
                                 C10_ALWAYS_INLINE_ATTRIBUTE {
     step_range<decltype(lerp_from_end)::value>(
         c, static_cast<decltype(master)>(b.master), static_cast<decltype(state)>(b.exp_avg),
         static_cast<decltype(state)>(b.exp_avg_sq), static_cast<decltype(grad)>(b.grad),
-        static_cast<decltype(out)>(b.out), begin, end);
+        static_cast<decltype(out)>(b.out), static_cast<decltype(low)>(b.low), begin, end);
   });
 }
 
 void adamw_step_cpu(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                     const at::Tensor& grad, const std::optional<at::Tensor>& weight_out, double lr, double beta1,
                     double beta2, double eps, double weight_decay, int64_t step, double grad_scale, int64_t seed,
-                    int64_t offset) {
+                    int64_t offset, const std::optional<at::Tensor>& master_low) {
   const auto checked =
       checked_step(master, exp_avg, exp_avg_sq, grad, weight_out, lr, beta1, beta2, eps, weight_decay, step,
-                   grad_scale, seed, offset, c10::DeviceType::CPU, kOnCpu);
+                   grad_scale, seed, offset, master_low, c10::DeviceType::CPU, kOnCpu);
   const StepConstants constants = checked.first;  // named: a lambda cannot capture structured bindings in C++17
   const StepBuffers buffers = checked.second;
   at::parallel_for(0, master.numel(), kGrainSize,
@@ -70,8 +72,8 @@ void adamw_step_cpu(const at::Tensor& master, const at::Tensor& exp_avg, const a
 // kernel when a meta tensor is mixed with CPU ones: then the meta ones are refused as not on the CPU.
 void adamw_step_meta(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                      const at::Tensor& grad, const std::optional<at::Tensor>& weight_out, double, double, double,
-                     double, double, int64_t, double, int64_t, int64_t) {
-  const auto tensors = named_tensors(master, exp_avg, exp_avg_sq, grad, weight_out);
+                     double, double, int64_t, double, int64_t, int64_t, const std::optional<at::Tensor>& master_low) {
+  const auto tensors = named_tensors(master, exp_avg, exp_avg_sq, grad, weight_out, master_low);
   const bool all_meta =
       std::all_of(tensors.begin(), tensors.end(), [](const NamedTensor& t) { return t.tensor.is_meta(); });
   check_tensors(tensors, all_meta ? c10::DeviceType::Meta : c10::DeviceType::CPU, all_meta ? "on meta" : kOnCpu);
@@ -83,7 +85,7 @@ TORCH_LIBRARY(fastml, m) {
   m.def(
       "adamw_step_(Tensor(a!) master, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, Tensor grad, "
       "Tensor(d!)? weight_out, float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
-      "float grad_scale, int seed, int offset) -> ()");
+      "float grad_scale, int seed, int offset, Tensor(e!)? master_low=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(fastml, CPU, m) { m.impl("adamw_step_", &adamw_step_cpu); }

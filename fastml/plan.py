@@ -158,9 +158,12 @@ class Knobs:
     weights are streamed from the host or sharded are cast as they come (`fp8_cached_blocks`)."""
     optimizer_dtype: Literal["fp32", "bf16"] = "fp32"
     """Adam's m and v."""
-    master_dtype: Literal["fp32", "bf16"] = "fp32"
+    master_dtype: Literal["fp32", "bf16", "bf16_kahan"] = "fp32"
     """The weights the optimizer updates: fp32 copies of bf16 parameters, or the parameters themselves ("bf16",
-    with stochastic rounding). With fp32 parameters the parameters are the masters."""
+    with stochastic rounding), or the parameters with a bf16 compensation beside Adam's m and v ("bf16_kahan": what
+    rounding to the parameter dropped, so that the master is their sum, rounded to nearest; 2 bytes a parameter more
+    than "bf16", 2 fewer than fp32 copies; not searched by the planner until its loss is measured on a GPU). With fp32
+    parameters the parameters are the masters."""
     comm: Literal["nccl", "memcpy"] = "nccl"
     overlap_cpu_step: bool = False
     """With offload_optimizer: the CPU steps its groups on a worker thread once the gradients are clipped, in the
@@ -172,10 +175,11 @@ class Knobs:
     compile: bool = False
 
     @property
-    def stochastic_rounding(self) -> bool:
-        """Whether the optimizer keeps bf16 masters or moments, which fastml's AdamW op writes with stochastic
-        rounding (bf16 masters go with bf16 parameters only: see below)."""
-        return "bf16" in (self.optimizer_dtype, self.master_dtype)
+    def uses_fastml_adamw(self) -> bool:
+        """Whether the optimizer keeps bf16 masters or moments, which fastml's AdamW op steps (torch's AdamW keeps
+        neither well: the op writes them with stochastic rounding, or bf16 masters with their compensation; bf16
+        masters go with bf16 parameters only: see below)."""
+        return self.optimizer_dtype == "bf16" or self.master_dtype != "fp32"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

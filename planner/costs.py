@@ -22,8 +22,8 @@ from fastml.plan import KNOBS, MEMCPY_ROW_BYTES, Knobs, fp8_cached_blocks
 from fastml.hwprofiles.schema import (ATTENTION_BACKWARD_FACTOR, ELEMENTWISE_PASSES, FP8_AMAX_BYTES, FP8_CAST_BYTES,
                                       Calibration)
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, group_params,
-                                   has_fp32_masters, loss_logit_bytes, param_bytes)
+from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, compensation_bytes,
+                                   group_params, has_fp32_masters, loss_logit_bytes, param_bytes)
 from fastml.spec import ModelSpec
 
 @dataclass(frozen=True)
@@ -176,13 +176,13 @@ def optimizer_step_bytes(knobs: Knobs) -> int:
     """Bytes AdamW reads and writes per parameter (executor/memory/optim.py). With fp32 masters: read the gradient (torch's
     fused AdamW: write and read its fp32 copy first; fastml's op, stepping bf16 moments, reads it as it is), read and
     write the master, write the rounded weight; else the parameter is its own master: read the gradient, read and
-    write the weight. Then read and write m and v."""
+    write the weight (and its compensation). Then read and write m and v."""
     weight = param_bytes(knobs)
     if has_fp32_masters(knobs):
-        grad_copy = 0 if knobs.stochastic_rounding else 2 * FP32_BYTES
+        grad_copy = 0 if knobs.uses_fastml_adamw else 2 * FP32_BYTES
         moved = weight + grad_copy + 2 * FP32_BYTES + weight
     else:
-        moved = weight + 2 * weight
+        moved = weight + 2 * weight + 2 * compensation_bytes(knobs)
     return moved + 2 * 2 * DTYPE_BYTES[knobs.optimizer_dtype]
 
 

@@ -63,6 +63,11 @@ def activation_bytes(knobs: Knobs) -> int:
     return DTYPE_BYTES[knobs.param_dtype]
 
 
+def compensation_bytes(knobs: Knobs) -> int:
+    """Bytes a parameter of master_dtype "bf16_kahan" keeps beside Adam's m and v: its bf16 compensation."""
+    return DTYPE_BYTES["bf16"] if knobs.master_dtype == "bf16_kahan" else 0
+
+
 def has_fp32_masters(knobs: Knobs) -> bool:
     """Whether the optimizer keeps fp32 copies of the parameters: only of low-precision ones (fp32 parameters are
     their own masters)."""
@@ -186,7 +191,8 @@ def model_state_bytes(num_params: int, knobs: Knobs, num_gpus: int,
                       shard_weights: bool | None = None) -> dict[str, float]:
     """Weights, master weights, gradients and optimizer states of one GPU, before any offload (ZeRO's model):
     weights and gradients in the parameters' dtype, fp32 masters only of low-precision parameters (bf16 masters are
-    the weights themselves, stochastically rounded), Adam's m and v in the optimizer dtype. `shard_weights` says
+    the weights themselves, stochastically rounded or with a compensation kept with m and v), Adam's m and v in the
+    optimizer dtype. `shard_weights` says
     whether these parameters' weights are sharded (default: knobs.shard_weights; fastml.plan.weights_sharded says
     which groups ZeRO-3 shards)."""
     def shard(flag: bool) -> int:
@@ -197,7 +203,8 @@ def model_state_bytes(num_params: int, knobs: Knobs, num_gpus: int,
                                                            else shard_weights),
         "gradients": num_params * param_bytes(knobs) / shard(knobs.shard_gradients),
         "master_weights": num_params * master / shard(knobs.shard_optimizer),
-        "optimizer_states": num_params * 2 * DTYPE_BYTES[knobs.optimizer_dtype] / shard(knobs.shard_optimizer),
+        "optimizer_states": num_params * (2 * DTYPE_BYTES[knobs.optimizer_dtype] + compensation_bytes(knobs))
+                            / shard(knobs.shard_optimizer),
     }
 
 

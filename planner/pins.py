@@ -98,7 +98,7 @@ def _ties(name: str, value) -> dict[str, object]:
         return {"shard_optimizer": False}
     if name == "offload_master" and value:  # bf16 masters are the weights themselves: no copy to move
         return {"master_dtype": "fp32"}
-    if name == "master_dtype" and value == "bf16":
+    if name == "master_dtype" and value != "fp32":
         return {"param_dtype": "bf16"}
     if name == "matmul_dtype":
         return {"param_dtype": "fp32" if value == "fp32" else "bf16"}

@@ -104,23 +104,32 @@ def fresh_state_in(num_params: int, master_dtype: torch.dtype, state_dtype: torc
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("beta1", [0.9, 0.3])  # torch's lerp takes another formula for a weight 1 - beta1 >= 0.5
-@pytest.mark.parametrize("dtypes, out_dtype", [  # a weight_out beside fp32 masters only: bf16 ones are the weights
-    (dtypes, out) for dtypes in STATE_DTYPES
-    for out in ([None, torch.float32, torch.bfloat16] if dtypes[0] == torch.float32 else [None])])
-def test_op_matches_its_python_reference(grad_dtype, beta1, dtypes, out_dtype):
+@pytest.mark.parametrize("dtypes, out_dtype, compensated", [  # a weight_out beside fp32 masters only, a
+    (dtypes, out, False) for dtypes in STATE_DTYPES  # compensation beside bf16 ones only
+    for out in ([None, torch.float32, torch.bfloat16] if dtypes[0] == torch.float32 else [None])] + [
+    (dtypes, None, True) for dtypes in STATE_DTYPES if dtypes[0] == torch.bfloat16])
+def test_op_matches_its_python_reference(grad_dtype, beta1, dtypes, out_dtype, compensated):
     """Bit for bit where torch's kernels round as the op does (x86 with AVX2 or AVX-512); within a few roundings
-    elsewhere. bf16 masters and moments round stochastically, with the same random bits in both."""
+    elsewhere. bf16 masters and moments round stochastically, with the same random bits in both; bf16 masters with
+    a compensation to nearest."""
     op_state, ref_state = fresh_state_in(NUM_PARAMS, *dtypes), fresh_state_in(NUM_PARAMS, *dtypes)
     op_out, ref_out = [torch.zeros(NUM_PARAMS, dtype=out_dtype) if out_dtype else None for _ in range(2)]
+    op_low, ref_low = [torch.zeros(NUM_PARAMS, dtype=torch.bfloat16) if compensated else None for _ in range(2)]
     for step, grad in enumerate(gradients(NUM_PARAMS, 20, grad_dtype)):
         args = (3e-3 * (step + 1) / 20, beta1, 0.95, EPS, 0.1, step + 1, 0.7 if step % 2 else 1.0, 1234 + step, 77)
-        cpu_adam.adamw_step_(*op_state, grad, op_out, *args)
-        cpu_adam.adamw_step_reference_(*ref_state, grad, ref_out, *args)
-    for name, op, ref in zip(["master", "exp_avg", "exp_avg_sq", "weight_out"], [*op_state, op_out],
-                             [*ref_state, ref_out]):
+        cpu_adam.adamw_step_(*op_state, grad, op_out, *args, master_low=op_low)
+        cpu_adam.adamw_step_reference_(*ref_state, grad, ref_out, *args, master_low=ref_low)
+    for name, op, ref in zip(["master", "exp_avg", "exp_avg_sq", "weight_out", "master_low"],
+                             [*op_state, op_out, op_low], [*ref_state, ref_out, ref_low]):
         if op is None:
             continue
-        if fp32_uses_fma_like_the_op():
+        if compensated and name in ("master", "master_low") and not fp32_uses_fma_like_the_op():
+            # a float32 rounding apart can tip the weight to the other bf16 neighbour and its compensation with it:
+            # their sum, the master, agrees to its own precision (about 16 bits)
+            if name == "master":
+                torch.testing.assert_close(op.float() + op_low.float(), ref.float() + ref_low.float(),
+                                           rtol=2**-15, atol=0, msg=name)
+        elif fp32_uses_fma_like_the_op():
             assert torch.equal(op, ref), f"{name}: {int((op != ref).sum())} of {op.numel()} elements differ"
         elif op.dtype == torch.float32:
             torch.testing.assert_close(op, ref, rtol=20 * 4 * U, atol=0, msg=name)
@@ -168,6 +177,9 @@ def test_bf16_gradient_is_scaled_in_bf16_as_clipping_in_place_would():
 def test_meta_tensors_pass_for_tracing():
     meta = [torch.empty(10, device="meta") for _ in range(4)]
     torch.ops.fastml.adamw_step_(*meta, None, 1e-3, 0.9, 0.95, EPS, 0.0, 1, 1.0, 0, 0)
+    compensated = [torch.empty(10, device="meta", dtype=torch.bfloat16), *meta[1:]]
+    torch.ops.fastml.adamw_step_(*compensated, None, 1e-3, 0.9, 0.95, EPS, 0.0, 1, 1.0, 0, 0,
+                                 torch.empty(10, device="meta", dtype=torch.bfloat16))
 
 
 def bad_call(master=None, exp_avg=None, exp_avg_sq=None, grad=None, weight_out=None, **hyper):
@@ -190,6 +202,14 @@ SHARED = torch.zeros(15)
     (dict(master=torch.zeros(10, dtype=torch.bfloat16), weight_out=torch.zeros(10, dtype=torch.bfloat16)),
      "weight_out goes with float32 masters; bfloat16 masters are the weights"),
     (dict(offset=2**32 - 9), "offset \\+ elements must be within \\[0, 2\\*\\*32\\]"),
+    (dict(master_low=torch.zeros(10, dtype=torch.bfloat16)),
+     "master_low, the compensation of bfloat16 masters, goes with bfloat16 masters and is bfloat16; got Float masters "
+     "and a BFloat16 master_low"),
+    (dict(master=torch.zeros(10, dtype=torch.bfloat16), master_low=torch.zeros(10)),
+     "master_low, the compensation of bfloat16 masters, goes with bfloat16 masters and is bfloat16; got BFloat16 "
+     "masters and a Float master_low"),
+    (dict(master=torch.zeros(10, dtype=torch.bfloat16), master_low=torch.zeros(9, dtype=torch.bfloat16)),
+     "master_low has 9 elements, master has 10"),
     (dict(grad=torch.zeros(10, dtype=torch.float16)), "grad must be float32 or bfloat16, got Half"),
     (dict(weight_out=torch.zeros(10, dtype=torch.float16)), "weight_out must be float32 or bfloat16, got Half"),
     (dict(grad=torch.zeros(10, device="meta")), "grad must be a CPU tensor"),
@@ -351,6 +371,24 @@ def test_bf16_masters_with_stochastic_rounding_follow_fp32_masters():
     moved = 1 - fp32[0].mean().item()
     assert moved == pytest.approx(steps * 1e-4, rel=0.01)
     assert 1 - bf16[0].float().mean().item() == pytest.approx(moved, rel=0.05)
+
+
+def test_compensated_bf16_masters_keep_what_rounding_drops():
+    """The same 200 steps with a compensation (knobs.master_dtype "bf16_kahan"): the weight moves as the fp32 masters'
+    does, and the sum of weight and compensation stays within its precision of them. Each step rounds the compensation
+    once, by at most half its last bit: below 1 the weight's bf16 step is 2**-8, the compensation at most half of that,
+    its last bit 2**-16; and fp32 masters round once a step too, by at most 2**-25 there."""
+    n, steps = 4096, 200
+    fp32 = [torch.ones(n), torch.zeros(n), torch.zeros(n)]
+    bf16 = [torch.ones(n, dtype=torch.bfloat16), torch.zeros(n), torch.zeros(n)]
+    low = torch.zeros(n, dtype=torch.bfloat16)
+    grad = torch.ones(n)
+    for step in range(1, steps + 1):
+        cpu_adam.adamw_step_(*fp32, grad, None, 1e-4, 0.9, 0.95, EPS, 0.0, step)
+        cpu_adam.adamw_step_(*bf16, grad, None, 1e-4, 0.9, 0.95, EPS, 0.0, step, master_low=low)
+    master = bf16[0].float() + low.float()
+    assert (master - fp32[0]).abs().max().item() <= steps * (2.0**-17 + 2.0**-25)
+    assert 1 - bf16[0].float().mean().item() == pytest.approx(steps * 1e-4, rel=0.1)  # the weight moved: 5 bf16 steps
 
 
 def test_reference_stochastic_rounding_is_bf16_of_truncation_or_the_next_value():

@@ -33,10 +33,11 @@ def needs_fp8_tensor_cores():
 
 # ---------------------------------------------------------------------------------------------------- quantize
 
-SHAPES = [(256, 512), (2048, 4096), (136, 200), (100, 72), (37, 13), (1, 1), (64, 8), (2056, 4104), (1300, 4104)]
+SHAPES = [(256, 512), (2048, 4096), (136, 200), (100, 72), (37, 13), (1, 1), (1000, 8), (2056, 4104), (1288, 4104)]
 """Whole 64 x 128 tiles, large ones, whole tiles beside partial ones, partial tiles only, rows of odd length, one
-element, one column of tiles, more tiles than the GPU holds blocks, whole and partial (each block walks several), the
-last of them with a last group of 1 tile row and of 5 (the cast walks groups of 8 tile rows)."""
+element, one column of tiles (two groups of tile rows), and more tiles than the GPU holds blocks, whole and partial
+(each block walks several): the cast walks groups of 8 tile rows, and the last two shapes end with a shorter group,
+of one partial tile row and of five tile rows."""
 FP8 = [fp8.E4M3, fp8.E5M2]
 RELATIVE = {fp8.E4M3: 2.0**-4, fp8.E5M2: 2.0**-3}
 """Half an fp8 step relative to the value: e4m3 keeps 3 mantissa bits, e5m2 2."""
@@ -296,46 +297,52 @@ def on_gpu_from(t: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def check_cuda_adamw_against_the_cpu_op(n: int, master_dtype, state_dtype, out_dtype, steps: int, beta1: float,
-                                        start: int, seed: int) -> None:
+                                        start: int, seed: int, compensated: bool = False) -> None:
     """`steps` steps of the GPU op and the C++ CPU op on the same n elements (the GPU's tensors `start` elements into
-    their buffers): master, m, v and the weight written beside fp32 masters the same bits."""
+    their buffers): master, m, v, the weight written beside fp32 masters and the compensation of bf16 ones the same
+    bits."""
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(n, generator=gen).to(master_dtype)
     m = (torch.randn(n, generator=gen) * 1e-3).to(state_dtype)
     v = (torch.rand(n, generator=gen) * 1e-5).to(state_dtype)
     out = torch.zeros(n, dtype=out_dtype) if out_dtype else None
-    gpu = [on_gpu_from(t, start) if t is not None else None for t in (master, m, v, out)]
-    cpu = [t.clone() if t is not None else None for t in (master, m, v, out)]
+    low = (torch.randn(n, generator=gen) * 1e-3).to(torch.bfloat16) if compensated else None
+    gpu = [on_gpu_from(t, start) if t is not None else None for t in (master, m, v, out, low)]
+    cpu = [t.clone() if t is not None else None for t in (master, m, v, out, low)]
     for step in range(1, steps + 1):
         grad = (torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16)
         # gradient scales as clipping makes them: 0.3 rounds the scaled bf16 gradient, 0.5 and 1 are exact
         args = (1e-3, beta1, 0.95, EPS, 0.1, step, (0.3, 0.5, 1.0)[step % 3], 40 + step, 11)
-        cpu_adam.adamw_step_(*gpu[:3], on_gpu_from(grad, start), gpu[3], *args)
-        cpu_adam.adamw_step_(*cpu[:3], grad, cpu[3], *args)
-    for name, got, want in zip(["master", "exp_avg", "exp_avg_sq", "weight_out"], gpu, cpu):
+        cpu_adam.adamw_step_(*gpu[:3], on_gpu_from(grad, start), gpu[3], *args, master_low=gpu[4])
+        cpu_adam.adamw_step_(*cpu[:3], grad, cpu[3], *args, master_low=cpu[4])
+    for name, got, want in zip(["master", "exp_avg", "exp_avg_sq", "weight_out", "master_low"], gpu, cpu):
         if want is not None:
             assert torch.equal(got.cpu(), want), f"{name}: {int((got.cpu() != want).sum())} of {n} differ"
 
 
-@pytest.mark.parametrize("master_dtype, state_dtype, out_dtype", [
-    (torch.float32, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.bfloat16, None),
-    (torch.bfloat16, torch.float32, None), (torch.float32, torch.float32, torch.bfloat16),
-    (torch.float32, torch.float32, None)])
+@pytest.mark.parametrize("master_dtype, state_dtype, out_dtype, compensated", [
+    (torch.float32, torch.bfloat16, torch.bfloat16, False), (torch.bfloat16, torch.bfloat16, None, False),
+    (torch.bfloat16, torch.float32, None, False), (torch.float32, torch.float32, torch.bfloat16, False),
+    (torch.float32, torch.float32, None, False), (torch.bfloat16, torch.bfloat16, None, True),
+    (torch.bfloat16, torch.float32, None, True)])
 @pytest.mark.parametrize("beta1", [0.9, 0.3])  # the two formulas of torch's lerp
 @pytest.mark.parametrize("start", [0, 3])  # the GPU's buffers aligned (runs of 8, then the rest) or not (one by one)
-def test_cuda_adamw_is_the_cpu_op_bit_for_bit(master_dtype, state_dtype, out_dtype, beta1, start):
+def test_cuda_adamw_is_the_cpu_op_bit_for_bit(master_dtype, state_dtype, out_dtype, compensated, beta1, start):
     """The same arithmetic (csrc/adamw_math.h), the same random bits: the GPU's step is the C++ CPU op's, bit for
-    bit, the weight it writes beside fp32 masters too, whichever of its kernels steps an element."""
+    bit, the weight it writes beside fp32 masters and the compensation of bf16 ones too, whichever of its kernels
+    steps an element."""
     check_cuda_adamw_against_the_cpu_op(3 * 65536 + 5, master_dtype, state_dtype, out_dtype, steps=5, beta1=beta1,
-                                        start=start, seed=0)
+                                        start=start, seed=0, compensated=compensated)
 
 
-@pytest.mark.parametrize("master_dtype, state_dtype, out_dtype", [
-    (torch.float32, torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.bfloat16, None)])
-def test_cuda_adamw_of_more_runs_than_its_threads_is_the_cpu_op_bit_for_bit(master_dtype, state_dtype, out_dtype):
+@pytest.mark.parametrize("master_dtype, state_dtype, out_dtype, compensated", [
+    (torch.float32, torch.bfloat16, torch.bfloat16, False), (torch.bfloat16, torch.bfloat16, None, False),
+    (torch.bfloat16, torch.bfloat16, None, True)])
+def test_cuda_adamw_of_more_runs_than_its_threads_is_the_cpu_op_bit_for_bit(master_dtype, state_dtype, out_dtype,
+                                                                             compensated):
     """8M elements: each thread of the grid steps several runs of 8, each with the random bits of its own indices."""
     check_cuda_adamw_against_the_cpu_op(2**23 + 5, master_dtype, state_dtype, out_dtype, steps=1, beta1=0.9,
-                                        start=0, seed=3)
+                                        start=0, seed=3, compensated=compensated)
 
 
 # ---------------------------------------------------------------------------------------------------- training
@@ -361,11 +368,13 @@ def bf16_losses(tmp_path_factory):
 @pytest.mark.parametrize("knobs", [
     dict(matmul_dtype="fp8"),
     dict(optimizer_dtype="bf16", master_dtype="bf16"),
+    dict(optimizer_dtype="bf16", master_dtype="bf16_kahan", offload_optimizer=0.5),
     dict(matmul_dtype="fp8", optimizer_dtype="bf16", master_dtype="bf16", recompute=("ffn", "attention"),
          compile=True),
     dict(matmul_dtype="fp8", recompute=("block",), offload_weights=1.0, offload_gradients=1.0,
          offload_optimizer=0.5, optimizer_dtype="bf16"),
-], ids=["fp8", "bf16-state", "fp8+bf16-state+recompute+compile", "fp8+offload+bf16-state"])
+], ids=["fp8", "bf16-state", "compensated-bf16-state+offload", "fp8+bf16-state+recompute+compile",
+        "fp8+offload+bf16-state"])
 def test_lower_precision_trains_like_bf16(tmp_path, bf16_losses, knobs):
     got = losses(tmp_path, "log.jsonl", micro_batch_size=4, **knobs)
     assert got[0] == pytest.approx(bf16_losses[0], rel=0.01)

@@ -16,17 +16,19 @@ def on_gpu(test):
     return pytest.mark.gpu(no_gpu(test))
 
 
-ADAMW_KINDS = [(torch.float32, torch.float32, torch.bfloat16), (torch.float32, torch.bfloat16, None),
-               (torch.bfloat16, torch.bfloat16, None)]
-"""(master, moments, weight written) of the steps the executor takes with the op."""
+ADAMW_KINDS = [(torch.float32, torch.float32, torch.bfloat16, False), (torch.float32, torch.bfloat16, None, False),
+               (torch.bfloat16, torch.bfloat16, None, False), (torch.bfloat16, torch.bfloat16, None, True)]
+"""(master, moments, weight written, a compensation of the masters) of the steps the executor takes with the op."""
 
 
-def adamw_arguments(device: str, master_dtype, state_dtype, out_dtype, n: int = 1000) -> tuple:
+def adamw_arguments(device: str, master_dtype, state_dtype, out_dtype, compensated, n: int = 1000) -> tuple:
     gen = torch.Generator().manual_seed(0)
     tensors = (torch.randn(n, generator=gen).to(master_dtype), torch.zeros(n, dtype=state_dtype),
                torch.zeros(n, dtype=state_dtype), torch.randn(n, generator=gen).to(torch.bfloat16),
                torch.empty(n, dtype=out_dtype) if out_dtype else None)
-    return (*(t.to(device) if t is not None else None for t in tensors), 1e-3, 0.9, 0.95, 1e-8, 0.1, 3, 0.5, 7, 0)
+    low = (torch.randn(n, generator=gen) * 1e-3).to(device=device, dtype=torch.bfloat16) if compensated else None
+    return (*(t.to(device) if t is not None else None for t in tensors), 1e-3, 0.9, 0.95, 1e-8, 0.1, 3, 0.5, 7, 0,
+            low)
 
 
 def all_succeed(report: dict) -> bool:

@@ -12,7 +12,7 @@ from fastml.hwprofiles.schema import Calibration
 from fastml.plan import TIME_COMPONENTS, Knobs, knob_names
 from fastml.planner.hardware import load_machine, parse_bytes
 from fastml.planner.costs import (ATTENTION_BACKWARD_FACTOR, _attention_s, costs, layer_flops, nccl_s,
-                                  step_work)
+                                  optimizer_step_bytes, step_work)
 from fastml.planner.memory import layer_activation_bytes, memory, model_state_bytes
 from fastml.planner.planner import NoFeasiblePlan, _this_machine, eval_time_s, make_plan, replan
 from fastml.planner.request import DEFAULT_TRIALS, PlanRequest
@@ -478,6 +478,16 @@ def test_fp8_weights_are_cached_only_for_blocks_whose_weights_stay_whole_on_the_
         Knobs(cache_fp8_weights=True)
 
 
+def test_compensated_bf16_masters_cost_two_bytes_a_parameter_more_than_bf16_ones():
+    """master_dtype "bf16_kahan" keeps a bf16 compensation beside m and v: 2 bytes a parameter more in the optimizer
+    states (sharded and offloaded with them), and 4 more that the GPU step reads and writes."""
+    bf16, kahan = (Knobs(optimizer_dtype="bf16", master_dtype=m, shard_optimizer=True) for m in ("bf16", "bf16_kahan"))
+    plain, compensated = model_state_bytes(1000, bf16, 4), model_state_bytes(1000, kahan, 4)
+    assert compensated.pop("optimizer_states") - plain.pop("optimizer_states") == 1000 * 2 / 4
+    assert compensated == plain
+    assert optimizer_step_bytes(kahan) - optimizer_step_bytes(bf16) == 4
+
+
 def test_cached_fp8_weights_are_cast_once_a_step_and_cost_two_bytes_a_weight():
     """Four micro-batches: uncached, every pass of every block casts its weights (forward and backward); cached,
     one cast of every block at the start of the step, and the cache in the weights' memory."""
@@ -629,6 +639,8 @@ def test_a_pinned_zero_stage_off_keeps_the_stages_above_it_off_on_cpu_processes(
      "knobs.overlap_cpu_step: True needs knobs.shard_optimizer False, which is pinned to True"),
     (dict(hw="h200", gpus=2), ["knobs.offload_master=1", "knobs.master_dtype=bf16"],
      "knobs.offload_master: 1.0 needs knobs.master_dtype 'fp32', which is pinned to 'bf16'"),
+    (dict(device="cpu"), ["knobs.master_dtype=bf16_kahan"], "knobs.master_dtype: 'bf16_kahan' needs "
+                                                            "knobs.param_dtype 'bf16', which this CPU trains with 'fp32'"),
 ])
 def test_a_pin_that_cannot_hold_is_one_error_before_any_measurement(fake_cpu, kwargs, pins, fragment):
     with pytest.raises(UserError, match=fragment) as info:

@@ -1,6 +1,7 @@
 """Lower-precision optimizer state on a CPU: bf16 Adam moments and bf16 master weights (knobs.optimizer_dtype,
-knobs.master_dtype), stepped by fastml's op with stochastic rounding. They train close to fp32 state, keep a third
-of the optimizer's memory, and resume bit for bit (the rounding's random bits come from the seed, not a generator's
+knobs.master_dtype), stepped by fastml's op with stochastic rounding, or the bf16 masters with a compensation
+("bf16_kahan"). They train close to fp32 state, keep a third (a half with the compensation) of the optimizer's
+memory, and resume bit for bit (the rounding's random bits come from the seed, not a generator's
 state). tests/test_gpu_precision.py trains with them on a GPU, and with fp8 matmuls, which need one; here fp8 runs
 emulated, for what surrounds its casts and GEMMs (the weights' fp8 cache)."""
 
@@ -16,6 +17,7 @@ from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.train import train
 
 LOWER = {"optimizer_dtype": "bf16", "master_dtype": "bf16"}
+KAHAN = {"optimizer_dtype": "bf16", "master_dtype": "bf16_kahan"}
 
 
 def cpu_plan(steps=12, checkpoint_dir=None, **knobs):
@@ -35,8 +37,9 @@ def fp32_losses(tmp_path_factory):
     return run_losses(cpu_plan(), tmp_path_factory.mktemp("fp32") / "log.jsonl")
 
 
-@pytest.mark.parametrize("knobs", [{"optimizer_dtype": "bf16"}, {"master_dtype": "bf16"}, LOWER],
-                         ids=["bf16-moments", "bf16-masters", "both"])
+@pytest.mark.parametrize("knobs", [{"optimizer_dtype": "bf16"}, {"master_dtype": "bf16"}, LOWER,
+                                   {"master_dtype": "bf16_kahan"}, KAHAN],
+                         ids=["bf16-moments", "bf16-masters", "both", "compensated-masters", "both-compensated"])
 def test_bf16_optimizer_state_trains_like_fp32_state(tmp_path, fp32_losses, knobs):
     losses = run_losses(cpu_plan(**knobs), tmp_path / "log.jsonl")
     assert losses[0] == fp32_losses[0]  # before any step
@@ -72,9 +75,33 @@ def test_bf16_state_keeps_a_third_of_the_optimizer_memory():
     assert sizes["bf16"] * 3 == sizes["fp32"]
 
 
-def test_bf16_state_resumes_bit_for_bit(tmp_path):
-    whole = run_losses(cpu_plan(steps=8, checkpoint_dir=str(tmp_path / "a"), **LOWER), tmp_path / "a.jsonl")
-    plan = cpu_plan(steps=8, checkpoint_dir=str(tmp_path / "b"), **LOWER)
+def test_compensated_masters_keep_a_compensation_beside_the_moments_and_step_alike_offloaded(tmp_path):
+    """master_dtype "bf16_kahan": a bf16 compensation a parameter with its m and v (half the fp32 state's bytes,
+    2 a parameter more than bf16's), starting at zero and written by the step; offload_optimizer steps it in host
+    memory slice by slice with the same op, so the losses are the same bits, and not those of stochastic rounding
+    (which a step that left the compensation out would fall back to)."""
+    plan = cpu_plan(**KAHAN)
+    model = build_training_model(plan, torch.device("cpu"))
+    optimizer = AdamW(model, plan.training, plan.knobs)
+    lows = [optimizer.state[p]["master_low"] for p in model.parameters()]
+    assert all(low.dtype == torch.bfloat16 and low.shape == p.shape and not low.any()
+               for low, p in zip(lows, model.parameters()))
+    state_bytes = sum(t.nbytes for t in optimizer.state_tensors().values() if t.ndim > 0)
+    assert state_bytes == 6 * sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(p.dtype)
+    optimizer.step()
+    assert all(low.any() for low in lows)  # each kept some of what rounding its weights dropped
+    losses = run_losses(plan, tmp_path / "resident.jsonl")
+    assert run_losses(cpu_plan(offload_optimizer=1.0, **KAHAN), tmp_path / "offloaded.jsonl") == losses
+    assert run_losses(cpu_plan(**LOWER), tmp_path / "stochastic.jsonl")[1:] != losses[1:]
+
+
+@pytest.mark.parametrize("knobs", [LOWER, KAHAN], ids=["bf16", "compensated"])
+def test_bf16_state_resumes_bit_for_bit(tmp_path, knobs):
+    whole = run_losses(cpu_plan(steps=8, checkpoint_dir=str(tmp_path / "a"), **knobs), tmp_path / "a.jsonl")
+    plan = cpu_plan(steps=8, checkpoint_dir=str(tmp_path / "b"), **knobs)
     first = run_losses(plan, tmp_path / "b.jsonl", steps=3)  # stops at 3 as a killed run would (the same lrs so far)
     resumed = run_losses(plan, tmp_path / "b.jsonl", resume=True)
     assert first == whole[:3]

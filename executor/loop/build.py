@@ -20,7 +20,7 @@ from fastml.executor.parallel.world import SINGLE, World
 
 def uses_cuda_ops(knobs: Knobs) -> bool:
     """Whether a GPU run of these knobs calls fastml's CUDA ops: fp8 casts, or the AdamW of bf16 masters or moments."""
-    return knobs.matmul_dtype == "fp8" or knobs.stochastic_rounding
+    return knobs.matmul_dtype == "fp8" or knobs.uses_fastml_adamw
 
 
 def build_training_model(plan: Plan, device: torch.device, world: World = SINGLE, comm=None) -> Transformer:

@@ -214,7 +214,7 @@ def memory_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     tensors = {"weights": params + [b for m in fp8.cached_linears(model) for b in m.buffers()],
                "master_weights": [s.get("master") for s in states],
                "gradients": [p.grad for p in params],
-               "optimizer_states": [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]}
+               "optimizer_states": [s[k] for s in states for k in ("exp_avg", "exp_avg_sq", "master_low") if k in s]}
     for category, listed in model.placement.tensors_by_category().items():
         tensors[category] = tensors.get(category, []) + listed
     return tensors

@@ -32,8 +32,10 @@ class AdamW(torch.optim.Optimizer):
     Adam's m and v are in `optimizer_dtype`. Where masters (the parameters themselves) or m and v are bf16, the step
     is fastml's op (cpu_adam.py, on the CPU or the GPU), which writes them with stochastic rounding, its random bits
     drawn from the run's seed, the parameter, the step and the element (`rounding_seed`): a resumed run rounds as the
-    uninterrupted one. Matrices decay, norms and biases do not (the group's "decay" flags). `lr` is each group's
-    "lr", set by the training loop (`set_lr`) before each step.
+    uninterrupted one. With master_dtype "bf16_kahan" the bf16 parameters keep a bf16 compensation beside m and v
+    ("master_low": what rounding the master to the parameter dropped), and are rounded to nearest instead. Matrices
+    decay, norms and biases do not (the group's "decay" flags). `lr` is each group's "lr", set by the training loop
+    (`set_lr`) before each step.
 
     Offload: a group in offload_optimizer keeps m and v in host memory and steps on the CPU (the C++ AdamW of
     csrc/, cpu_adam.py), writing its bf16 weights straight into their host copy where the weights are streamed; a
@@ -72,9 +74,11 @@ class AdamW(torch.optim.Optimizer):
         self._stepping: dict[str, Future] = {}  # group -> its pending background step
         if self._worker is not None and placement is not None:
             placement.wait_for_step, placement.finish_steps = self.wait_group, self.finish_steps
-        master_dtype, state_dtype = DTYPES[knobs.master_dtype], DTYPES[knobs.optimizer_dtype]
-        self.stochastic = knobs.stochastic_rounding
-        if self.stochastic and self.device.type == "cuda":
+        master_dtype = torch.float32 if knobs.master_dtype == "fp32" else torch.bfloat16
+        state_dtype = DTYPES[knobs.optimizer_dtype]
+        compensated = knobs.master_dtype == "bf16_kahan"
+        self.steps_with_fastml_op = knobs.uses_fastml_adamw
+        if self.steps_with_fastml_op and self.device.type == "cuda":
             native.load_cuda()
         for group in self.param_groups:
             on_cpu = group["on_cpu"]
@@ -85,7 +89,8 @@ class AdamW(torch.optim.Optimizer):
                     self.state[p] = self._initial_state(self._weight(group, p), master_dtype, state_dtype,
                                                         master_at, states_at,
                                                         pin=not on_cpu and self.device.type == "cuda",
-                                                        count_on_host=on_cpu or self.stochastic)
+                                                        count_on_host=on_cpu or self.steps_with_fastml_op,
+                                                        compensated=compensated)
 
     def _pieces(self, group: dict) -> dict[nn.Parameter, Piece]:
         """The part of each parameter of `group` this rank steps: all of it, or where its shard cuts it."""
@@ -101,7 +106,8 @@ class AdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _initial_state(weight: torch.Tensor, master_dtype: torch.dtype, state_dtype: torch.dtype,
-                       master_at: torch.device, states_at: torch.device, pin: bool, count_on_host: bool) -> dict:
+                       master_at: torch.device, states_at: torch.device, pin: bool, count_on_host: bool,
+                       compensated: bool) -> dict:
         if weight.dtype == master_dtype:
             master = None
         elif master_at.type == "cpu" and pin:  # host masters a GPU step reads: pinned, for fast asynchronous copies
@@ -115,6 +121,8 @@ class AdamW(torch.optim.Optimizer):
                  "exp_avg_sq": torch.zeros_like(like, dtype=state_dtype, device=states_at)}
         if master is not None:
             state["master"] = master
+        elif compensated and weight.dtype == torch.bfloat16:  # zero: the weights are exact where training starts
+            state["master_low"] = torch.zeros_like(weight, device=states_at)
         return state
 
     def _weight(self, group: dict, p: nn.Parameter) -> torch.Tensor:
@@ -274,7 +282,7 @@ class AdamW(torch.optim.Optimizer):
         masters = [m.to(self.device, non_blocking=True) for m in homes]  # the same tensor where it is here
         beta1, beta2 = group["betas"]
         rounded_in_step = set()
-        if self.stochastic:  # fastml's op, one parameter at a time, reading bf16 gradients as they are
+        if self.steps_with_fastml_op:  # one parameter at a time, reading bf16 gradients as they are
             for p, master, state in zip(params, masters, states):
                 state["step"] += 1
                 step = int(state["step"])
@@ -285,7 +293,8 @@ class AdamW(torch.optim.Optimizer):
                     rounded_in_step.add(p)
                 cpu_adam.adamw_step_(master, state["exp_avg"], state["exp_avg_sq"], self._device_grad(group, p),
                                      weight_out, group["lr"], beta1, beta2, group["eps"], weight_decay, step,
-                                     seed=self.rounding_seed(p, step), offset=self.pieces[p].start)
+                                     seed=self.rounding_seed(p, step), offset=self.pieces[p].start,
+                                     master_low=state.get("master_low"))
         else:
             grads = [self._device_grad(group, p, m.dtype) for p, m in zip(params, masters)]
             fused = self.device.type == "cuda"
@@ -346,23 +355,25 @@ class AdamW(torch.optim.Optimizer):
         # The rounded weights: into the host copy of a streamed weight, or over to the GPU.
         weight = self._weight(group, p) if "master" in state else None
         flat = [t.reshape(-1) if t is not None else None
-                for t in (master, state["exp_avg"], state["exp_avg_sq"], grad, weight)]
+                for t in (master, state["exp_avg"], state["exp_avg_sq"], grad, weight, state.get("master_low"))]
         offset = self.pieces[p].start
         for start in range(0, flat[0].numel(), CPU_STEP_CHUNK):
-            master_s, m_s, v_s, grad_s, weight_s = [t[start:start + CPU_STEP_CHUNK] if t is not None else None
-                                                    for t in flat]
+            master_s, m_s, v_s, grad_s, weight_s, low_s = [t[start:start + CPU_STEP_CHUNK] if t is not None else None
+                                                           for t in flat]
             self.staging.begin_slice()
             master_here, grad_here = self.staging.fetch(master_s), self.staging.fetch(grad_s)
             weight_here = self.staging.slot(weight_s) if weight_s is not None else None
             cpu_adam.adamw_step_(master_here, m_s, v_s, grad_here, weight_here, lr, beta1, beta2, eps, weight_decay,
-                                 step, grad_scale, seed=self.rounding_seed(p, step), offset=offset + start)
+                                 step, grad_scale, seed=self.rounding_seed(p, step), offset=offset + start,
+                                 master_low=low_s)
             self.staging.send(master_here, master_s)
             if weight_here is not None:
                 self.staging.send(weight_here, weight_s)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Everything a resumed run needs, by parameter name: master weights (where the parameters are not their own)
-        and Adam's m, v and step, of this rank's piece of each parameter (`state_ranges` says which part, where it
+        or their compensation (master_dtype "bf16_kahan"), and Adam's m, v and step, of this rank's piece of each
+        parameter (`state_ranges` says which part, where it
         is not all of it)."""
         self.wait()
         tensors = {}
