@@ -87,18 +87,19 @@ def parity(shape: str, extra: tuple[str, ...]) -> dict:
             "losses": {"hf": hf, **{f"fastml_seed{s}": ours[s] for s in SEEDS}}}
 
 
-def precision(variants: list[str], earlier: dict, commit: str) -> dict:
-    """The part, from new runs of `variants` and the `earlier` part's runs of the others (made with the same settings:
-    `main` checks)."""
-    kept = {name: {int(s): losses for s, losses in by_seed.items()}
-            for name, by_seed in earlier.get("losses", {}).items() if name in PRECISION_VARIANTS and name not in variants}
+def precision(variants: list[str], earlier: dict, earlier_commit: str | None, commit: str) -> dict:
+    """The part, from new runs of `variants` (at `commit`) and the `earlier` part's runs of the others (made with the
+    same settings, which `main` checks, at the commits its `variant_runs` names, or else at `earlier_commit`)."""
+    earlier_runs = earlier.get("losses", {})
+    kept = {name: {int(s): losses for s, losses in by_seed.items()} for name, by_seed in earlier_runs.items()
+            if name in PRECISION_VARIANTS and name not in variants}
     if kept and earlier.get("steps") != PRECISION_STEPS:
         raise SystemExit(f"the results file's runs are {earlier.get('steps')} steps long, not {PRECISION_STEPS}: "
                          "run every variant")
     missing = set(PRECISION_VARIANTS) - set(kept) - set(variants)
     if missing:
         raise SystemExit(f"no earlier runs of {', '.join(sorted(missing))} in the results file: run them too")
-    made = {name: earlier.get("variant_runs", {}).get(name, earlier.get("made_by_commit")) for name in kept}
+    made = {name: earlier.get("variant_runs", {}).get(name, earlier_commit) for name in kept}
     runs = kept | {name: {seed: run_fastml("tinyllama-1.1b", SEQUENCES, KNOBS | PRECISION_VARIANTS[name],
                                            PRECISION_STEPS, SEQ_LEN, training(seed))["losses"] for seed in SEEDS}
                    for name in variants}
@@ -143,9 +144,8 @@ def main() -> None:
     if args.part == "parity":
         parts["parity"] = [parity(shape, extra) for shape, extra in PARITY_SHAPES.items()]
     else:
-        earlier_part = dict(parts.get("precision", {}))
-        earlier_part.setdefault("made_by_commit", earlier.get("made_by", {}).get("precision", {}).get("git_commit"))
-        parts["precision"] = precision(variants, earlier_part, _commit())
+        earlier_commit = earlier.get("made_by", {}).get("precision", {}).get("git_commit")
+        parts["precision"] = precision(variants, parts.get("precision", {}), earlier_commit, _commit())
     made_by = dict(earlier.get("made_by", {}))
     written = write_result(path.name, {**settings, **parts, "made_by": made_by})
     record = json.loads(written.read_text())

@@ -639,8 +639,8 @@ def test_a_pinned_zero_stage_off_keeps_the_stages_above_it_off_on_cpu_processes(
      "knobs.overlap_cpu_step: True needs knobs.shard_optimizer False, which is pinned to True"),
     (dict(hw="h200", gpus=2), ["knobs.offload_master=1", "knobs.master_dtype=bf16"],
      "knobs.offload_master: 1.0 needs knobs.master_dtype 'fp32', which is pinned to 'bf16'"),
-    (dict(device="cpu"), ["knobs.master_dtype=bf16_kahan"], "knobs.master_dtype: 'bf16_kahan' needs "
-                                                            "knobs.param_dtype 'bf16', which this CPU trains with 'fp32'"),
+    (dict(device="cpu"), ["knobs.master_dtype=bf16_kahan"],
+     "knobs.master_dtype: 'bf16_kahan' needs knobs.param_dtype 'bf16', which this CPU trains with 'fp32'"),
 ])
 def test_a_pin_that_cannot_hold_is_one_error_before_any_measurement(fake_cpu, kwargs, pins, fragment):
     with pytest.raises(UserError, match=fragment) as info:
