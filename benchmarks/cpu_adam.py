@@ -6,7 +6,8 @@ benchmarks/results/cpu_adam-<machine>.json.
     python benchmarks/cpu_adam.py [--params 100000000] [--repeats 5] [--threads N]
 
 The op also steps bf16 moments, bf16 masters, and both (stochastic rounding), all with a bf16 gradient:
-`op_bf16_moments`, `op_bf16_masters` and `op_bf16_moments_and_masters`, against `op_bf16_grad`'s fp32 state.
+`op_bf16_moments`, `op_bf16_masters` and `op_bf16_moments_and_masters`, against `op_bf16_grad`'s fp32 state; and
+bf16 moments beside bf16 masters with their compensation (master_dtype "bf16_kahan"): `op_bf16_kahan`.
 
 The op reads a bf16 gradient, as it does in training (gradients leave the GPU in bf16); torch's reads an fp32 one,
 which spares it a conversion it would need in training, so `speedup` is a conservative figure. The op with an fp32
@@ -31,27 +32,29 @@ from fastml.hwprofiles import cpu_key
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
 BYTES_PER_PARAM = {"op_bf16_grad": 3 * 2 * 4 + 2 + 2, "op_fp32_grad": 3 * 2 * 4 + 4 + 2,
                    "op_bf16_moments": 2 * 4 + 2 * 2 * 2 + 2 + 2, "op_bf16_masters": 2 * 2 + 2 * 2 * 4 + 2,
-                   "op_bf16_moments_and_masters": 3 * 2 * 2 + 2,
+                   "op_bf16_moments_and_masters": 3 * 2 * 2 + 2, "op_bf16_kahan": 4 * 2 * 2 + 2,
                    "torch_fused_plus_copy": 3 * 2 * 4 + 4 + 4 + 2}
-"""Read and write master, m and v (fp32, or bf16 moments or all three bf16); read the gradient; write the bf16
-weight beside fp32 masters (torch: read the fp32 master again to copy it)."""
+"""Read and write master, m and v (fp32, or bf16 moments or all three bf16) and a bf16 master's compensation; read
+the gradient; write the bf16 weight beside fp32 masters (torch: read the fp32 master again to copy it)."""
 
 
 def op_step(num_params: int, grad_dtype: torch.dtype, moments: torch.dtype = torch.float32,
-            masters: torch.dtype = torch.float32):
+            masters: torch.dtype = torch.float32, compensated: bool = False):
     """One step of the op over fresh state, as a function that takes the next step each call. bf16 moments or
-    masters are written with stochastic rounding (knobs.optimizer_dtype, knobs.master_dtype)."""
+    masters are written with stochastic rounding (knobs.optimizer_dtype, knobs.master_dtype), or, `compensated`,
+    bf16 masters rounded to nearest with their compensation (master_dtype "bf16_kahan")."""
     master = torch.randn(num_params).to(masters)
     exp_avg, exp_avg_sq = torch.zeros(num_params, dtype=moments), torch.zeros(num_params, dtype=moments)
     grad = (torch.randn(num_params) * 1e-2).to(grad_dtype)
     weight = torch.empty(num_params, dtype=torch.bfloat16) if masters == torch.float32 else None
+    low = torch.zeros(num_params, dtype=torch.bfloat16) if compensated else None
     step = 0
 
     def one_step():
         nonlocal step
         step += 1
         cpu_adam.adamw_step_(master, exp_avg, exp_avg_sq, grad, weight, LR, *BETAS, EPS, WEIGHT_DECAY, step,
-                             seed=7)
+                             seed=7, master_low=low)
 
     return one_step
 
@@ -106,6 +109,7 @@ def main() -> None:
              "op_bf16_moments": op_step(args.params, bf16, moments=bf16),
              "op_bf16_masters": op_step(args.params, bf16, masters=bf16),
              "op_bf16_moments_and_masters": op_step(args.params, bf16, moments=bf16, masters=bf16),
+             "op_bf16_kahan": op_step(args.params, bf16, moments=bf16, masters=bf16, compensated=True),
              "torch_fused_plus_copy": torch_step(args.params)}
     figures = {}
     for name, times in interleaved_times(steps, args.warmup, args.repeats).items():

@@ -94,8 +94,8 @@ ADAM_KINDS = {
 STEPPED_BY_THE_OP = {"cuda": list(ADAM_KINDS)[:2], "cpu": list(ADAM_KINDS)[1:3]}
 """The kinds each device's op steps in training: the GPU's, bf16 state (all-fp32 state steps with torch's fused
 AdamW there); the CPU's, offloaded fp32 masters with either moments. The compensated kind (master_dtype
-"bf16_kahan", not searched by the planner yet) is timed on the GPU after every other kernel, so that the rows before
-it keep their places in the file."""
+"bf16_kahan", added later) is timed on the GPU after every other kernel, so that the rows before it keep their places
+in the file."""
 
 
 def adamw_rows(device: str, elements: int, roofline: float, repeats: int, timer, kinds=None) -> list[dict]:

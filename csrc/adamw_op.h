@@ -8,7 +8,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -32,17 +31,8 @@ inline std::vector<NamedTensor> named_tensors(const at::Tensor& master, const at
   return tensors;
 }
 
-// The tensor called `name`, or null where the call has none (an optional one).
-inline const at::Tensor* find_named(const std::vector<NamedTensor>& tensors, const char* name) {
-  for (const auto& t : tensors) {
-    if (std::strcmp(t.name, name) == 0) return &t.tensor;
-  }
-  return nullptr;
-}
-
 // Each tensor is float32 or bfloat16, contiguous, of master's length, on `device` (the kernel's: CPU or CUDA; meta
-// for the meta kernel when every tensor is on meta). m and v share a dtype; a weight to write goes with float32
-// masters only (bf16 masters are the weights themselves); a compensation with bfloat16 masters only, in bfloat16.
+// for the meta kernel when every tensor is on meta).
 inline void check_tensors(const std::vector<NamedTensor>& tensors, c10::DeviceType device, const char* where) {
   const c10::SymInt numel = tensors.front().tensor.sym_numel();  // symbolic where torch.compile traces dynamic shapes
   for (const auto& [t, name] : tensors) {
@@ -57,16 +47,22 @@ inline void check_tensors(const std::vector<NamedTensor>& tensors, c10::DeviceTy
     TORCH_CHECK(t.device() == tensors.front().tensor.device(), "fastml::adamw_step_: ", name, " is on ", t.device(),
                 ", master on ", tensors.front().tensor.device());
   }
-  TORCH_CHECK(tensors[1].tensor.scalar_type() == tensors[2].tensor.scalar_type(),
-              "fastml::adamw_step_: exp_avg and exp_avg_sq must have one dtype, got ", tensors[1].tensor.scalar_type(),
-              " and ", tensors[2].tensor.scalar_type());
-  const auto master_dtype = tensors[0].tensor.scalar_type();
-  TORCH_CHECK(find_named(tensors, "weight_out") == nullptr || master_dtype == at::kFloat,
+}
+
+// m and v share a dtype; a weight to write goes with float32 masters only (bf16 masters are the weights themselves);
+// a compensation with bfloat16 masters only, in bfloat16.
+inline void check_dtypes(const at::Tensor& master, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                         const std::optional<at::Tensor>& weight_out, const std::optional<at::Tensor>& master_low) {
+  TORCH_CHECK(exp_avg.scalar_type() == exp_avg_sq.scalar_type(),
+              "fastml::adamw_step_: exp_avg and exp_avg_sq must have one dtype, got ", exp_avg.scalar_type(), " and ",
+              exp_avg_sq.scalar_type());
+  TORCH_CHECK(!weight_out.has_value() || master.scalar_type() == at::kFloat,
               "fastml::adamw_step_: weight_out goes with float32 masters; bfloat16 masters are the weights");
-  const at::Tensor* low = find_named(tensors, "master_low");  // the message is built only on failure: low is set
-  TORCH_CHECK(low == nullptr || (master_dtype == at::kBFloat16 && low->scalar_type() == at::kBFloat16),
+  // the message is built only on failure, where master_low is given
+  TORCH_CHECK(!master_low.has_value() ||
+                  (master.scalar_type() == at::kBFloat16 && master_low->scalar_type() == at::kBFloat16),
               "fastml::adamw_step_: master_low, the compensation of bfloat16 masters, goes with bfloat16 masters and "
-              "is bfloat16; got ", master_dtype, " masters and a ", low->scalar_type(), " master_low");
+              "is bfloat16; got ", master.scalar_type(), " masters and a ", master_low->scalar_type(), " master_low");
 }
 
 inline bool overlaps(const at::Tensor& a, const at::Tensor& b) {
@@ -121,6 +117,7 @@ inline std::pair<StepConstants, StepBuffers> checked_step(
     const std::optional<at::Tensor>& master_low, c10::DeviceType device, const char* where) {
   const auto tensors = named_tensors(master, exp_avg, exp_avg_sq, grad, weight_out, master_low);
   check_tensors(tensors, device, where);
+  check_dtypes(master, exp_avg, exp_avg_sq, weight_out, master_low);
   check_no_overlap(tensors);
   check_arguments(lr, beta1, beta2, eps, weight_decay, step, grad_scale, offset, master.numel());
   StepBuffers buffers{master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.const_data_ptr(),

@@ -77,6 +77,7 @@ void adamw_step_meta(const at::Tensor& master, const at::Tensor& exp_avg, const 
   const bool all_meta =
       std::all_of(tensors.begin(), tensors.end(), [](const NamedTensor& t) { return t.tensor.is_meta(); });
   check_tensors(tensors, all_meta ? c10::DeviceType::Meta : c10::DeviceType::CPU, all_meta ? "on meta" : kOnCpu);
+  check_dtypes(master, exp_avg, exp_avg_sq, weight_out, master_low);
 }
 
 }  // namespace

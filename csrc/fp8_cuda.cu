@@ -9,8 +9,9 @@
 // executor/model/fused.py, gives one for each block of its output: `partial_amax`), the first pass reduces those
 // instead, and x is read once. Both are one kernel, launched cooperatively (every block resident at once),
 // whose blocks wait for each other between the passes: two kernels, as the op first was (one tiny block a tile), spent
-// about a fifth of their time launching and draining blocks (benchmarks/NOTES.md). The cast reads each 64 x 128 tile once and
-// writes the row-major cast directly and the transposed one through shared memory, so both outputs cost one read.
+// about a fifth of their time launching and draining blocks (benchmarks/NOTES.md). The cast reads each 64 x 128 tile
+// once and writes the row-major cast directly and the transposed one through shared memory, so both outputs cost one
+// read.
 //
 // The tile's shape and order were measured (benchmarks/NOTES.md, issue 25 part 9). Four 16-byte loads a thread, at
 // three blocks a multiprocessor, beat two loads at five; more blocks, or the next tile's loads in flight, were slower.
@@ -149,8 +150,8 @@ struct QuantizeArgs {
 
 // A full tile's transpose into q_t (cols x rows): each thread reads 4 x 4 blocks of the tile (two of its 512) as four
 // 4-byte words, transposes their bytes in registers and writes four 4-byte pieces of four rows of q_t; the 16 threads
-// of a half warp cover one 64-byte row of the tile's transpose (of 128 rows). (Gathered one byte a shared-memory load, the cast of both layouts
-// stayed at 0.73 of HBM: benchmarks/NOTES.md.)
+// of a half warp cover one 64-byte row of the tile's transpose (of 128 rows). (Gathered one byte a shared-memory
+// load, the cast of both layouts stayed at 0.73 of HBM: benchmarks/NOTES.md.)
 __device__ __forceinline__ void write_transposed(const QuantizeArgs& a, int64_t row0, int64_t col0,
                                                  const uint8_t (&tile)[kTileRows][kTileCols + kPad]) {
   constexpr int kBlocks = kTileRows * kTileCols / 16;  // 4 x 4 blocks of a tile

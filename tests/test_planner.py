@@ -488,6 +488,18 @@ def test_compensated_bf16_masters_cost_two_bytes_a_parameter_more_than_bf16_ones
     assert optimizer_step_bytes(kahan) - optimizer_step_bytes(bf16) == 4
 
 
+def test_the_planner_searches_compensated_bf16_masters_and_stochastic_rounding_only_when_pinned():
+    """Stochastic rounding trained a few percent above fp32 masters (docs/precision.md): the search offers the
+    compensated bf16 masters instead, and the 8B on one H200 with lower precision takes them."""
+    problem = Problem(PRESETS["llama-3.1-8b"], 2048, 2048 * 16, load_machine("h200", 1))
+    assert knob_space(problem, lower_precision=True)["master_dtype"] == ("fp32", "bf16_kahan")
+    assert make_plan(model="llama-3.1-8b", hw="h200", gpus=1, lower_precision=True, trials=60).plan.knobs.master_dtype \
+        == "bf16_kahan"
+    pinned = make_plan(model="llama-3.1-8b", hw="h200", gpus=1, lower_precision=True, trials=20,
+                       overrides=["knobs.master_dtype=bf16"])
+    assert pinned.plan.knobs.master_dtype == "bf16"
+
+
 def test_cached_fp8_weights_are_cast_once_a_step_and_cost_two_bytes_a_weight():
     """Four micro-batches: uncached, every pass of every block casts its weights (forward and backward); cached,
     one cast of every block at the start of the step, and the cache in the weights' memory."""

@@ -121,7 +121,7 @@ class AdamW(torch.optim.Optimizer):
                  "exp_avg_sq": torch.zeros_like(like, dtype=state_dtype, device=states_at)}
         if master is not None:
             state["master"] = master
-        elif compensated and weight.dtype == torch.bfloat16:  # zero: the weights are exact where training starts
+        elif compensated:  # zero: the bf16 weights are the exact masters where training starts
             state["master_low"] = torch.zeros_like(weight, device=states_at)
         return state
 
