@@ -92,10 +92,10 @@ ADAM_KINDS = {
     "bf16 weights with a compensation, bf16 moments": (torch.bfloat16, torch.bfloat16, torch.bfloat16, None, True),
 }
 STEPPED_BY_THE_OP = {"cuda": list(ADAM_KINDS)[:2], "cpu": list(ADAM_KINDS)[1:3]}
-"""The kinds each device's op steps in training: the GPU's, bf16 state (all-fp32 state steps with torch's fused
-AdamW there); the CPU's, offloaded fp32 masters with either moments. The compensated kind (master_dtype
-"bf16_kahan", added later) is timed on the GPU after every other kernel, so that the rows before it keep their places
-in the file."""
+"""The kinds each device's op steps in training, timed in this order: the GPU's, bf16 state (all-fp32 state steps with
+torch's fused AdamW there); the CPU's, offloaded fp32 masters with either moments. The compensated kind (master_dtype
+"bf16_kahan", the planner's bf16 masters, on the GPU) is timed after every other kernel, so that the rows before it
+keep their places in the file."""
 
 
 def adamw_rows(device: str, elements: int, roofline: float, repeats: int, timer, kinds=None) -> list[dict]:

@@ -5,6 +5,9 @@ benchmarks/results/loss_parity-<gpu>.json, one part a call (each fits the device
     python benchmarks/loss_parity.py --part precision   # fp8 and bf16 optimizer state beside bf16, 500 steps
     python benchmarks/loss_parity.py --part precision --variants bf16,bf16_kahan_states   # only these again
 
+The whole precision part takes about 9 minutes on an H200 (12 runs): in calls of ten minutes, run it in two,
+`--variants bf16,fp8` then `--variants bf16_states,bf16_kahan_states` at the same commit.
+
 The parity part starts HF's LlamaForCausalLM from fastml's initial weights of seed 0 and feeds it the same tokens with
 the same schedule (vs_hf.run_hf): for TinyLlama and for Llama-3.1-8B's shape cut to PARITY_LAYERS layers, fastml's
 bf16 run of seed 0 beside HF's, at lr 3e-4 with warm-up. Rounding alone parts the two curves (different kernels,
@@ -17,7 +20,8 @@ the same seed, and the spread of those ratios over the seeds. `--variants` runs 
 file's runs of the others (`variant_runs` says which commit ran each).
 A final loss is a noisy reading (one step's loss is one batch's, and varies by about a tenth of it), so the part also
 compares each variant with bf16 step by step on the same batches over the last PAIRED_WINDOW steps (the mean of the
-ratios less one), and the variants' mean final loss over the seeds with bf16's.
+ratios less one), the variants' mean final loss over the seeds with bf16's, and each run's validation loss after its
+last step (the shipped corpus's held-out split, the same sequences for every run) with bf16's of its seed.
 
 A run's final loss is the mean of its last FINAL_WINDOW steps' losses (one step's loss is one batch's); curves are
 compared smoothed over SMOOTHING steps, after the warm-up.
@@ -90,9 +94,10 @@ def parity(shape: str, extra: tuple[str, ...]) -> dict:
 def precision(variants: list[str], earlier: dict, earlier_commit: str | None, commit: str) -> dict:
     """The part, from new runs of `variants` (at `commit`) and the `earlier` part's runs of the others (made with the
     same settings, which `main` checks, at the commits its `variant_runs` names, or else at `earlier_commit`)."""
-    earlier_runs = earlier.get("losses", {})
-    kept = {name: {int(s): losses for s, losses in by_seed.items()} for name, by_seed in earlier_runs.items()
-            if name in PRECISION_VARIANTS and name not in variants}
+    earlier_runs, earlier_val = earlier.get("losses", {}), earlier.get("val_loss", {})
+    kept = {name: {int(s): {"losses": losses, "val_loss": earlier_val.get(name, {}).get(s)}
+                   for s, losses in by_seed.items()}
+            for name, by_seed in earlier_runs.items() if name in PRECISION_VARIANTS and name not in variants}
     if kept and earlier.get("steps") != PRECISION_STEPS:
         raise SystemExit(f"the results file's runs are {earlier.get('steps')} steps long, not {PRECISION_STEPS}: "
                          "run every variant")
@@ -100,10 +105,12 @@ def precision(variants: list[str], earlier: dict, earlier_commit: str | None, co
     if missing:
         raise SystemExit(f"no earlier runs of {', '.join(sorted(missing))} in the results file: run them too")
     made = {name: earlier.get("variant_runs", {}).get(name, earlier_commit) for name in kept}
-    runs = kept | {name: {seed: run_fastml("tinyllama-1.1b", SEQUENCES, KNOBS | PRECISION_VARIANTS[name],
-                                           PRECISION_STEPS, SEQ_LEN, training(seed))["losses"] for seed in SEEDS}
-                   for name in variants}
-    runs = {name: runs[name] for name in PRECISION_VARIANTS}
+    made_now = {name: {seed: run_fastml("tinyllama-1.1b", SEQUENCES, KNOBS | PRECISION_VARIANTS[name],
+                                        PRECISION_STEPS, SEQ_LEN, training(seed)) for seed in SEEDS}
+                for name in variants}
+    both = kept | made_now
+    runs = {name: {seed: both[name][seed]["losses"] for seed in SEEDS} for name in PRECISION_VARIANTS}
+    val = {name: {seed: both[name][seed]["val_loss"] for seed in SEEDS} for name in PRECISION_VARIANTS}
     made |= dict.fromkeys(variants, commit)
     bf16 = {seed: final(runs["bf16"][seed]) for seed in SEEDS}
     relative = {name: {str(seed): final(runs[name][seed]) / bf16[seed] - 1 for seed in SEEDS}
@@ -111,6 +118,10 @@ def precision(variants: list[str], earlier: dict, earlier_commit: str | None, co
     paired = {name: {str(seed): paired_relative(runs[name][seed], runs["bf16"][seed]) for seed in SEEDS}
               for name in relative}
     mean_final = {name: statistics.fmean(final(runs[name][seed]) for seed in SEEDS) for name in runs}
+    # runs kept from a file written before validation losses were recorded have none
+    val_relative = {name: {str(seed): val[name][seed] / val["bf16"][seed] - 1
+                           for seed in SEEDS if val[name][seed] is not None and val["bf16"][seed] is not None}
+                    for name in relative}
     return {"model": "tinyllama-1.1b", "steps": PRECISION_STEPS, "variant_runs": made,
             "paired_relative_to_bf16": paired,
             "mean_final_relative_to_bf16": {name: mean_final[name] / mean_final["bf16"] - 1 for name in relative},
@@ -119,6 +130,10 @@ def precision(variants: list[str], earlier: dict, earlier_commit: str | None, co
             "relative_to_bf16": relative,
             "worst_relative_to_bf16": {name: max(by_seed.values(), key=abs) for name, by_seed in relative.items()},
             "seed_spread_bf16": max(bf16.values()) - min(bf16.values()),
+            "val_loss": {name: {str(s): v for s, v in by_seed.items()} for name, by_seed in val.items()},
+            "val_relative_to_bf16": val_relative,
+            "worst_val_relative_to_bf16": {name: max(by_seed.values(), key=abs) if by_seed else None
+                                           for name, by_seed in val_relative.items()},
             "losses": {name: {str(s): losses for s, losses in by_seed.items()} for name, by_seed in runs.items()}}
 
 

@@ -38,14 +38,15 @@ DEFAULT_MODEL = "llama-3.1-8b"
 CASES = {
     "bf16": dict(micro_batch_size=1, lm_head_chunks=4, compile=True),
     "fp8": dict(micro_batch_size=1, lm_head_chunks=4, compile=True, matmul_dtype="fp8"),
-    # bf16 moments and masters: room for micro-batch 4 without recompute on an H200 (vs_hf.py's best 8B plans)
+    # bf16 moments and masters (with their compensation): room for micro-batch 4 without recompute on an H200
+    # (vs_hf.py's best 8B plans)
     "fp8-bf16-state": dict(micro_batch_size=4, lm_head_chunks=4, compile=True, matmul_dtype="fp8",
-                           optimizer_dtype="bf16", master_dtype="bf16"),
+                           optimizer_dtype="bf16", master_dtype="bf16_kahan"),
     # the same with the weights cast to fp8 once a step: vs_hf.py's best fp8 plan
     "fp8-cached-bf16-state": dict(micro_batch_size=4, lm_head_chunks=4, compile=True, matmul_dtype="fp8",
-                                  cache_fp8_weights=True, optimizer_dtype="bf16", master_dtype="bf16"),
+                                  cache_fp8_weights=True, optimizer_dtype="bf16", master_dtype="bf16_kahan"),
     "bf16-bf16-state": dict(micro_batch_size=4, lm_head_chunks=4, compile=True, optimizer_dtype="bf16",
-                            master_dtype="bf16"),
+                            master_dtype="bf16_kahan"),
     # vs_hf.py's best bf16 plan for tinyllama-1.1b (32 sequences a step)
     "bf16-mb16": dict(micro_batch_size=16, compile=True),
     "bf16-mb32": dict(micro_batch_size=32, compile=True),  # the same tokens in one micro-batch

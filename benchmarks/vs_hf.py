@@ -142,7 +142,7 @@ def run_fastml(shape: str, sequences: int, knobs: dict, steps: int, seq_len: int
     plan = _plan(shape, sequences, steps, seq_len=seq_len, training=training, **knobs)
     summary = train(plan, log_json=log, show_progress=False)
     result = _figures(PRESETS[shape], sequences, summary["step_time_s"], summary["peak_gpu_memory_bytes"], seq_len)
-    result.update(knobs=describe_knobs(plan.knobs),
+    result.update(knobs=describe_knobs(plan.knobs), val_loss=summary.get("val_loss"),
                   losses=[json.loads(line)["loss"] for line in log.read_text().splitlines()])
     _free()
     return result

@@ -162,8 +162,9 @@ class Knobs:
     """The weights the optimizer updates: fp32 copies of bf16 parameters, or the parameters themselves ("bf16",
     with stochastic rounding), or the parameters with a bf16 compensation beside Adam's m and v ("bf16_kahan": what
     rounding to the parameter dropped, so that the master is their sum, rounded to nearest; 2 bytes a parameter more
-    than "bf16", 2 fewer than fp32 copies; not searched by the planner until its loss is measured on a GPU). With fp32
-    parameters the parameters are the masters."""
+    than "bf16", 2 fewer than fp32 copies). The planner searches "fp32" and "bf16_kahan"; "bf16" trained a few
+    percent worse (docs/precision.md) and is taken only when pinned. With fp32 parameters the parameters are the
+    masters."""
     comm: Literal["nccl", "memcpy"] = "nccl"
     overlap_cpu_step: bool = False
     """With offload_optimizer: the CPU steps its groups on a worker thread once the gradients are clipped, in the

@@ -230,6 +230,10 @@ def infeasible_message(problem: Problem, space: dict) -> str:
         if smallest.host_over_bytes > 0 else []
     hints += ["more GPUs (--gpus/--nodes: sharding spreads the model states)", *shorter]
     lower = " even with bf16 optimizer states and masters" if len(space.get("optimizer_dtype", ())) > 1 else ""
+    if "bf16_kahan" in space.get("master_dtype", ()):
+        # the searched bf16 masters keep a compensation; stochastic rounding keeps none, at some cost in loss
+        hints.append("--set knobs.master_dtype=bf16 (bf16 masters without their compensation: 2 bytes a parameter "
+                     "less, a few percent more loss, docs/precision.md)")
     return (f"no feasible plan for {spec.name} (seq {problem.seq_len}) on {m.num_gpus} x {m.profile}{lower}: "
             f"{'; '.join(parts)}. It might fit with: {', or '.join(hints)}")
 

@@ -227,7 +227,8 @@ def test_plan_json_explain_and_trace(tmp_path):
 
 def test_no_feasible_plan_is_one_line(tmp_path):
     one_line_error(fastml_here("plan", "--model", "llama-3.1-70b", "--hw", "rtx4090", "--gpus", "1", "--host-mem",
-                               "64GiB", "--trials", "40", cwd=tmp_path), "no feasible plan", "host memory", "--host-mem")
+                               "64GiB", "--trials", "40", cwd=tmp_path), "no feasible plan", "host memory", "--host-mem",
+                   "--set knobs.master_dtype=bf16 ")
 
 
 def test_several_machines_are_ranked_by_cost(tmp_path):

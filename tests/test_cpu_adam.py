@@ -182,6 +182,21 @@ def test_meta_tensors_pass_for_tracing():
                                  torch.empty(10, device="meta", dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtypes, message", [
+    ((torch.float32, torch.bfloat16, torch.float32, None, None), "exp_avg and exp_avg_sq must have one dtype"),
+    ((torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, None), "weight_out goes with float32 masters"),
+    ((torch.float32, torch.float32, torch.float32, None, torch.bfloat16), "master_low, the compensation of bfloat16"),
+    ((torch.bfloat16, torch.float32, torch.float32, None, torch.float32), "master_low, the compensation of bfloat16"),
+])
+def test_meta_tensors_are_refused_as_the_cpu_kernel_refuses_them(dtypes, message):
+    """torch.compile traces the op through its meta kernel: a call the kernels would refuse fails there already."""
+    master, exp_avg, exp_avg_sq, weight_out, master_low = (
+        None if dtype is None else torch.empty(10, device="meta", dtype=dtype) for dtype in dtypes)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.fastml.adamw_step_(master, exp_avg, exp_avg_sq, torch.empty(10, device="meta"), weight_out, 1e-3,
+                                     0.9, 0.95, EPS, 0.0, 1, 1.0, 0, 0, master_low)
+
+
 def bad_call(master=None, exp_avg=None, exp_avg_sq=None, grad=None, weight_out=None, **hyper):
     n = 10
     args = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=EPS, weight_decay=0.1, step=1, grad_scale=1.0, seed=0,

@@ -142,6 +142,9 @@ def two_rank_plans() -> dict[str, Plan]:
         "zero2-host-gradient-shards": plan(2, micro=1, bf16=True, **ZERO[2], offload_gradients=1.0,
                                            offload_optimizer=1.0),
         "ddp-streamed-memcpy": plan(2, bf16=True, comm="memcpy", offload_weights=0.5, offload_optimizer=0.5),
+        # the planner's bf16 masters: each rank's shard of the compensation stepped beside its m and v, half on the CPU
+        "zero1-compensated-bf16": plan(2, bf16=True, **ZERO[1], optimizer_dtype="bf16", master_dtype="bf16_kahan",
+                                       offload_optimizer=0.5),
     }
     return plans
 
@@ -208,7 +211,7 @@ def test_one_micro_batch_per_rank_sums_in_one_processs_order(tmp_path, two_ranks
 
 @pytest.mark.parametrize("name", ["zero1-cpu-step", "zero3-cpu-step-memcpy", "zero3-streamed", "zero3-host-cache",
                                   "ddp-host-gradients", "zero1-host-gradients", "zero2-host-gradient-shards",
-                                  "ddp-streamed-memcpy"])
+                                  "ddp-streamed-memcpy", "zero1-compensated-bf16"])
 def test_sharding_with_offload_trains_as_one_process_with_that_offload(tmp_path, two_ranks, name):
     """A rank's shard of the optimizer state in host memory, stepped by the C++ AdamW; streamed weight shards;
     gathered weights kept on the host for the backward pass; gradients, or a rank's reduced shard of them, summed
