@@ -44,6 +44,8 @@ BIG_RUNS = {  # name -> (capped, precision flag, pins): the 8B at each precision
     # the CPU's optimizer step overlapped with the next forward pass (knobs.overlap_cpu_step), pinned
     "capped-overlap": (True, "--full-precision", ("--set", "knobs.overlap_cpu_step=true")),
     "capped-lower-overlap": (True, "--lower-precision", ("--set", "knobs.overlap_cpu_step=true")),
+    # the blocks' bf16 weights kept in host memory beside their fp32 masters (knobs.stream_masters pinned off)
+    "capped-weights-copy": (True, "--full-precision", ("--set", "knobs.stream_masters=false")),
 }
 
 

@@ -55,6 +55,9 @@ class Costs:
     d2h_per_byte: float
     """One byte crossing PCIe, on one GPU's share of the node's PCIe root."""
     layer_weights_h2d: float
+    layer_masters_h2d: float
+    """A block's fp32 masters up from the host, in place of its weights (knobs.stream_masters); their rounding on
+    the GPU is not counted: about a thousandth of the copy's time."""
     layer_grads_h2d: float
     """A block's accumulated gradients back to the GPU, to add the next micro-batch's to."""
     layer_grads_d2h: float
@@ -244,7 +247,8 @@ def calibrated(modelled: Costs, knobs: Knobs, cal: Calibration) -> Costs:
     compute = ("grad_accumulate", "grad_clip", "gpu_adam_per_param", "layer_weight_cast_backward",
                "layer_weight_cache")
     per_pass = ("layer_backward", "head_forward_backward")
-    transfers = ("h2d_per_byte", "d2h_per_byte", "layer_weights_h2d", "layer_grads_h2d", "layer_grads_d2h",
+    transfers = ("h2d_per_byte", "d2h_per_byte", "layer_weights_h2d", "layer_masters_h2d", "layer_grads_h2d",
+                 "layer_grads_d2h",
                  "layer_input_d2h", "layer_input_h2d", "shard_h2d")
     changed = {name: getattr(modelled, name) * cal.compute + cal.layer_overhead_s for name in per_pass}
     changed["layer_forward"] = modelled.layer_forward * cal.forward + cal.layer_overhead_s
@@ -379,7 +383,8 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
         grad_clip=hbm(p * param_bytes(knobs)),
         gpu_adam_per_param=hbm(optimizer_step_bytes(knobs)), cpu_adam_per_param=1 / cpu_adam_rate(machine),
         h2d_per_byte=h2d, d2h_per_byte=d2h,
-        layer_weights_h2d=layer_bytes * h2d, layer_grads_h2d=layer_bytes * h2d, layer_grads_d2h=layer_bytes * d2h,
+        layer_weights_h2d=layer_bytes * h2d, layer_masters_h2d=spec.layer_params() * FP32_BYTES * h2d,
+        layer_grads_h2d=layer_bytes * h2d, layer_grads_d2h=layer_bytes * d2h,
         layer_input_d2h=block_input * d2h, layer_input_h2d=block_input * h2d,
         layer_weight_gather=gather(spec.layer_params()), layer_grad_reduce=reduce(spec.layer_params()),
         step_weight_gather=gather(p), embed_gather=gather(groups["embed"]), head_gather=gather(groups["head"]),

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fastml.plan import (CPU_STEP_CHUNK, MEMCPY_ROW_BYTES, MEMCPY_SLOTS, MEMORY_CATEGORIES, REDUCTIONS_IN_FLIGHT,
-                         STAGING_SLOTS, Knobs, block_group, fp8_cached_blocks, offloaded_groups, weights_sharded)
+                         STAGING_SLOTS, Knobs, block_group, fp8_cached_blocks, master_streamed_groups,
+                         offloaded_groups, weights_sharded)
 from fastml.hwprofiles.schema import Calibration
 from fastml.spec import ModelSpec
 
@@ -247,6 +248,8 @@ class Placement:
     """The groups whose Adam m and v live on the host: the CPU steps them."""
     host_inputs: frozenset[str]
     """The blocks whose input activations go to the host between forward and backward."""
+    master_homes: frozenset[str] = frozenset()
+    """The streamed blocks whose host copy is the fp32 master (knobs.stream_masters): no bf16 copy beside it."""
 
     def master_on_host(self, group: str) -> bool:
         """Whether the weights the optimizer updates live on the host: the fp32 masters, or without them the
@@ -294,7 +297,8 @@ def placement(spec: ModelSpec, knobs: Knobs) -> Placement:
     return Placement(knobs=knobs, streamed_weights=groups("offload_weights"),
                      host_gradients=groups("offload_gradients"),
                      host_masters=groups("offload_master") if has_fp32_masters(knobs) else frozenset(),
-                     cpu_steps=groups("offload_optimizer"), host_inputs=groups("offload_residuals"))
+                     cpu_steps=groups("offload_optimizer"), host_inputs=groups("offload_residuals"),
+                     master_homes=master_streamed_groups(knobs, spec.num_layers))
 
 
 def master_bytes(knobs: Knobs) -> int:
@@ -347,7 +351,8 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     # The optimizer runs after the backward pass has freed the activations: the larger phase sets the peak.
     if optimizer_workspace > gpu["activations"] + backward_workspace:
         gpu["activations"], backward_workspace = 0, optimizer_workspace
-    gpu["workspace"] = backward_workspace
+    # Streamed fp32 masters land in a staging buffer, one block's, before they are rounded (executor/memory/offload.py).
+    gpu["workspace"] = backward_workspace + (spec.layer_params() * FP32_BYTES if place.master_homes else 0)
     on_cpu = device == "cpu"
     host["workspace"] = (CPU_PROCESS_HOST_BYTES if on_cpu else PROCESS_HOST_BYTES) + \
         _cpu_staging_bytes(spec, knobs, place, num_gpus)
@@ -387,6 +392,8 @@ def _model_states(spec: ModelSpec, knobs: Knobs, place: Placement,
     host = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
     for group, num_params in group_params(spec).items():
         states = model_state_bytes(num_params, knobs, num_gpus, weights_sharded(knobs, group))
+        if group in place.master_homes:  # one host copy, the fp32 master, which the parameters point at: weights
+            states = {**states, "weights": states["master_weights"], "master_weights": 0}
         for category, num_bytes in states.items():
             on_host = group in getattr(place, _OFFLOADED_BY[category])
             (host if on_host else gpu)[category] += num_bytes

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastml.config import fail, from_dict
-from fastml.plan import KNOBS, ZERO_STAGES, Knobs, fp8_shape_problem
+from fastml.plan import KNOBS, MASTER_STREAMING, ZERO_STAGES, Knobs, fp8_shape_problem
 from fastml.spec import ModelSpec
 
 
@@ -62,6 +62,12 @@ def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, devi
     if fixed.get("overlap_cpu_step") and cpu_steps_pinned_off:
         fail("knobs.overlap_cpu_step", "overlaps the CPU's optimizer step, and knobs.offload_optimizer "
                                        f"{fixed['offload_optimizer']} steps nothing on the CPU")
+    if fixed.get("stream_masters"):
+        for name in MASTER_STREAMING:
+            if name in fixed and round(fixed[name] * spec.num_layers) == 0:
+                fail("knobs.stream_masters", "streams the fp32 masters of blocks that are streamed and step on the "
+                                             "CPU with their masters and gradients on the host, and "
+                                             f"knobs.{name} {fixed[name]} leaves no such block")
     streams_all = round(fixed.get("offload_weights", 0.0) * spec.num_layers) == spec.num_layers
     for name in ("cache_weights_on_host", "cache_fp8_weights"):
         if fixed.get(name) and streams_all:
@@ -74,10 +80,14 @@ def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, devi
 def pinned_space(space: dict[str, tuple], fixed: dict, spec: ModelSpec) -> dict[str, tuple]:
     """The search space with each knob of `fixed` (`checked_pins`) at its one value; where a pinned cache needs
     blocks whose weights stay on the GPU, offload_weights left below every block; where a pinned overlap needs a CPU
-    step, offload_optimizer above none."""
+    step, offload_optimizer above none; where pinned streamed masters need a block to stream, the knobs that make one
+    above none."""
     space = {**space, **{name: (value,) for name, value in fixed.items()}}
     if fixed.get("overlap_cpu_step") and "offload_optimizer" in space:  # something to overlap: a CPU step
         space["offload_optimizer"] = tuple(f for f in space["offload_optimizer"] if round(f * spec.num_layers) > 0)
+    if fixed.get("stream_masters"):  # a block to stream the masters of
+        for name in (n for n in MASTER_STREAMING if n in space):
+            space[name] = tuple(f for f in space[name] if round(f * spec.num_layers) > 0)
     if (fixed.get("cache_weights_on_host") or fixed.get("cache_fp8_weights")) and "offload_weights" in space:
         space["offload_weights"] = tuple(f for f in space["offload_weights"]
                                          if round(f * spec.num_layers) < spec.num_layers)
@@ -96,6 +106,8 @@ def _ties(name: str, value) -> dict[str, object]:
         return {"matmul_dtype": "fp8", "shard_weights": False}
     if name == "overlap_cpu_step" and value:
         return {"shard_optimizer": False}
+    if name == "stream_masters" and value:
+        return {"shard_optimizer": False, "master_dtype": "fp32", "param_dtype": "bf16"}
     if name == "offload_master" and value:  # bf16 masters are the weights themselves: no copy to move
         return {"master_dtype": "fp32"}
     if name == "master_dtype" and value != "fp32":

@@ -15,7 +15,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fastml.plan import KNOBS, ZERO_STAGES, Knobs, fp8_cached_blocks, fp8_shape_problem, knob_names
+from fastml.plan import (KNOBS, ZERO_STAGES, Knobs, fp8_cached_blocks, fp8_shape_problem, knob_names,
+                         master_streamed_groups)
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import Memory, has_fp32_masters, memory
 from fastml.planner.simulate import Simulation, simulate
@@ -116,10 +117,11 @@ def without_no_ops(spec: ModelSpec, values: dict, num_gpus: int) -> dict:
     defaults, so that plans differing only in them are one plan: an offload fraction that moves no whole layer,
     offloaded bf16 master weights (there are none: the weights are the masters), a host cache of gathered
     weights when the weights are not sharded or every layer is streamed from the host anyway, cached fp8 weights
-    without fp8 matmuls or without a block whose weights stay on the GPU, and an overlapped CPU step without one."""
+    without fp8 matmuls or without a block whose weights stay on the GPU, an overlapped CPU step without one, and
+    streamed masters where no block streams them."""
     fixed = dict(values)
     for name in knob_names("offload"):
-        if round(fixed[name] * spec.num_layers) == 0:
+        if name != "stream_masters" and round(fixed[name] * spec.num_layers) == 0:
             fixed[name] = 0.0
     all_streamed = round(fixed["offload_weights"] * spec.num_layers) == spec.num_layers
     if not fixed["shard_weights"] or all_streamed:
@@ -131,6 +133,8 @@ def without_no_ops(spec: ModelSpec, values: dict, num_gpus: int) -> dict:
         fixed["offload_master"] = 0.0
     if not fp8_cached_blocks(knobs, spec.num_layers, num_gpus):
         fixed["cache_fp8_weights"] = False
+    if not master_streamed_groups(knobs, spec.num_layers):
+        fixed["stream_masters"] = False
     return fixed
 
 

@@ -219,7 +219,9 @@ class _StepGraph:
         sharded = k.shard_weights and self.multi
         streamed = self.groups[layer] in self.place.streamed_weights
         if streamed and not sharded:  # the copies wait for the compute queued before them (the fp8 cache's cast)
-            return self.add(f"h2d weights L{layer} {tag}", "h2d", c.layer_weights_h2d, "offload",
+            masters = self.groups[layer] in self.place.master_homes
+            return self.add(f"h2d {'masters' if masters else 'weights'} L{layer} {tag}", "h2d",
+                            c.layer_masters_h2d if masters else c.layer_weights_h2d, "offload",
                             [self.buffer_free("weights"), self.cache_op, self.stepped.get(self.groups[layer])])
         if not sharded:
             return None

@@ -168,11 +168,21 @@ def test_the_overlapped_cpu_step_changes_no_loss_on_gpu(tmp_path, knobs):
         offload_losses(tmp_path, "plain.jsonl", **knobs)
 
 
-def test_offload_with_compile_trains(tmp_path):
-    """Streamed weights are fresh GPU tensors at every call of a compiled block: no recompilation error, and the
-    loss falls as it does without offload."""
+@pytest.mark.parametrize("knobs", [dict(offload_residuals=1.0), dict(overlap_cpu_step=True)])
+def test_streamed_masters_change_no_loss_on_gpu(tmp_path, knobs):
+    """knobs.stream_masters: a block's fp32 masters come up to a staging buffer and are rounded to bf16 on the copy
+    stream, to nearest as the CPU op rounds them otherwise: the same bits."""
+    on_host = dict(offload_optimizer=1.0, offload_weights=1.0, offload_gradients=1.0, offload_master=1.0, **knobs)
+    assert offload_losses(tmp_path, "masters.jsonl", stream_masters=True, **on_host) == \
+        offload_losses(tmp_path, "plain.jsonl", **on_host)
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(offload_optimizer=1.0, offload_master=1.0, stream_masters=True)])
+def test_offload_with_compile_trains(tmp_path, knobs):
+    """Streamed weights are fresh GPU tensors at every call of a compiled block (with streamed masters, fp32 host
+    tensors between its calls): no recompilation error, and the loss falls as it does without offload."""
     summary, records = run(tmp_path, "log.jsonl", steps=20, micro_batch_size=4, recompute=("block",), compile=True,
-                           offload_weights=1.0, offload_gradients=1.0, offload_residuals=1.0)
+                           offload_weights=1.0, offload_gradients=1.0, offload_residuals=1.0, **knobs)
     assert sum(r["loss"] for r in records[-5:]) / 5 <= 0.9 * sum(r["loss"] for r in records[:5]) / 5
 
 

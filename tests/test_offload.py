@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from fastml.plan import Knobs, Plan, Training, offloaded_groups
+from fastml.plan import Knobs, Plan, Training, master_streamed_groups, offloaded_groups
 from small_model import EVAL_TOKENS, SMALL
 from fastml.executor.loop.build import build_training_model
 from fastml.executor.memory.optim import AdamW
@@ -151,3 +151,55 @@ def test_an_overlapped_run_checkpoints_and_resumes_as_the_uninterrupted_one(tmp_
     assert losses(stopped, "stopped.jsonl", steps=3) == whole[:3]
     assert losses(stopped, "stopped.jsonl", resume=True) == whole
     assert losses(plan("plain"), "plain.jsonl") == whole
+
+
+# Where knobs.stream_masters acts: blocks that step on the CPU with their masters and gradients on the host.
+MASTERS_ON_HOST = dict(offload_optimizer=1.0, offload_master=1.0, offload_gradients=1.0)
+
+
+@pytest.mark.parametrize("knobs", [dict(offload_weights=1.0, recompute=("block",), offload_residuals=1.0),
+                                   dict(offload_weights=0.5, overlap_cpu_step=True)])
+def test_streamed_masters_change_no_loss(tmp_path, knobs):
+    """knobs.stream_masters: a streamed block's host copy is its fp32 master, rounded to bf16 as it is fetched, to
+    nearest as the CPU step rounds it otherwise (torch's cast and csrc/adamw_math.h's): the same bits."""
+    plain = run_losses(tmp_path, "plain.jsonl", **MASTERS_ON_HOST, **knobs)
+    assert run_losses(tmp_path, "masters.jsonl", stream_masters=True, **MASTERS_ON_HOST, **knobs) == plain
+
+
+def test_a_block_whose_masters_are_streamed_keeps_one_host_copy():
+    """Its parameters point at their fp32 masters between uses, which are the optimizer's masters (no bf16 copy),
+    and the step writes no rounded weights; the other streamed blocks keep theirs beside their masters."""
+    plan = cpu_plan(stream_masters=True, **{**MASTERS_ON_HOST, "offload_optimizer": 0.5}, offload_weights=1.0)
+    model = build_training_model(plan, torch.device("cpu"))
+    optimizer = AdamW(model, plan.training, plan.knobs, model.placement)
+    homes = master_streamed_groups(plan.knobs, plan.model.num_layers)
+    assert homes == {f"blocks.{i}" for i in range(plan.model.num_layers // 2)}
+    offload = model.placement.offload
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name, master = model.placement.name_of[p], optimizer.state[p].get("master")
+            if group["layer"] in homes:
+                assert p.dtype == torch.float32 and master.data_ptr() == p.data_ptr()
+                assert name in offload.masters.views and name not in offload.weights.views
+            elif group["layer"].startswith("blocks."):  # streamed, stepped on the GPU (here the CPU)
+                assert p.dtype == torch.bfloat16 and master.dtype == torch.float32
+                assert p.data_ptr() == offload.weights.views[name].data_ptr()
+
+
+def test_a_run_with_streamed_masters_resumes_as_the_uninterrupted_one_either_way(tmp_path):
+    """Its checkpoints hold what any other plan's do (the weights rounded, the masters in the optimizer's state): a
+    run stopped after 3 steps resumes with streamed masters or without, and gives the losses of the run that went
+    through."""
+    def plan(name, **more):
+        p = cpu_plan(steps=6, offload_weights=1.0, **MASTERS_ON_HOST, **more)
+        training = dataclasses.replace(p.training, checkpoint_dir=str(tmp_path / name), checkpoint_interval=3)
+        return dataclasses.replace(p, training=training)
+
+    def losses(p, log, **options):
+        train(p, log_json=tmp_path / log, show_progress=False, **options)
+        return [json.loads(line)["loss"] for line in (tmp_path / log).read_text().splitlines()]
+    whole = losses(plan("whole", stream_masters=True), "whole.jsonl")
+    assert losses(plan("streamed", stream_masters=True), "a.jsonl", steps=3) == whole[:3]
+    assert losses(plan("streamed"), "a.jsonl", resume=True) == whole
+    assert losses(plan("plain"), "b.jsonl", steps=3) == whole[:3]
+    assert losses(plan("plain", stream_masters=True), "b.jsonl", resume=True) == whole

@@ -112,6 +112,22 @@ def test_host_memory_is_the_offloaded_tensors_staging_and_the_process():
     assert host == expected
 
 
+def test_streamed_masters_are_the_blocks_only_host_weights():
+    """knobs.stream_masters with everything offloaded: each block's host copy is its fp32 master (4 bytes a
+    parameter, counted as weights, as the executor's meter counts a tensor that is both), the 2 bytes of its bf16 copy
+    gone; the GPU rounds one block's fetched masters at a time, from an fp32 staging buffer."""
+    spec = PRESETS["tinyllama-1.1b"]
+    block, embed, head = sizes("tinyllama-1.1b")
+    knobs = Knobs(recompute=("block",), **ALL_OFFLOADED)
+    gpu, host = gpu_and_host(knobs)
+    streamed_gpu, streamed_host = gpu_and_host(dataclasses.replace(knobs, stream_masters=True))
+    assert streamed_host["weights"] == 4 * 22 * block
+    assert streamed_host["master_weights"] == 4 * (embed + head)
+    assert sum(host.values()) - sum(streamed_host.values()) == 2 * spec.num_layers * block
+    assert streamed_gpu["workspace"] - gpu["workspace"] == 4 * block
+    assert streamed_gpu["weights"] == gpu["weights"]  # the fetched blocks are bf16 on the GPU either way
+
+
 def test_gpu_steps_of_host_masters_need_one_groups_workspace():
     """With the masters on the host and the optimizer on the GPU, a group's step fetches its master into fp32
     workspace beside its fp32 gradient: 8 bytes per parameter of the largest group, which at a short sequence sets
@@ -187,6 +203,19 @@ def test_streamed_weights_come_up_before_every_pass_one_block_ahead():
     assert graph.nodes["h2d weights L5 mb1 fwd"]["start"] >= graph.nodes["fwd L3 mb1"]["end"]
     # In the backward pass a buffer frees after the block's backward (block 5's after block 7's).
     assert graph.nodes["h2d weights L5 mb1 bwd"]["start"] >= graph.nodes["bwd L7 mb1"]["end"]
+
+
+def test_streamed_masters_take_twice_the_weights_time_to_come_up():
+    """knobs.stream_masters streams fp32 masters instead of bf16 weights: the same copies, of twice the bytes, on
+    the blocks whose masters it streams (here the first half: the others step on the GPU)."""
+    sim, c = simulated(stream_masters=True, offload_weights=1.0, offload_optimizer=0.5, offload_master=1.0,
+                       offload_gradients=1.0)
+    assert c.layer_masters_h2d == pytest.approx(2 * c.layer_weights_h2d)
+    graph = sim.graph
+    for layer in range(22):
+        fetch = f"h2d {'masters' if layer < 11 else 'weights'} L{layer} mb0 fwd"
+        assert graph.nodes[fetch]["duration"] == (c.layer_masters_h2d if layer < 11 else c.layer_weights_h2d)
+        assert graph.has_edge(fetch, f"fwd L{layer} mb0")
 
 
 def test_offloaded_inputs_leave_two_on_the_gpu():

@@ -116,7 +116,7 @@ def test_collective_choice_follows_the_links(hw, gpus, expected):
 def test_search_finds_the_exhaustive_optimum():
     problem = Problem(PRESETS["tinyllama-1.1b"], 2048, 2048 * 16, load_machine("h200", 1))
     # Offload pinned off: with it the space runs to millions of plans, too many to enumerate.
-    no_offload = {name: 0.0 for name in knob_names("offload")}
+    no_offload = {name: Knobs.__dataclass_fields__[name].default for name in knob_names("offload")}
     space = pinned_space(knob_space(problem, lower_precision=False), {"compile": True, **no_offload}, problem.spec)
     best = exhaustive(problem, space)[0]
     found = search(problem, space, num_trials=500)[0]  # small space: enumerated by the search itself
@@ -653,6 +653,11 @@ def test_a_pinned_zero_stage_off_keeps_the_stages_above_it_off_on_cpu_processes(
      "knobs.offload_master: 1.0 needs knobs.master_dtype 'fp32', which is pinned to 'bf16'"),
     (dict(device="cpu"), ["knobs.master_dtype=bf16_kahan"],
      "knobs.master_dtype: 'bf16_kahan' needs knobs.param_dtype 'bf16', which this CPU trains with 'fp32'"),
+    (dict(hw="h200", gpus=1), ["knobs.stream_masters=true", "knobs.offload_gradients=0"],
+     "knobs.stream_masters: streams the fp32 masters of blocks that are streamed and step on the CPU with their "
+     "masters and gradients on the host, and knobs.offload_gradients 0.0 leaves no such block"),
+    (dict(hw="h200", gpus=1), ["knobs.stream_masters=true", "knobs.master_dtype=bf16_kahan"],
+     "knobs.stream_masters: True needs knobs.master_dtype 'fp32', which is pinned to 'bf16_kahan'"),
 ])
 def test_a_pin_that_cannot_hold_is_one_error_before_any_measurement(fake_cpu, kwargs, pins, fragment):
     with pytest.raises(UserError, match=fragment) as info:
@@ -680,3 +685,16 @@ def test_an_evaluation_is_priced_by_the_micro_batches_it_runs_at_least_one():
     assert one_round > 0
     assert eval_time_s(problem, knobs, 2048) == one_round  # fewer tokens than a round: still one
     assert eval_time_s(problem, knobs, 3 * 4 * 2048 * 2 + 2048) == pytest.approx(3 * one_round)
+
+
+def test_a_host_without_room_for_a_second_copy_of_the_weights_streams_the_masters():
+    """The 8B under 16 GiB of GPU memory in full precision streams every block and steps it on the CPU. With 128 GiB
+    of host memory (the lent H200's) the fp32 masters must be the blocks' only host copy for micro-batches of 16 to
+    fit, whose plan is faster than any that keeps a bf16 copy beside them (issue 25's capped run)."""
+    capped = dict(model="llama-3.1-8b", hw="h200", gpus=1, gpu_mem="16GiB", host_mem="128GiB", lower_precision=False,
+                  trials=60)
+    planned = make_plan(**capped).plan
+    assert planned.knobs.stream_masters and planned.knobs.offload_weights == 1.0
+    kept = make_plan(**capped, overrides=("knobs.stream_masters=false",)).plan
+    assert planned.predicted.tokens_per_s > kept.predicted.tokens_per_s
+    assert sum(planned.predicted.host_memory_bytes.values()) <= 0.9 * 128 * 2**30

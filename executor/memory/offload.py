@@ -4,7 +4,9 @@ the host buffers and moves them.
 
 Per block (a parameter group, `fastml.plan.layer_of`), as `fastml.plan.offloaded_groups` names them:
 - offload_weights: the block's bf16 weights live in pinned host memory; a parameter points at its host copy except
-  while the block runs, when it points at a GPU copy (`fetch`, one block ahead, forward and backward).
+  while the block runs, when it points at a GPU copy (`fetch`, one block ahead, forward and backward). With
+  knobs.stream_masters the host copy of a block that steps on the CPU is its fp32 master (`master_homes`): the
+  parameter points at it, fp32, between uses, and the fetch rounds it to bf16 on the GPU.
 - offload_gradients: once backward has accumulated a block's gradients they go to pinned host memory and leave the
   GPU (`grads_to_host`). Micro-batches after the first fetch the sum so far back (`fetch_grad_sums`), so that
   backward adds into it as it would without offload (the same arithmetic, bit for bit).
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastml.plan import Plan, offloaded_groups
+from fastml.plan import Plan, master_streamed_groups, offloaded_groups
 from fastml.executor.memory.pinned import pinned_empty
 from fastml.executor.memory.streams import Copier, CopyDone
 
@@ -45,13 +47,15 @@ class HostOffload:
     def __init__(self, plan: Plan, shapes: dict[str, dict[str, torch.Size]], device: torch.device, copier: Copier,
                  dtype: torch.dtype, sharded: frozenset[str] = frozenset(), grads_summed_elsewhere: bool = False):
         knobs, num_layers = plan.knobs, plan.model.num_layers
-        self.device, self.copier, self.shapes = device, copier, shapes
+        self.device, self.copier, self.shapes, self.dtype = device, copier, shapes, dtype
         self.streamed = offloaded_groups(knobs, "offload_weights", num_layers)
         self.host_weights = self.streamed - sharded  # whose whole weights live here
+        self.master_homes = master_streamed_groups(knobs, num_layers)  # whose host copy is the fp32 master
         self.grads_out = frozenset() if grads_summed_elsewhere else \
             offloaded_groups(knobs, "offload_gradients", num_layers)
         self.residuals_out = offloaded_groups(knobs, "offload_residuals", num_layers)
-        self.weights = _Flat(self._shapes(self.host_weights), dtype, copier.cuda) if self.host_weights else None
+        self.weights = _Flat(self._shapes(self.host_weights - self.master_homes), dtype, copier.cuda)
+        self.masters = _Flat(self._shapes(self.master_homes), torch.float32, copier.cuda)
         self.grads = _Flat(self._shapes(self.grads_out), dtype, copier.cuda) if self.grads_out else None
         self.residuals: dict[str, torch.Tensor] = {}
         self._residual_events: dict[str, object] = {}  # group -> event of its input's latest copy
@@ -64,23 +68,34 @@ class HostOffload:
 
     def keep(self, group: str, name: str, p: nn.Parameter) -> torch.Tensor:
         """A streamed block's initialized parameter goes to its host copy, which it points at from then on."""
-        host = self.weights.views[name]
+        host = self._flat(group).views[name]
         host.copy_(p.data)
         return host
 
     def fetch(self, group: str, backward: bool = False) -> tuple[list[torch.Tensor], CopyDone]:
-        """Starts copying a streamed block's weights to the GPU; returns the copies and their end."""
+        """Starts copying a streamed block's weights to the GPU; returns the copies and their end. fp32 masters come
+        up whole and are rounded to the parameters' dtype on the copy stream, their staging freed once that is done."""
         host = self.homes(group)
-        gpu = [torch.empty_like(h, device=self.device) for h in host]
-        return gpu, CopyDone(self.copier, self.copier.copy(self.copier.h2d, list(zip(gpu, host))))
+        gpu = [torch.empty_like(h, device=self.device, dtype=self.dtype) for h in host]
+        if group not in self.master_homes:
+            return gpu, CopyDone(self.copier, self.copier.copy(self.copier.h2d, list(zip(gpu, host))))
+        staged = [torch.empty_like(h, device=self.device) for h in host]
+        event = self.copier.copy(self.copier.h2d, list(zip(staged, host)) + list(zip(gpu, staged)))
+        for tensor in staged:
+            self.copier.keep_until_copied(tensor, self.copier.h2d)
+        return gpu, CopyDone(self.copier, event)
 
     def homes(self, group: str) -> list[torch.Tensor]:
         """What a streamed block's parameters point at while it does not compute: their host copies."""
-        return [self.weights.views[name] for name in self.shapes[group]]
+        flat = self._flat(group)
+        return [flat.views[name] for name in self.shapes[group]]
+
+    def _flat(self, group: str) -> _Flat:
+        return self.masters if group in self.master_homes else self.weights
 
     def host_flat(self, group: str) -> torch.Tensor | None:
         """A streamed block's weights in host memory, as one vector (they lie back to back), or None."""
-        if group not in self.host_weights:
+        if group not in self.host_weights - self.master_homes:  # (no master is streamed beside sharded states)
             return None
         views = self.homes(group)
         start = views[0].storage_offset() - self.weights.buffer.storage_offset()
@@ -169,7 +184,7 @@ class HostOffload:
 
     def host_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The pinned host buffers by memory category."""
-        tensors = {"weights": [self.weights.buffer] if self.weights else [],
+        tensors = {"weights": [self.weights.buffer, self.masters.buffer],
                    "gradients": [self.grads.buffer] if self.grads else [],
                    "activations": list(self.residuals.values())}
         return {k: v for k, v in tensors.items() if v}

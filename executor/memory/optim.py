@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
-from fastml.plan import CPU_STEP_CHUNK, STAGING_SLOTS, Knobs, Training, offloaded_groups
+from fastml.plan import CPU_STEP_CHUNK, STAGING_SLOTS, Knobs, Training, master_streamed_groups, offloaded_groups
 from fastml.executor.memory import cpu_adam
 from fastml.executor import native
 from fastml.executor.parallel.collectives import agree
@@ -54,6 +54,8 @@ class AdamW(torch.optim.Optimizer):
         num_layers = len(model.blocks) if hasattr(model, "blocks") else 0
         cpu_steps = offloaded_groups(knobs, "offload_optimizer", num_layers)
         host_masters = offloaded_groups(knobs, "offload_master", num_layers)
+        # knobs.stream_masters: these blocks' parameters point at their fp32 masters between uses (offload.py)
+        self.master_homes = master_streamed_groups(knobs, num_layers)
         groups = [{"params": named, "layer": layer, "decay": [p.ndim >= 2 for _, p in named],
                    "on_cpu": layer in cpu_steps}
                   for layer, named in layer_groups(model).items()]
@@ -90,7 +92,8 @@ class AdamW(torch.optim.Optimizer):
                                                         master_at, states_at,
                                                         pin=not on_cpu and self.device.type == "cuda",
                                                         count_on_host=on_cpu or self.steps_with_fastml_op,
-                                                        compensated=compensated)
+                                                        compensated=compensated,
+                                                        is_master=group["layer"] in self.master_homes)
 
     def _pieces(self, group: dict) -> dict[nn.Parameter, Piece]:
         """The part of each parameter of `group` this rank steps: all of it, or where its shard cuts it."""
@@ -107,8 +110,13 @@ class AdamW(torch.optim.Optimizer):
     @staticmethod
     def _initial_state(weight: torch.Tensor, master_dtype: torch.dtype, state_dtype: torch.dtype,
                        master_at: torch.device, states_at: torch.device, pin: bool, count_on_host: bool,
-                       compensated: bool) -> dict:
-        if weight.dtype == master_dtype:
+                       compensated: bool, is_master: bool) -> dict:
+        """`is_master`: `weight` is the fp32 master itself, the host copy of a block whose masters are streamed
+        (knobs.stream_masters): kept as the state's master all the same, so that checkpoints hold the same tensors
+        whichever way the masters live."""
+        if is_master:
+            master = weight
+        elif weight.dtype == master_dtype:
             master = None
         elif master_at.type == "cpu" and pin:  # host masters a GPU step reads: pinned, for fast asynchronous copies
             master = pinned_empty(weight.numel(), master_dtype, cuda=True).view(weight.shape).copy_(weight)
@@ -352,8 +360,9 @@ class AdamW(torch.optim.Optimizer):
         state["step"] += 1
         step = int(state["step"])
         master = self._master(group, p)
-        # The rounded weights: into the host copy of a streamed weight, or over to the GPU.
-        weight = self._weight(group, p) if "master" in state else None
+        # The rounded weights: into the host copy of a streamed weight, or over to the GPU; none where the host copy
+        # is the master (the fetch rounds it)
+        weight = self._weight(group, p) if "master" in state and group["layer"] not in self.master_homes else None
         flat = [t.reshape(-1) if t is not None else None
                 for t in (master, state["exp_avg"], state["exp_avg_sq"], grad, weight, state.get("master_low"))]
         offset = self.pieces[p].start

@@ -401,8 +401,11 @@ def _move_aside(root: Path, found: list[Path], say: Say) -> None:
 
 def _model_state(model: Transformer, world: World) -> dict[str, torch.Tensor]:
     """The model's weights by name, whole, on rank 0 (empty elsewhere): a sharded group's gathered from the ranks
-    one group at a time and moved to host memory (a collective: every rank calls this)."""
-    state = model.state_dict() if world.main else {}
+    one group at a time and moved to host memory (a collective: every rank calls this). In the model's dtype (the
+    embedding's, never streamed): a block whose masters are streamed points at them, fp32, between uses, and is
+    saved rounded, as its weights are (the optimizer's state holds the masters)."""
+    dtype = model.embed.weight.dtype
+    state = {name: t.to(dtype) for name, t in model.state_dict().items()} if world.main else {}
     parallel = model.placement.parallel if hasattr(model, "placement") else None
     for group in parallel.layouts if parallel is not None else ():  # in model order, the same on every rank
         if group in parallel.sharded:
