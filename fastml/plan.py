@@ -217,7 +217,7 @@ def check_knob(name: str, value) -> None:
               "lm_head_chunks": MAX_LM_HEAD_CHUNKS}
     if name in bounds:
         check_range(f"knobs.{name}", value, 1, bounds[name])
-    elif KNOBS[name].kind == "offload" and name != "stream_masters":
+    elif name in OFFLOAD_FRACTIONS:
         check_range(f"knobs.{name}", value, 0.0, 1.0)
     elif name == "recompute":
         for i, part in enumerate(value):
@@ -239,11 +239,15 @@ class KnobInfo:
     multi_gpu: bool = False
     """Searched only for several GPUs."""
     least_memory: Any = None
-    """The choice that needs the least GPU memory (the planner starts there where nothing else fits); None for the
-    batch knobs, whose choices the planner derives."""
+    """The choice that needs the least memory (the planner starts there where nothing else fits): GPU memory, but
+    for stream_masters, which frees far more host memory than the GPU staging it adds; None for the batch knobs,
+    whose choices the planner derives."""
 
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+OFFLOAD_FRACTIONS = ("offload_optimizer", "offload_master", "offload_gradients", "offload_residuals", "offload_weights")
+"""The offload knobs that are fractions of the layers (`offloaded_groups`); stream_masters, the other offload knob,
+says what the host keeps of the blocks they offload."""
 ZERO_STAGES = ("shard_optimizer", "shard_gradients", "shard_weights")
 """ZeRO stages 1, 2 and 3: each shards one more model state across the GPUs, and needs the ones before it."""
 # The one registry of knobs: the search space, the executor's support check, tests and benchmarks read it.
@@ -255,8 +259,8 @@ KNOBS: dict[str, KnobInfo] = {
                           least_memory=("block",)),
     "lm_head_chunks": KnobInfo("speed", (1, 2, 4, 8, 16), least_memory=16),
     "compile": KnobInfo("speed", (False, True), least_memory=True),
-    **{name: KnobInfo("offload", FRACTIONS, least_memory=1.0) for name in (
-        "offload_optimizer", "offload_master", "offload_gradients", "offload_residuals", "offload_weights")},
+    **{name: KnobInfo("offload", FRACTIONS, least_memory=1.0) for name in OFFLOAD_FRACTIONS},
+    # 2 bytes a parameter of host memory less for one block's fp32 staging more on the GPU
     "stream_masters": KnobInfo("offload", (False, True), least_memory=True),
     **{name: KnobInfo("shard", (False, True), multi_gpu=True, least_memory=True) for name in ZERO_STAGES},
     "cache_weights_on_host": KnobInfo("shard", (False, True), multi_gpu=True, least_memory=False),
@@ -331,8 +335,8 @@ def offloaded_groups(knobs: Knobs, name: str, num_layers: int) -> frozenset[str]
     return frozenset(groups)
 
 
-MASTER_STREAMING = ("offload_weights", "offload_optimizer", "offload_master", "offload_gradients")
-"""The offload knobs whose blocks in common knobs.stream_masters streams the masters of."""
+STREAM_MASTERS_NEEDS = ("offload_weights", "offload_optimizer", "offload_master", "offload_gradients")
+"""knobs.stream_masters acts on the blocks that all four of these offload knobs offload."""
 
 
 def master_streamed_groups(knobs: Knobs, num_layers: int) -> frozenset[str]:
@@ -341,7 +345,7 @@ def master_streamed_groups(knobs: Knobs, num_layers: int) -> frozenset[str]:
     states."""
     if not knobs.stream_masters or knobs.shard_optimizer or knobs.param_dtype == "fp32" or knobs.master_dtype != "fp32":
         return frozenset()
-    return frozenset.intersection(*(offloaded_groups(knobs, name, num_layers) for name in MASTER_STREAMING))
+    return frozenset.intersection(*(offloaded_groups(knobs, name, num_layers) for name in STREAM_MASTERS_NEEDS))
 
 
 def weights_sharded(knobs: Knobs, group: str) -> bool:

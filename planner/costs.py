@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from fastml.config import fail
-from fastml.plan import KNOBS, MEMCPY_ROW_BYTES, Knobs, fp8_cached_blocks
+from fastml.plan import MEMCPY_ROW_BYTES, OFFLOAD_FRACTIONS, Knobs, fp8_cached_blocks
 from fastml.hwprofiles.schema import (ATTENTION_BACKWARD_FACTOR, ELEMENTWISE_PASSES, FP8_AMAX_BYTES, FP8_CAST_BYTES,
                                       Calibration)
 from fastml.planner.hardware import Machine
@@ -332,7 +332,7 @@ def step_work(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> 
     offload (where the simulated step is this work end to end): the blocks' passes (recomputed parts too) and the
     head's for each micro-batch, the fp8 weight casts, the gradients' accumulation, their clipping and the AdamW
     step. benchmarks/profile_step.py sets it beside a traced step's kernels by kind."""
-    if machine.num_gpus > 1 or any(getattr(knobs, name) for name, info in KNOBS.items() if info.kind == "offload"):
+    if machine.num_gpus > 1 or any(getattr(knobs, name) for name in OFFLOAD_FRACTIONS):
         fail("knobs", "the work by kind is priced for one GPU without offload")
     machine = dataclasses.replace(machine, calibration=Calibration())
     work, c = layer_work(spec, seq_len, knobs, machine), costs(spec, seq_len, knobs, machine)

@@ -248,7 +248,7 @@ class Placement:
     """The groups whose Adam m and v live on the host: the CPU steps them."""
     host_inputs: frozenset[str]
     """The blocks whose input activations go to the host between forward and backward."""
-    master_homes: frozenset[str] = frozenset()
+    master_streamed: frozenset[str] = frozenset()
     """The streamed blocks whose host copy is the fp32 master (knobs.stream_masters): no bf16 copy beside it."""
 
     def master_on_host(self, group: str) -> bool:
@@ -298,7 +298,7 @@ def placement(spec: ModelSpec, knobs: Knobs) -> Placement:
                      host_gradients=groups("offload_gradients"),
                      host_masters=groups("offload_master") if has_fp32_masters(knobs) else frozenset(),
                      cpu_steps=groups("offload_optimizer"), host_inputs=groups("offload_residuals"),
-                     master_homes=master_streamed_groups(knobs, spec.num_layers))
+                     master_streamed=master_streamed_groups(knobs, spec.num_layers))
 
 
 def master_bytes(knobs: Knobs) -> int:
@@ -347,12 +347,13 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
         gpu["weights"] += cached * spec.layer_matmul_params() * 2 * DTYPE_BYTES["fp8"]
         if cached < spec.num_layers:
             backward_workspace += spec.layer_matmul_params() * DTYPE_BYTES["fp8"]
+    # Streamed fp32 masters land in a staging buffer, one block's, before they are rounded (executor/memory/offload.py).
+    backward_workspace += spec.layer_params() * FP32_BYTES if place.master_streamed else 0
     optimizer_workspace = _gpu_optimizer_workspace(spec, place)
     # The optimizer runs after the backward pass has freed the activations: the larger phase sets the peak.
     if optimizer_workspace > gpu["activations"] + backward_workspace:
         gpu["activations"], backward_workspace = 0, optimizer_workspace
-    # Streamed fp32 masters land in a staging buffer, one block's, before they are rounded (executor/memory/offload.py).
-    gpu["workspace"] = backward_workspace + (spec.layer_params() * FP32_BYTES if place.master_homes else 0)
+    gpu["workspace"] = backward_workspace
     on_cpu = device == "cpu"
     host["workspace"] = (CPU_PROCESS_HOST_BYTES if on_cpu else PROCESS_HOST_BYTES) + \
         _cpu_staging_bytes(spec, knobs, place, num_gpus)
@@ -392,7 +393,7 @@ def _model_states(spec: ModelSpec, knobs: Knobs, place: Placement,
     host = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
     for group, num_params in group_params(spec).items():
         states = model_state_bytes(num_params, knobs, num_gpus, weights_sharded(knobs, group))
-        if group in place.master_homes:  # one host copy, the fp32 master, which the parameters point at: weights
+        if group in place.master_streamed:  # one host copy, the fp32 master, which the parameters point at: weights
             states = {**states, "weights": states["master_weights"], "master_weights": 0}
         for category, num_bytes in states.items():
             on_host = group in getattr(place, _OFFLOADED_BY[category])

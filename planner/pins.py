@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastml.config import fail, from_dict
-from fastml.plan import KNOBS, MASTER_STREAMING, ZERO_STAGES, Knobs, fp8_shape_problem
+from fastml.plan import KNOBS, STREAM_MASTERS_NEEDS, ZERO_STAGES, Knobs, fp8_shape_problem
 from fastml.spec import ModelSpec
 
 
@@ -63,7 +63,7 @@ def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, devi
         fail("knobs.overlap_cpu_step", "overlaps the CPU's optimizer step, and knobs.offload_optimizer "
                                        f"{fixed['offload_optimizer']} steps nothing on the CPU")
     if fixed.get("stream_masters"):
-        for name in MASTER_STREAMING:
+        for name in STREAM_MASTERS_NEEDS:
             if name in fixed and round(fixed[name] * spec.num_layers) == 0:
                 fail("knobs.stream_masters", "streams the fp32 masters of blocks that are streamed and step on the "
                                              "CPU with their masters and gradients on the host, and "
@@ -86,7 +86,7 @@ def pinned_space(space: dict[str, tuple], fixed: dict, spec: ModelSpec) -> dict[
     if fixed.get("overlap_cpu_step") and "offload_optimizer" in space:  # something to overlap: a CPU step
         space["offload_optimizer"] = tuple(f for f in space["offload_optimizer"] if round(f * spec.num_layers) > 0)
     if fixed.get("stream_masters"):  # a block to stream the masters of
-        for name in (n for n in MASTER_STREAMING if n in space):
+        for name in (n for n in STREAM_MASTERS_NEEDS if n in space):
             space[name] = tuple(f for f in space[name] if round(f * spec.num_layers) > 0)
     if (fixed.get("cache_weights_on_host") or fixed.get("cache_fp8_weights")) and "offload_weights" in space:
         space["offload_weights"] = tuple(f for f in space["offload_weights"]
@@ -135,7 +135,8 @@ def _not_on_device(name: str, value, spec: ModelSpec, seq_len: int, device: Devi
     if name == "overlap_cpu_step" and device.kind == "cpu":
         return f"{device.name} trains in host memory: its optimizer step is the device's own, nothing to overlap"
     if info.kind == "offload" and device.kind == "cpu":
-        return f"{device.name} trains in host memory, so offload to host memory would move nothing; leave it at 0"
+        return (f"{device.name} trains in host memory, so offload to host memory would move nothing; leave it at "
+                f"{default}")
     if info.kind == "offload" and round(value * spec.num_layers) == 0:
         return (f"that is no whole layer of {spec.name}'s {spec.num_layers}: offload at least "
                 f"{1 / spec.num_layers:.3g}")

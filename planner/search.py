@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fastml.plan import (KNOBS, ZERO_STAGES, Knobs, fp8_cached_blocks, fp8_shape_problem, knob_names,
+from fastml.plan import (KNOBS, OFFLOAD_FRACTIONS, ZERO_STAGES, Knobs, fp8_cached_blocks, fp8_shape_problem,
                          master_streamed_groups)
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import Memory, has_fp32_masters, memory
@@ -120,8 +120,8 @@ def without_no_ops(spec: ModelSpec, values: dict, num_gpus: int) -> dict:
     without fp8 matmuls or without a block whose weights stay on the GPU, an overlapped CPU step without one, and
     streamed masters where no block streams them."""
     fixed = dict(values)
-    for name in knob_names("offload"):
-        if name != "stream_masters" and round(fixed[name] * spec.num_layers) == 0:
+    for name in OFFLOAD_FRACTIONS:
+        if round(fixed[name] * spec.num_layers) == 0:
             fixed[name] = 0.0
     all_streamed = round(fixed["offload_weights"] * spec.num_layers) == spec.num_layers
     if not fixed["shard_weights"] or all_streamed:

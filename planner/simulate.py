@@ -219,7 +219,7 @@ class _StepGraph:
         sharded = k.shard_weights and self.multi
         streamed = self.groups[layer] in self.place.streamed_weights
         if streamed and not sharded:  # the copies wait for the compute queued before them (the fp8 cache's cast)
-            masters = self.groups[layer] in self.place.master_homes
+            masters = self.groups[layer] in self.place.master_streamed
             return self.add(f"h2d {'masters' if masters else 'weights'} L{layer} {tag}", "h2d",
                             c.layer_masters_h2d if masters else c.layer_weights_h2d, "offload",
                             [self.buffer_free("weights"), self.cache_op, self.stepped.get(self.groups[layer])])
@@ -366,14 +366,13 @@ class _StepGraph:
 
     def optimizer_step(self) -> None:
         """After the whole backward pass and gradient clipping (the global norm needs every gradient): the CPU
-        steps the groups whose Adam states live on the host, one after another, while the copy engines bring
-        their inputs down and their results up (with knobs.overlap_cpu_step it does so into the next step:
-        `last_steps_cpu_work`); the GPU steps the others, fetching what they keep on the host into one group's
-        workspace at a time."""
+        steps the groups whose Adam states live on the host, one after another, each once its inputs on the GPU
+        have come down (`cpu_inputs_down`), its results going up while the next one steps (with
+        knobs.overlap_cpu_step it does so into the next step: `last_steps_cpu_work`); the GPU steps the others,
+        fetching what they keep on the host into one group's workspace at a time."""
         clip = self.compute("clip gradients", self.c.grad_clip, "optimizer", list(self.last_grad.values()))
         on_cpu = [g for g in self.group_params if g in self.place.cpu_steps and not self.overlapped]
         on_gpu = [g for g in self.group_params if g not in self.place.cpu_steps]
-        cpu_inputs = {group: self.cpu_inputs_down(group, clip) for group in on_cpu}  # first: they wait for nothing
         resident = [g for g in on_gpu if self.place.gpu_step_transfers(g) == (0, 0)]
         updated = []
         if resident:
@@ -385,7 +384,7 @@ class _StepGraph:
             if group not in resident:
                 workspace_free = self.gpu_step_from_host(group, clip, workspace_free)
                 updated.append(workspace_free)
-        updated += [self.cpu_step(group, clip, cpu_inputs[group]) for group in on_cpu]
+        updated += [self.cpu_step(group, clip, self.cpu_inputs_down(group, clip)) for group in on_cpu]
         if self.multi and self.knobs.shard_optimizer and not self.knobs.shard_weights:
             self.collective("gather updated weights", self.c.step_weight_gather, updated)
         if self.step_overhead_s:  # the host's own work of a step, after its optimizer steps (measured, calibrated)
@@ -409,11 +408,15 @@ class _StepGraph:
         return self.add(f"d2h updated {group}", "d2h", back_bytes * c.d2h_per_byte, "offload", [step])
 
     def cpu_inputs_down(self, group: str, clip: str | None, tag: str = "") -> str | None:
+        """What a CPU step of `group` reads from the GPU (its gradients, its master) coming down: after the CPU's
+        step of the group before, since the CPU copies a slice and waits for it before stepping it
+        (executor/memory/optim.py, `_Staging.fetch`): the copies do not run ahead of the CPU."""
         down_bytes = self.place.cpu_step_transfers(group)[0] * self.share(group)
         if not down_bytes:
             return None
+        cpu_free = self.resource_free.get("cpu", (0.0, None))[1]
         return self.add(f"d2h optimizer inputs {group}{tag}", f"d2h{tag and STAGING}",
-                        down_bytes * self.c.d2h_per_byte, "offload", [clip])
+                        down_bytes * self.c.d2h_per_byte, "offload", [clip, cpu_free])
 
     def cpu_step(self, group: str, clip: str | None, inputs: str | None, tag: str = "") -> str:
         step = self.add(f"cpu adam {group}{tag}", "cpu", self.share(group) * self.c.cpu_adam_per_param, "optimizer",

@@ -13,6 +13,7 @@ import torch
 from fastml.plan import Knobs, Plan, Training, master_streamed_groups, offloaded_groups
 from small_model import EVAL_TOKENS, SMALL
 from fastml.executor.loop.build import build_training_model
+from fastml.executor.storage.checkpoints import _load_model
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop import train as train_module
 from fastml.executor.loop.train import train
@@ -180,8 +181,10 @@ def test_a_block_whose_masters_are_streamed_keeps_one_host_copy():
             name, master = model.placement.name_of[p], optimizer.state[p].get("master")
             if group["layer"] in homes:
                 assert p.dtype == torch.float32 and master.data_ptr() == p.data_ptr()
-                assert name in offload.masters.views and name not in offload.weights.views
-            elif group["layer"].startswith("blocks."):  # streamed, stepped on the GPU (here the CPU)
+                # storage of its own: a checkpoint writes it without copying it first (files.compact)
+                assert master.untyped_storage().nbytes() == master.numel() * master.element_size()
+                assert name in offload.masters and name not in offload.weights.views
+            elif group["layer"].startswith("blocks."):  # streamed, stepped by the device (the CPU in this test)
                 assert p.dtype == torch.bfloat16 and master.dtype == torch.float32
                 assert p.data_ptr() == offload.weights.views[name].data_ptr()
 
@@ -203,3 +206,15 @@ def test_a_run_with_streamed_masters_resumes_as_the_uninterrupted_one_either_way
     assert losses(plan("streamed"), "a.jsonl", resume=True) == whole
     assert losses(plan("plain"), "b.jsonl", steps=3) == whole[:3]
     assert losses(plan("plain", stream_masters=True), "b.jsonl", resume=True) == whole
+
+
+def test_weights_loaded_into_streamed_masters_are_rounded_as_the_weights():
+    """A run that starts from fp32 weights (an HF model, init_from) rounds them to the model's dtype wherever they
+    go, fp32 masters included: the same start with streamed masters or without."""
+    plan = cpu_plan(stream_masters=True, offload_weights=1.0, **MASTERS_ON_HOST)
+    model = build_training_model(plan, torch.device("cpu"))
+    source = {name: torch.randn(t.shape, generator=torch.Generator().manual_seed(i))
+              for i, (name, t) in enumerate(model.state_dict().items())}
+    _load_model(model, source.__getitem__)
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, source[name].to(torch.bfloat16).to(t.dtype)), name

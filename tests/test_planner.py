@@ -572,11 +572,12 @@ def test_an_overlapped_cpu_step_hides_behind_the_first_forward_pass():
 def test_the_cpu_step_is_overlapped_where_that_is_faster_unless_pinned():
     """Not a searched knob: each plan takes the faster of the two. Overlapping wins where the CPU's step ends the
     step (everything stepped on the CPU); it loses where the GPU's own steps of the other groups already hid it
-    (a quarter of the blocks on the CPU, the rest fetching host masters): the forward pass would wait for it."""
+    (a quarter of the blocks on the CPU with their gradients on the host, the rest fetching host masters): the
+    forward pass would wait for it."""
     from fastml.planner.search import evaluate_choice
 
     problem = Problem(PRESETS["llama-3.1-8b"], 2048, 2048 * 16, load_machine("h200", 1))
-    base = dict(micro_batch_size=4, recompute=("block",), offload_master=1.0)
+    base = dict(micro_batch_size=4, recompute=("block",), offload_master=1.0, offload_gradients=0.25)
     hidden_at_the_end = evaluate_choice(problem, {**base, "offload_optimizer": 0.25})
     exposed_at_the_end = evaluate_choice(problem, {**base, "offload_optimizer": 1.0})
     assert not hidden_at_the_end.knobs.overlap_cpu_step and exposed_at_the_end.knobs.overlap_cpu_step

@@ -5,7 +5,7 @@ the host buffers and moves them.
 Per block (a parameter group, `fastml.plan.layer_of`), as `fastml.plan.offloaded_groups` names them:
 - offload_weights: the block's bf16 weights live in pinned host memory; a parameter points at its host copy except
   while the block runs, when it points at a GPU copy (`fetch`, one block ahead, forward and backward). With
-  knobs.stream_masters the host copy of a block that steps on the CPU is its fp32 master (`master_homes`): the
+  knobs.stream_masters the host copy of a block that steps on the CPU is its fp32 master (`master_streamed`): the
   parameter points at it, fp32, between uses, and the fetch rounds it to bf16 on the GPU.
 - offload_gradients: once backward has accumulated a block's gradients they go to pinned host memory and leave the
   GPU (`grads_to_host`). Micro-batches after the first fetch the sum so far back (`fetch_grad_sums`), so that
@@ -39,7 +39,8 @@ class _Flat:
 
 
 class HostOffload:
-    """Weights, gradients and block inputs in host memory, as the plan's offload knobs say (the module's docstring).
+    """Weights (bf16 copies, or fp32 masters: `master_streamed`), gradients and block inputs in host memory, as the
+    plan's offload knobs say (the module's docstring).
     `shapes`: each group's parameter shapes by name; `sharded`: the groups whose weights the sharding engine keeps
     (their streamed shards are its own); `grads_summed_elsewhere`: sharded gradients, whose host sums the sharding
     engine keeps."""
@@ -50,12 +51,15 @@ class HostOffload:
         self.device, self.copier, self.shapes, self.dtype = device, copier, shapes, dtype
         self.streamed = offloaded_groups(knobs, "offload_weights", num_layers)
         self.host_weights = self.streamed - sharded  # whose whole weights live here
-        self.master_homes = master_streamed_groups(knobs, num_layers)  # whose host copy is the fp32 master
+        self.master_streamed = master_streamed_groups(knobs, num_layers)  # whose host copy is the fp32 master
         self.grads_out = frozenset() if grads_summed_elsewhere else \
             offloaded_groups(knobs, "offload_gradients", num_layers)
         self.residuals_out = offloaded_groups(knobs, "offload_residuals", num_layers)
-        self.weights = _Flat(self._shapes(self.host_weights - self.master_homes), dtype, copier.cuda)
-        self.masters = _Flat(self._shapes(self.master_homes), torch.float32, copier.cuda)
+        self.weights = _Flat(self._shapes(self.host_weights - self.master_streamed), dtype, copier.cuda)
+        # Each master with storage of its own, as the optimizer's other masters: a checkpoint writes it as it is,
+        # where a view of one buffer would be copied first (executor/storage/files.py, `compact`).
+        self.masters = {name: pinned_empty(shape.numel(), torch.float32, copier.cuda).view(shape)
+                        for name, shape in self._shapes(self.master_streamed).items()}
         self.grads = _Flat(self._shapes(self.grads_out), dtype, copier.cuda) if self.grads_out else None
         self.residuals: dict[str, torch.Tensor] = {}
         self._residual_events: dict[str, object] = {}  # group -> event of its input's latest copy
@@ -68,7 +72,7 @@ class HostOffload:
 
     def keep(self, group: str, name: str, p: nn.Parameter) -> torch.Tensor:
         """A streamed block's initialized parameter goes to its host copy, which it points at from then on."""
-        host = self._flat(group).views[name]
+        host = self._host_copies(group)[name]
         host.copy_(p.data)
         return host
 
@@ -77,7 +81,7 @@ class HostOffload:
         up whole and are rounded to the parameters' dtype on the copy stream, their staging freed once that is done."""
         host = self.homes(group)
         gpu = [torch.empty_like(h, device=self.device, dtype=self.dtype) for h in host]
-        if group not in self.master_homes:
+        if group not in self.master_streamed:
             return gpu, CopyDone(self.copier, self.copier.copy(self.copier.h2d, list(zip(gpu, host))))
         staged = [torch.empty_like(h, device=self.device) for h in host]
         event = self.copier.copy(self.copier.h2d, list(zip(staged, host)) + list(zip(gpu, staged)))
@@ -87,15 +91,17 @@ class HostOffload:
 
     def homes(self, group: str) -> list[torch.Tensor]:
         """What a streamed block's parameters point at while it does not compute: their host copies."""
-        flat = self._flat(group)
-        return [flat.views[name] for name in self.shapes[group]]
+        copies = self._host_copies(group)
+        return [copies[name] for name in self.shapes[group]]
 
-    def _flat(self, group: str) -> _Flat:
-        return self.masters if group in self.master_homes else self.weights
+    def _host_copies(self, group: str) -> dict[str, torch.Tensor]:
+        return self.masters if group in self.master_streamed else self.weights.views
 
     def host_flat(self, group: str) -> torch.Tensor | None:
         """A streamed block's weights in host memory, as one vector (they lie back to back), or None."""
-        if group not in self.host_weights - self.master_homes:  # (no master is streamed beside sharded states)
+        # None too for a block whose host copy is its fp32 master: only sharded optimizer states gather from here,
+        # and those never stream masters
+        if group not in self.host_weights - self.master_streamed:
             return None
         views = self.homes(group)
         start = views[0].storage_offset() - self.weights.buffer.storage_offset()
@@ -184,7 +190,7 @@ class HostOffload:
 
     def host_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The pinned host buffers by memory category."""
-        tensors = {"weights": [self.weights.buffer, self.masters.buffer],
+        tensors = {"weights": [self.weights.buffer, *self.masters.values()],
                    "gradients": [self.grads.buffer] if self.grads else [],
                    "activations": list(self.residuals.values())}
         return {k: v for k, v in tensors.items() if v}

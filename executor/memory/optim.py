@@ -38,7 +38,8 @@ class AdamW(torch.optim.Optimizer):
     (`set_lr`) before each step.
 
     Offload: a group in offload_optimizer keeps m and v in host memory and steps on the CPU (the C++ AdamW of
-    csrc/, cpu_adam.py), writing its bf16 weights straight into their host copy where the weights are streamed; a
+    csrc/, cpu_adam.py), writing its bf16 weights straight into their host copy where the weights are streamed, or
+    none where that host copy is the master itself (knobs.stream_masters: the fetch rounds it, offload.py); a
     group in offload_master keeps its fp32 masters in host memory, and where it steps on the GPU they cross PCIe
     both ways. Gradients kept in host memory (`placement.host_grad`) are read there.
 
@@ -55,7 +56,7 @@ class AdamW(torch.optim.Optimizer):
         cpu_steps = offloaded_groups(knobs, "offload_optimizer", num_layers)
         host_masters = offloaded_groups(knobs, "offload_master", num_layers)
         # knobs.stream_masters: these blocks' parameters point at their fp32 masters between uses (offload.py)
-        self.master_homes = master_streamed_groups(knobs, num_layers)
+        self.master_streamed = master_streamed_groups(knobs, num_layers)
         groups = [{"params": named, "layer": layer, "decay": [p.ndim >= 2 for _, p in named],
                    "on_cpu": layer in cpu_steps}
                   for layer, named in layer_groups(model).items()]
@@ -93,7 +94,7 @@ class AdamW(torch.optim.Optimizer):
                                                         pin=not on_cpu and self.device.type == "cuda",
                                                         count_on_host=on_cpu or self.steps_with_fastml_op,
                                                         compensated=compensated,
-                                                        is_master=group["layer"] in self.master_homes)
+                                                        weight_is_master=group["layer"] in self.master_streamed)
 
     def _pieces(self, group: dict) -> dict[nn.Parameter, Piece]:
         """The part of each parameter of `group` this rank steps: all of it, or where its shard cuts it."""
@@ -110,11 +111,11 @@ class AdamW(torch.optim.Optimizer):
     @staticmethod
     def _initial_state(weight: torch.Tensor, master_dtype: torch.dtype, state_dtype: torch.dtype,
                        master_at: torch.device, states_at: torch.device, pin: bool, count_on_host: bool,
-                       compensated: bool, is_master: bool) -> dict:
-        """`is_master`: `weight` is the fp32 master itself, the host copy of a block whose masters are streamed
-        (knobs.stream_masters): kept as the state's master all the same, so that checkpoints hold the same tensors
-        whichever way the masters live."""
-        if is_master:
+                       compensated: bool, weight_is_master: bool) -> dict:
+        """`weight_is_master`: `weight` is the fp32 master itself, the host copy of a block whose masters are
+        streamed (knobs.stream_masters): kept as the state's master all the same, so that checkpoints hold the same
+        tensors whichever way the masters live."""
+        if weight_is_master:
             master = weight
         elif weight.dtype == master_dtype:
             master = None
@@ -362,7 +363,7 @@ class AdamW(torch.optim.Optimizer):
         master = self._master(group, p)
         # The rounded weights: into the host copy of a streamed weight, or over to the GPU; none where the host copy
         # is the master (the fetch rounds it)
-        weight = self._weight(group, p) if "master" in state and group["layer"] not in self.master_homes else None
+        weight = self._weight(group, p) if "master" in state and group["layer"] not in self.master_streamed else None
         flat = [t.reshape(-1) if t is not None else None
                 for t in (master, state["exp_avg"], state["exp_avg_sq"], grad, weight, state.get("master_low"))]
         offset = self.pieces[p].start

@@ -422,12 +422,13 @@ def _load_model(model: Transformer, read: Callable[[str], torch.Tensor]) -> None
     one."""
     parallel = model.placement.parallel if hasattr(model, "placement") else None
     sharded = parallel.sharded if parallel is not None else frozenset()
+    dtype = model.embed.weight.dtype  # the model's: a block whose masters are streamed points at them, fp32
     for name, tensor in model.state_dict().items():
         group = layer_of(name)
         if group in sharded:
             parallel.load_weights(group, name, read(name))
         else:
-            tensor.copy_(read(name))
+            tensor.copy_(read(name).to(dtype))  # rounded as the weights are, whatever keeps them
 
 
 def load_for_inference(path: str | Path, device: torch.device, dtype: torch.dtype) -> Transformer:
