@@ -29,9 +29,21 @@ def cpu_plan(steps=3, **knobs):
                 knobs=Knobs(micro_batch_size=2, grad_accum_steps=3, **knobs))
 
 
-def run_losses(tmp_path, name, **knobs):
-    train(cpu_plan(**knobs), log_json=tmp_path / name, show_progress=False)
+def trained_losses(tmp_path, plan, name, **options):
+    """The losses of `plan` trained (`train`'s `options`: steps, resume), logged to tmp_path / name."""
+    train(plan, log_json=tmp_path / name, show_progress=False, **options)
     return [json.loads(line)["loss"] for line in (tmp_path / name).read_text().splitlines()]
+
+
+def run_losses(tmp_path, name, **knobs):
+    return trained_losses(tmp_path, cpu_plan(**knobs), name)
+
+
+def checkpointed_plan(tmp_path, name, **knobs):
+    """A 6-step `cpu_plan` that checkpoints every 3 steps into tmp_path / name."""
+    p = cpu_plan(steps=6, **knobs)
+    training = dataclasses.replace(p.training, checkpoint_dir=str(tmp_path / name), checkpoint_interval=3)
+    return dataclasses.replace(p, training=training)
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +152,11 @@ def test_an_overlapped_run_checkpoints_and_resumes_as_the_uninterrupted_one(tmp_
     """Checkpoints wait for the CPU's step (run.save): a run stopped after 3 steps and resumed gives the losses of
     the run that went through, and both those of the same plan without the overlap."""
     def plan(name, **more):
-        p = cpu_plan(steps=6, offload_optimizer=1.0, offload_weights=0.5, offload_gradients=1.0, **more)
-        training = dataclasses.replace(p.training, checkpoint_dir=str(tmp_path / name), checkpoint_interval=3)
-        return dataclasses.replace(p, training=training)
+        return checkpointed_plan(tmp_path, name, offload_optimizer=1.0, offload_weights=0.5, offload_gradients=1.0,
+                                 **more)
 
     def losses(p, log, **options):
-        train(p, log_json=tmp_path / log, show_progress=False, **options)
-        return [json.loads(line)["loss"] for line in (tmp_path / log).read_text().splitlines()]
+        return trained_losses(tmp_path, p, log, **options)
     whole = losses(plan("whole", overlap_cpu_step=True), "whole.jsonl")
     stopped = plan("stopped", overlap_cpu_step=True)
     assert losses(stopped, "stopped.jsonl", steps=3) == whole[:3]
@@ -194,13 +204,10 @@ def test_a_run_with_streamed_masters_resumes_as_the_uninterrupted_one_either_way
     run stopped after 3 steps resumes with streamed masters or without, and gives the losses of the run that went
     through."""
     def plan(name, **more):
-        p = cpu_plan(steps=6, offload_weights=1.0, **MASTERS_ON_HOST, **more)
-        training = dataclasses.replace(p.training, checkpoint_dir=str(tmp_path / name), checkpoint_interval=3)
-        return dataclasses.replace(p, training=training)
+        return checkpointed_plan(tmp_path, name, offload_weights=1.0, **MASTERS_ON_HOST, **more)
 
     def losses(p, log, **options):
-        train(p, log_json=tmp_path / log, show_progress=False, **options)
-        return [json.loads(line)["loss"] for line in (tmp_path / log).read_text().splitlines()]
+        return trained_losses(tmp_path, p, log, **options)
     whole = losses(plan("whole", stream_masters=True), "whole.jsonl")
     assert losses(plan("streamed", stream_masters=True), "a.jsonl", steps=3) == whole[:3]
     assert losses(plan("streamed"), "a.jsonl", resume=True) == whole
