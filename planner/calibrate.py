@@ -37,7 +37,7 @@ TIME_BOUNDS = {"forward": (0.3, 4.0), "compute": (0.5, 4.0), "cpu_optimizer": (0
                "layer_overhead_s": (0.0, 0.05), "step_overhead_s": (0.0, 5.0)}
 MEMORY_BOUNDS = {"compiled_activations": (0.2, 1.5), "fragmentation": (0.0, 0.5)}
 FIT_ROUNDS = 3
-MODEL_VERSION = 8
+MODEL_VERSION = 9
 """The version of the time and memory models (costs.py, memory.py, simulate.py) that a calibration is fitted to.
 Bump it with any change that moves predictions (tests/test_calibrate.py pins this version's): a profile
 calibrated before the change is then said to be stale, since its terms correct the old model's errors (issue 11:
@@ -55,7 +55,9 @@ gradients in its forward pass with a fused cross-entropy (executor/model/loss.py
 recomputed, three passes over a bf16 logit, and one weight gradient at its peak. Version 7: fp8's casts of
 SwiGLU's output and of gate_up's output gradient skip their absolute maximum's read (SwiGLU's kernels take it).
 Version 8: a CPU step's inputs on the GPU come down only once the CPU has stepped the group before (it waits for
-each slice it copies), not all ahead of it."""
+each slice it copies), not all ahead of it. Version 9: the GPU's peak is that of the step's phase where its
+tensors add up to most (the loss, a block's backward pass, the embedding's, the optimizer step), each holding what
+the executor holds then, not every tensor of every phase at once (memory._phases)."""
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ the plan, including knobs the executor does not run yet, in the dtypes the knobs
   then the weights over the data-parallel GPUs (Rajbhandari et al. 2020, "ZeRO", section 3.1 and figure 1); fp32
   parameters (CPU training) are their own masters: 4 + 4 + 8 = 16 B too, none of it master copies;
 - offload: each parameter group (the embedding, each block, the final norm with the LM head) keeps each of its
-  tensors on the GPU or the host as fastml.plan.offloaded_groups says, and what streams between them passes through
-  STREAM_BUFFER_LAYERS GPU buffers (`Placement`, `memory`); the executor's offload holds exactly these;
+  tensors on the GPU or the host as fastml.plan.offloaded_groups says, and what streams between them is on the GPU
+  for the block that computes and the one fetched beside it (`Placement`, `_phases`); the executor's offload holds
+  exactly these;
 - activations: the tensors autograd saves per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation",
   section 4.1, recounted for our model: fused qkv, SwiGLU, grouped-query attention, a fused attention kernel that
   keeps only its output and log-sum-exp instead of the s x s score matrix). tests/test_planner_vs_model.py measures
@@ -33,7 +34,8 @@ CPU_PROCESS_HOST_BYTES = 2**29
 """The same for a process training on a CPU (no CUDA context): `fastml run` of the default tiny plan on a 2-core AMD
 EPYC with torch 2.13 (2026-12-02) peaked at 0.93 GiB resident (one process) and 0.95 GiB (each of two), beside 0.43
 and 0.45 GiB of the tensors counted here; torch and fastml imported hold 0.3 GiB of it."""
-# Layers whose weights, gradients or activations travel between host and GPU are double-buffered on the GPU.
+# Blocks whose weights, gradients or inputs travel between host and GPU are on the GPU two at a time: the one that
+# computes, and the next one, fetched meanwhile (executor/memory/placement.py).
 STREAM_BUFFER_LAYERS = 2
 
 
@@ -167,9 +169,8 @@ def loss_workspace_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str
     forward pass, where it makes its gradients (executor/model/loss.py): one slice's logits, the head weight's
     gradient and the hidden states' (beside the hidden states, which the head's activations count: their gradient
     takes their place once the loss is made). Measured against the real loss on a GPU in
-    tests/test_planner_vs_model.py. The weight's gradient is one tensor more than the gradients count only from the
-    second micro-batch of a step (in the first it becomes the head's gradient): an upper bound, so that no choice of
-    micro-batch looks smaller for it."""
+    tests/test_planner_vs_model.py. In a step's first micro-batch the weight's gradient becomes the head's gradient;
+    from the second it is added into that (`_phases` counts the head's gradients at the loss accordingly)."""
     chunk = loss_logit_bytes(knobs, device) * spec.vocab_size * -(-tokens // knobs.lm_head_chunks)
     weight_gradient = spec.vocab_size * spec.hidden_size * param_bytes(knobs)
     return chunk + weight_gradient + tokens * spec.hidden_size * activation_bytes(knobs)
@@ -309,51 +310,25 @@ def master_bytes(knobs: Knobs) -> int:
 def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_node: int,
            device: str, calibration: Calibration = Calibration()) -> Memory:
     """Peak bytes on one GPU (or the CPU's memory for `device` "cpu"), and host bytes of one node, for training
-    `spec` with `knobs`: each parameter group's tensors where `Placement` puts them, as the executor holds them; then
-    as the machine's `calibration` corrects the model (what a compiled block keeps, the allocator's fragmentation)."""
+    `spec` with `knobs`: each parameter group's tensors where `Placement` puts them, as the executor holds them, at
+    the phase of the step where they add up to most (`_phases`); then as the machine's `calibration` corrects the
+    model (what a compiled block keeps, the allocator's fragmentation)."""
     place = placement(spec, knobs)
-    gpu, host = _model_states(spec, knobs, place, num_gpus)
-    streamed_layer = spec.layer_params() * param_bytes(knobs)
-    # Blocks whose weights or gradients live on the host pass through STREAM_BUFFER_LAYERS GPU buffers (gathered
-    # shards of sharded weights too).
-    sharded = knobs.shard_weights and num_gpus > 1
-    weight_buffers = STREAM_BUFFER_LAYERS if sharded else len(place.streamed_weights)
-    gpu["weights"] += min(STREAM_BUFFER_LAYERS, weight_buffers) * streamed_layer
-    streamed_gradients = min(STREAM_BUFFER_LAYERS, len(place.host_gradients)) * streamed_layer
-    gpu["gradients"] += streamed_gradients
+    gpu, host = model_states(spec, knobs, place, num_gpus)
     groups = group_params(spec)
+    sharded = knobs.shard_weights and num_gpus > 1
     if sharded:  # the head's gathered weights live from the last block until their gradients are made
         gpu["weights"] += max(groups["embed"], groups["head"]) * param_bytes(knobs)
     if num_gpus > 1 and knobs.shard_gradients:  # a group's full gradients, from its backward pass to its reduction
         gpu["gradients"] += max(groups.values()) * param_bytes(knobs)
     elif num_gpus > 1 and knobs.shard_optimizer:  # ZeRO-1: offloaded blocks' reduced shards stay on the GPU
-        gpu["gradients"] += len(place.host_gradients) * streamed_layer / num_gpus
-
-    tokens = knobs.micro_batch_size * seq_len
-    gpu["activations"], host["activations"] = _activations(spec, knobs, place, tokens, device)
-    # Past the forward pass the step peaks in one of two phases: at the loss (whose forward pass makes the head's
-    # gradients, loss_workspace_bytes), or in a block's backward pass (the gradients it makes, beside its activations
-    # rebuilt where it recomputes, and the buffers its weight gradients stream to the host through, which the loss's
-    # phase does not hold yet).
-    rebuilt = rebuilt_activation_bytes(spec, knobs, tokens, device)
-    gpu["activations"] += rebuilt
-    gradients = block_backward_workspace_bytes(spec, knobs, tokens)
-    loss = loss_workspace_bytes(spec, knobs, tokens, device)
-    backward_workspace = max(loss - rebuilt - streamed_gradients, gradients)
+        gpu["gradients"] += len(place.host_gradients) * spec.layer_params() * param_bytes(knobs) / num_gpus
     if knobs.matmul_dtype == "fp8":
+        # Cached blocks keep their weights in fp8 and transposed (executor/model/fp8.py).
         cached = len(fp8_cached_blocks(knobs, spec.num_layers, num_gpus))
-        # Cached blocks keep their weights in fp8 and transposed (executor/model/fp8.py); the others cast one layer's as
-        # they compute.
         gpu["weights"] += cached * spec.layer_matmul_params() * 2 * DTYPE_BYTES["fp8"]
-        if cached < spec.num_layers:
-            backward_workspace += spec.layer_matmul_params() * DTYPE_BYTES["fp8"]
-    # Streamed fp32 masters land in a staging buffer, one block's, before they are rounded (executor/memory/offload.py).
-    backward_workspace += spec.layer_params() * FP32_BYTES if place.master_streamed else 0
-    optimizer_workspace = _gpu_optimizer_workspace(spec, place)
-    # The optimizer runs after the backward pass has freed the activations: the larger phase sets the peak.
-    if optimizer_workspace > gpu["activations"] + backward_workspace:
-        gpu["activations"], backward_workspace = 0, optimizer_workspace
-    gpu["workspace"] = backward_workspace
+    tokens = knobs.micro_batch_size * seq_len
+    host["activations"] = len(place.host_inputs) * block_input_bytes(spec, knobs, tokens)
     on_cpu = device == "cpu"
     host["workspace"] = (CPU_PROCESS_HOST_BYTES if on_cpu else PROCESS_HOST_BYTES) + \
         _cpu_staging_bytes(spec, knobs, place, num_gpus)
@@ -365,12 +340,108 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
             if not on_cpu:  # a round's cells fetched to the GPU to add (a CPU adds them where they are)
                 gpu["comm_buffers"] += MEMCPY_ROW_BYTES
         if knobs.cache_weights_on_host and sharded:  # each rank's copy of the gathered weights of every block
-            host["weights"] += (spec.num_layers - len(place.streamed_weights)) * streamed_layer  # but streamed ones
+            host["weights"] += (spec.num_layers - len(place.streamed_weights)) * spec.layer_params() * \
+                param_bytes(knobs)  # but streamed ones
     host = {k: v * gpus_per_node for k, v in host.items()}  # each GPU's process has its own host tensors
+    phases = _phases(spec, knobs, place, gpu, _gradients_made(spec, knobs, place, num_gpus), tokens, device, num_gpus)
     if knobs.compile:
-        gpu["activations"] *= calibration.compiled_activations
+        for phase in phases:
+            phase["activations"] *= calibration.compiled_activations
+    gpu = max(phases, key=lambda phase: sum(phase.values()))
     gpu["workspace"] += calibration.fragmentation * sum(gpu.values())
     return Memory(gpu={k: int(v) for k, v in gpu.items()}, host={k: int(v) for k, v in host.items()})
+
+
+def _phases(spec: ModelSpec, knobs: Knobs, place: Placement, states: dict[str, float], made: dict[str, float],
+            tokens: int, device: str, num_gpus: int) -> list[dict[str, float]]:
+    """The GPU's bytes by category where a step can peak: at the loss, in each block's backward pass, in the
+    embedding's, and in the optimizer step. `states`: the model states on the GPU with every gradient made; `made`:
+    each group's gradients on the GPU, which a step's first micro-batch makes as its backward pass goes (later
+    micro-batches add into them).
+
+    The executor's schedule (executor/memory/placement.py): backward reaches block i with its weights, input and
+    (accumulating) gradient sums fetched, and fetches block i-1's meanwhile, while the inputs of the blocks below that
+    stay on the GPU are kept and the gradients of the groups above are made. The blocks offloaded are the first ones
+    (fastml.plan.offloaded_groups): the blocks at the top keep their inputs, and backward starts there with no block's
+    gradients made. Counting every tensor at once instead, the planner predicted the capped 3B and 8B runs of
+    benchmarks/fidelity.py 25% and 32% larger than they peaked (benchmarks/NOTES.md)."""
+    layers = spec.num_layers
+    layer = spec.layer_params() * param_bytes(knobs)  # a block's weights, or its gradients
+    block_input = block_input_bytes(spec, knobs, tokens)
+    saved = layer_activation_bytes(spec, knobs, tokens, device)
+    rebuilt = rebuilt_activation_bytes(spec, knobs, tokens, device)
+    accumulating = knobs.grad_accum_steps > 1
+    sharded = knobs.shard_weights and num_gpus > 1  # gathered: every block's weights come whole to the GPU
+    # A streamed master's fetch lands in fp32 and is rounded on the copy stream (offload.py). The allocator counts it
+    # only while the fetch is queued (it is released then, kept from reuse until the copy is done, as is whatever
+    # else is copied away: gradients and inputs on their way to the host): at the start of a block's backward pass,
+    # before the block rebuilds its activations.
+    staging = spec.layer_params() * FP32_BYTES
+
+    def fetched(blocks: list[int], on: frozenset[str]) -> int:
+        """How many of `blocks` are offloaded `on` the host, and so fetched to the GPU now."""
+        return sum(block_group(b) in on for b in blocks if b >= 0)
+
+    def weights(blocks: list[int]) -> float:
+        buffers = STREAM_BUFFER_LAYERS if sharded else fetched(blocks, place.streamed_weights)
+        return states["weights"] + buffers * layer
+
+    def gradients(blocks: list[int], unmade: float) -> float:
+        """With the sums of `blocks` fetched (accumulating), or without the `unmade` bytes of gradients."""
+        if accumulating:
+            return states["gradients"] + fetched(blocks, place.host_gradients) * layer
+        return states["gradients"] - unmade
+
+    # At the loss: every block's activations but the inputs gone to the host, and the head's; nothing streamed is
+    # fetched yet (but a sharded head's weights, and the blocks' buffers of a sharded model); the head's gradient is
+    # made in the loss's workspace.
+    phases = [states | {
+        "weights": weights([]), "gradients": gradients([], sum(made.values())),
+        "activations": forward_kept_bytes(spec, knobs, tokens, device),
+        "workspace": loss_workspace_bytes(spec, knobs, tokens, device)}]
+    backward = block_backward_workspace_bytes(spec, knobs, tokens)
+    if knobs.matmul_dtype == "fp8" and len(fp8_cached_blocks(knobs, layers, num_gpus)) < layers:
+        backward += spec.layer_matmul_params() * DTYPE_BYTES["fp8"]  # an uncached layer's weights, cast as it computes
+    # The embedding's gradients come last. Tied, autograd keeps the head's part of them (the loss made it) until the
+    # embedding's part is made, and only then adds both into the weight's gradient: beside it, from a step's second
+    # micro-batch.
+    unmade = 0 if spec.tied_embeddings else made.get("embed", 0)
+    head_weight_gradient = spec.vocab_size * spec.hidden_size * param_bytes(knobs)
+    waiting = head_weight_gradient if spec.tied_embeddings and accumulating else 0
+    gone = 0  # the inputs of the blocks below i - 1 that are on the host
+    for i in range(layers):
+        near = list(range(i, i - STREAM_BUFFER_LAYERS, -1))  # this block and the one fetched beside it
+        if i >= STREAM_BUFFER_LAYERS:
+            gone += block_group(i - STREAM_BUFFER_LAYERS) in place.host_inputs
+        unmade += made.get(block_group(i), 0)
+        phases.append(states | {
+            "weights": weights(near), "gradients": gradients(near, unmade) + waiting,
+            "activations": (i + 1) * saved - gone * block_input + rebuilt,
+            # the block's own gradients are made in its workspace (block_backward_workspace_bytes)
+            "workspace": max(backward, staging * fetched(near[1:], place.master_streamed) - rebuilt)})
+    # The embedding's backward pass makes its part of its gradients (from the first block's input gradient) beside
+    # the rest (and tied, the head's part); added into the sum (accumulating) or the head's part, it goes.
+    parts = 1 + spec.tied_embeddings if accumulating else int(spec.tied_embeddings)
+    phases.append(states | {"gradients": states["gradients"] + parts * head_weight_gradient, "activations": 0,
+                            "workspace": block_input})
+    phases.append(states | {"activations": 0, "workspace": _gpu_optimizer_workspace(spec, place)})
+    return phases
+
+
+def forward_kept_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str) -> int:
+    """What a micro-batch's forward pass keeps on the GPU when the loss is made: each block's saved tensors but the
+    inputs gone to the host, and the head's (head_activation_bytes)."""
+    offloaded = offloaded_groups(knobs, "offload_residuals", spec.num_layers)
+    kept = spec.num_layers * layer_activation_bytes(spec, knobs, tokens, device)
+    kept -= len(offloaded) * block_input_bytes(spec, knobs, tokens)
+    return kept + head_activation_bytes(spec, knobs, tokens, device)
+
+
+def _gradients_made(spec: ModelSpec, knobs: Knobs, place: Placement, num_gpus: int) -> dict[str, float]:
+    """Per parameter group, the gradient bytes on the GPU that its backward pass makes (a group whose gradients go to
+    the host makes them in the backward pass's workspace: block_backward_workspace_bytes)."""
+    return {group: model_state_bytes(num_params, knobs, num_gpus)["gradients"]
+            for group, num_params in group_params(spec).items() if group not in place.host_gradients}
 
 
 def _memcpy_row_bytes(largest_group_bytes: float, device: str) -> float:
@@ -384,8 +455,8 @@ _OFFLOADED_BY = {"weights": "streamed_weights", "gradients": "host_gradients", "
                  "optimizer_states": "cpu_steps"}
 
 
-def _model_states(spec: ModelSpec, knobs: Knobs, place: Placement,
-                  num_gpus: int) -> tuple[dict[str, float], dict[str, float]]:
+def model_states(spec: ModelSpec, knobs: Knobs, place: Placement,
+                 num_gpus: int) -> tuple[dict[str, float], dict[str, float]]:
     """Weights, master weights, gradients and optimizer states of one GPU and of its process on the host, group by
     group (ZeRO's counts, `model_state_bytes`, per group). Host copies are pinned where a GPU copy reads or writes
     them and pageable where only the CPU does (masters and Adam states of CPU-stepped groups): the same bytes."""
@@ -399,17 +470,6 @@ def _model_states(spec: ModelSpec, knobs: Knobs, place: Placement,
             on_host = group in getattr(place, _OFFLOADED_BY[category])
             (host if on_host else gpu)[category] += num_bytes
     return gpu, host
-
-
-def _activations(spec: ModelSpec, knobs: Knobs, place: Placement, tokens: int, device: str) -> tuple[int, int]:
-    """Activation bytes on the GPU at the backward pass's start, and on the host: an offloaded block's input goes to
-    the host after its forward pass and comes back ahead of its backward pass, STREAM_BUFFER_LAYERS at a time on
-    the GPU; the block's other saved tensors stay on the GPU."""
-    num_offloaded = len(place.host_inputs)
-    block_input = block_input_bytes(spec, knobs, tokens)
-    saved = spec.num_layers * layer_activation_bytes(spec, knobs, tokens, device)
-    saved -= (num_offloaded - min(num_offloaded, STREAM_BUFFER_LAYERS)) * block_input
-    return saved + head_activation_bytes(spec, knobs, tokens, device), num_offloaded * block_input
 
 
 def rebuilt_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str) -> int:

@@ -14,7 +14,8 @@ from fastml.plan import STAGING_SLOTS, Knobs
 from fastml.planner.costs import costs
 from fastml.planner.hardware import load_machine
 from fastml.planner.memory import (PROCESS_HOST_BYTES, STREAM_BUFFER_LAYERS, block_input_bytes, group_params,
-                                   layer_activation_bytes, memory)
+                                   block_backward_workspace_bytes, layer_activation_bytes, memory,
+                                   rebuilt_activation_bytes)
 from fastml.planner.simulate import simulate
 from fastml.spec import PRESETS
 
@@ -48,31 +49,39 @@ def test_groups_are_the_executors_optimizer_groups(model):
 
 
 def test_offloaded_gradients_are_one_host_copy_whatever_the_accumulation():
-    """Gradients of offloaded blocks live on the host once (accumulated on the GPU, a block at a time); the GPU
-    keeps the embedding's and the head's, and STREAM_BUFFER_LAYERS blocks' in flight."""
+    """Gradients of offloaded blocks live on the host once (accumulated on the GPU, a block at a time). At the GPU's
+    peak (with block recompute, the last block's backward pass) a step's first micro-batch has made the head's
+    gradients alone (the embedding's come last, a block's own are its workspace); accumulating, every gradient on
+    the GPU is there, with the sums so far of the block and of the one below fetched, where they are offloaded."""
     block, embed, head = sizes("tinyllama-1.1b")
     layers = PRESETS["tinyllama-1.1b"].num_layers
+    knobs = Knobs(recompute=("block",), offload_gradients=1.0)
     for accumulation in (1, 8):
-        gpu, host = gpu_and_host(Knobs(grad_accum_steps=accumulation, offload_gradients=1.0))
+        _, host = gpu_and_host(dataclasses.replace(knobs, grad_accum_steps=accumulation))
         assert host["gradients"] == 2 * layers * block
-        assert gpu["gradients"] == 2 * (embed + head) + 2 * STREAM_BUFFER_LAYERS * block
-    half_gpu, half_host = gpu_and_host(Knobs(grad_accum_steps=8, offload_gradients=0.5))
-    assert half_host["gradients"] == 2 * 11 * block  # round(0.5 x 22)
+    first, _ = gpu_and_host(knobs)
+    assert first["gradients"] == 2 * head
+    summed, _ = gpu_and_host(dataclasses.replace(knobs, grad_accum_steps=8))
+    assert summed["gradients"] == 2 * (embed + head) + 2 * STREAM_BUFFER_LAYERS * block
+    half_gpu, half_host = gpu_and_host(dataclasses.replace(knobs, grad_accum_steps=8, offload_gradients=0.5))
+    assert half_host["gradients"] == 2 * 11 * block  # round(0.5 x 22): the first 11
+    # the other 11 on the GPU; the peak is in the backward pass of one of the first 11, with two of their sums fetched
     assert half_gpu["gradients"] == 2 * (embed + head + 11 * block) + 2 * STREAM_BUFFER_LAYERS * block
 
 
 @pytest.mark.parametrize("recompute", [(), ("block",)], ids=["none", "block"])
 def test_residual_offload_moves_exactly_the_block_inputs(recompute):
-    """Blocks x hidden x tokens x 2 bytes go to the host; the GPU keeps each block's other saved tensors and
-    STREAM_BUFFER_LAYERS inputs in flight."""
-    spec, tokens = PRESETS["tinyllama-1.1b"], 2 * SEQ
-    base = Knobs(micro_batch_size=2, recompute=recompute)
+    """Blocks x hidden x tokens x 2 bytes go to the host; the GPU keeps each block's other saved tensors. At the peak
+    (accumulating, so that every gradient is there throughout: the loss, or the last block's backward pass) none of
+    the offloaded inputs (the first blocks') is back yet."""
+    spec, tokens = PRESETS["tinyllama-1.1b"], 8 * SEQ
+    base = Knobs(micro_batch_size=8, grad_accum_steps=2, recompute=recompute)
     gpu, host = gpu_and_host(base)
     off_gpu, off_host = gpu_and_host(dataclasses.replace(base, offload_residuals=0.5))
     block_input = spec.hidden_size * tokens * 2
     assert block_input_bytes(spec, base, tokens) == block_input
     assert off_host["activations"] == 11 * block_input and host["activations"] == 0
-    assert gpu["activations"] - off_gpu["activations"] == (11 - STREAM_BUFFER_LAYERS) * block_input
+    assert gpu["activations"] - off_gpu["activations"] == 11 * block_input
     if recompute:  # block recompute keeps nothing else: the block input is all a block saves
         assert layer_activation_bytes(spec, base, tokens, "cuda") == block_input
 
@@ -89,12 +98,17 @@ def test_embedding_and_head_follow_the_optimizer_and_masters_only_at_fraction_on
     assert whole_host[category] == bytes_per_param * PRESETS["tinyllama-1.1b"].num_params()
 
 
-@pytest.mark.parametrize("knob, category", [("offload_weights", "weights"), ("offload_gradients", "gradients")])
-def test_weights_and_gradients_of_the_embedding_and_head_stay_on_the_gpu(knob, category):
+def test_weights_and_gradients_of_the_embedding_and_head_stay_on_the_gpu():
+    """Offloaded weights stream through the GPU a block at a time, the one computing and the one fetched beside it;
+    the embedding's and the head's stay. So do their gradients (accumulating, so that all are there at the peak),
+    beside the sums so far of the block and the one below."""
     block, embed, head = sizes("tinyllama-1.1b")
-    gpu, host = gpu_and_host(Knobs(**{knob: 1.0}))
-    assert host[category] == 2 * 22 * block
-    assert gpu[category] == 2 * (embed + head) + 2 * STREAM_BUFFER_LAYERS * block  # the streaming buffers
+    gpu, host = gpu_and_host(Knobs(offload_weights=1.0))
+    assert host["weights"] == 2 * 22 * block
+    assert gpu["weights"] == 2 * (embed + head) + 2 * STREAM_BUFFER_LAYERS * block  # the streaming buffers
+    gpu, host = gpu_and_host(Knobs(grad_accum_steps=2, recompute=("block",), offload_gradients=1.0))
+    assert host["gradients"] == 2 * 22 * block
+    assert gpu["gradients"] == 2 * (embed + head) + 2 * STREAM_BUFFER_LAYERS * block
 
 
 def test_host_memory_is_the_offloaded_tensors_staging_and_the_process():
@@ -115,7 +129,9 @@ def test_host_memory_is_the_offloaded_tensors_staging_and_the_process():
 def test_streamed_masters_are_the_blocks_only_host_weights():
     """knobs.stream_masters with everything offloaded: each block's host copy is its fp32 master (4 bytes a
     parameter, counted as weights, as the executor's meter counts a tensor that is both), the 2 bytes of its bf16 copy
-    gone; the GPU rounds one block's fetched masters at a time, from an fp32 staging buffer."""
+    gone; the GPU rounds one block's fetched masters at a time, from an fp32 staging buffer freed once they are
+    rounded, before the block that fetched them rebuilds its activations: it sets the peak only where it is the
+    larger (a short sequence)."""
     spec = PRESETS["tinyllama-1.1b"]
     block, embed, head = sizes("tinyllama-1.1b")
     knobs = Knobs(recompute=("block",), **ALL_OFFLOADED)
@@ -124,8 +140,11 @@ def test_streamed_masters_are_the_blocks_only_host_weights():
     assert streamed_host["weights"] == 4 * 22 * block
     assert streamed_host["master_weights"] == 4 * (embed + head)
     assert sum(host.values()) - sum(streamed_host.values()) == 2 * spec.num_layers * block
-    assert streamed_gpu["workspace"] - gpu["workspace"] == 4 * block
-    assert streamed_gpu["weights"] == gpu["weights"]  # the fetched blocks are bf16 on the GPU either way
+    assert streamed_gpu == gpu  # the fetched blocks are bf16 on the GPU either way
+    short, _ = gpu_and_host(knobs, seq_len=16)
+    streamed_short, _ = gpu_and_host(dataclasses.replace(knobs, stream_masters=True), seq_len=16)
+    rebuilt = rebuilt_activation_bytes(spec, knobs, 16, "cuda")
+    assert streamed_short["workspace"] == 4 * block - rebuilt > short["workspace"]
 
 
 def test_gpu_steps_of_host_masters_need_one_groups_workspace():
@@ -226,3 +245,60 @@ def test_offloaded_inputs_leave_two_on_the_gpu():
     assert sim.activation_peak_bytes == STREAM_BUFFER_LAYERS * block_input_bytes(spec, Knobs(), SEQ)
     graph = sim.graph
     assert graph.has_edge("fwd L4 mb0", "d2h input L4 mb0") and graph.has_edge("h2d input L4 mb0", "recompute L4 mb0")
+
+
+def test_the_gpu_peaks_in_one_phase_of_the_step():
+    """The 8B under a 24 GiB cap as the planner chose it on the H200 (benchmarks/fidelity.py's p-8b-s2048-24gib):
+    every block streamed and stepped on the CPU, a quarter of the block inputs offloaded (the first 8 blocks').
+    It peaks in the last block's backward pass, as the executor's schedule has it (measured with hooks on the
+    H200, benchmarks/NOTES.md): the embedding's and head's weights, the block's and the next one's fetched, the head's
+    gradients alone made, the 24 inputs kept and the block's rebuilt activations, and its backward workspace; not the
+    fetched masters' staging (freed before the block rebuilds), nor buffers of gradients on their way to the host (a
+    block makes its own in its workspace), nor the head's activations (gone once its backward pass is done).
+    Counted all at once, these were 32% more than the 9.97 GiB measured."""
+    spec, tokens = PRESETS["llama-3.1-8b"], 8 * SEQ
+    knobs = Knobs(micro_batch_size=8, recompute=("block",), lm_head_chunks=4, stream_masters=True,
+                  offload_residuals=0.25, **dict.fromkeys(("offload_optimizer", "offload_master", "offload_gradients",
+                                                           "offload_weights"), 1.0))
+    block, embed, head = sizes("llama-3.1-8b")
+    gpu, _ = gpu_and_host(knobs, "llama-3.1-8b")
+    assert gpu == {"weights": 2 * (embed + head) + 2 * 2 * block, "master_weights": 0, "gradients": 2 * head,
+                   "optimizer_states": 0,
+                   "activations": 24 * block_input_bytes(spec, knobs, tokens)
+                   + rebuilt_activation_bytes(spec, knobs, tokens, "cuda"),
+                   "workspace": block_backward_workspace_bytes(spec, knobs, tokens), "comm_buffers": 0}
+
+
+def test_each_phase_holds_what_the_executor_holds_then():
+    """The phases the peak is taken over, each set up to be the peak (executor/memory/placement.py's schedule)."""
+    spec, (block, embed, head) = PRESETS["tinyllama-1.1b"], sizes("tinyllama-1.1b")
+    # A block's backward pass with every input offloaded: its own input and the one below fetched.
+    knobs = Knobs(micro_batch_size=4, grad_accum_steps=2, recompute=("block",), offload_residuals=1.0,
+                  lm_head_chunks=8)
+    gpu, _ = gpu_and_host(knobs)
+    tokens = 4 * SEQ
+    assert gpu["activations"] == 2 * block_input_bytes(spec, knobs, tokens) + \
+        rebuilt_activation_bytes(spec, knobs, tokens, "cuda")
+    # The first block's backward pass, in a step's first micro-batch: every other block's gradients and the head's
+    # are made, the embedding's and the block's own (its workspace) not yet.
+    gpu, _ = gpu_and_host(Knobs(micro_batch_size=8, recompute=("block",)))
+    assert gpu["gradients"] == 2 * (head + 21 * block)
+    # fp8 matmuls with uncached weights: a block casts its weights to fp8 as it computes.
+    knobs = Knobs(micro_batch_size=8, recompute=("block",), matmul_dtype="fp8", lm_head_chunks=8)
+    gpu, _ = gpu_and_host(knobs)
+    assert gpu["workspace"] == block_backward_workspace_bytes(spec, knobs, 8 * SEQ) + spec.layer_matmul_params()
+
+
+def test_a_tied_heads_gradient_waits_for_the_embeddings():
+    """Tied embeddings: autograd keeps the head's part of the weight's gradient until the embedding's part is made,
+    then adds both into the gradient. Accumulating, it waits beside the sum so far through every block's backward
+    pass (measured: Llama-3.2-1B under 6 GiB, mb 4 x 2, peaked one such gradient above the model without it), and the
+    embedding's backward pass holds both parts beside the sum (at a short sequence, the peak)."""
+    block, embed, norm = sizes("llama-3.2-1b")  # tied: the head's group is the final norm
+    knobs = Knobs(micro_batch_size=4, grad_accum_steps=2, recompute=("block",), lm_head_chunks=4, **ALL_OFFLOADED)
+    gpu, _ = gpu_and_host(knobs, "llama-3.2-1b", seq_len=4096)
+    # the sum and the waiting part, the norm's, and two blocks' sums fetched
+    assert gpu["gradients"] == 2 * (2 * embed + norm) + 2 * STREAM_BUFFER_LAYERS * block
+    _, embed, norm = sizes("qwen2.5-0.5b")
+    gpu, _ = gpu_and_host(Knobs(grad_accum_steps=2, **ALL_OFFLOADED), "qwen2.5-0.5b", seq_len=16)
+    assert gpu["gradients"] == 2 * (3 * embed + norm) and gpu["activations"] == 0

@@ -27,9 +27,9 @@ from fastml.executor.model.transformer import Transformer, build_model, rotary_t
 from fastml.plan import KNOBS, Knobs
 from fastml.planner.costs import (ATTENTION_BACKWARD_FACTOR, LM_HEAD_CHUNK_OPS, head_flops, layer_flops,
                                   layer_gemms)
-from fastml.planner.memory import (activation_bytes, block_backward_workspace_bytes, layer_activation_bytes,
-                                   loss_logit_bytes, loss_workspace_bytes, memory, param_bytes,
-                                   rebuilt_activation_bytes, saved_bytes_per_token)
+from fastml.planner.memory import (activation_bytes, block_backward_workspace_bytes, forward_kept_bytes,
+                                   layer_activation_bytes, loss_logit_bytes, loss_workspace_bytes, model_states,
+                                   param_bytes, placement, rebuilt_activation_bytes, saved_bytes_per_token)
 from fastml.spec import PRESETS
 
 # tiny; Llama 3.2 (tied embeddings, GQA); Qwen2.5 (tied, qkv bias, 14 heads of 64); Qwen3 (qk-norm, head_dim 128
@@ -211,7 +211,7 @@ def test_block_recompute_keeps_the_input():
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b", "qwen3-8b"])
-def test_whole_model_activations_match_memory(name):
+def test_whole_model_activations_are_what_the_forward_pass_keeps(name):
     """The whole model's forward pass, loss included, fp32 on the CPU: the blocks and the head as `memory` counts
     them, the head weight's gradient that the loss makes in its forward pass and keeps (part of its workspace), and
     what the planner leaves out as too small to matter: the token ids (int64) and the rotary tables."""
@@ -224,7 +224,7 @@ def test_whole_model_activations_match_memory(name):
     num_tokens = BATCH * SEQ
     weight_gradient = spec.vocab_size * spec.hidden_size * param_bytes(knobs)
     uncounted = 8 * num_tokens + 2 * SEQ * spec.head_dim * 4
-    planned = memory(spec, SEQ, knobs, num_gpus=1, gpus_per_node=1, device="cpu").gpu["activations"]
+    planned = forward_kept_bytes(spec, knobs, num_tokens, device="cpu")
     assert sum(n for n, _, _ in kept.values()) == planned + weight_gradient + uncounted
 
 
@@ -292,11 +292,11 @@ def test_parameter_bytes_follow_the_param_dtype(name, knobs, dtype):
     spec = PRESETS[name]
     model = build_model(spec).to(dtype)
     state_bytes = sum(t.nbytes for t in model.state_dict().values())
-    m = memory(spec, SEQ, knobs, num_gpus=1, gpus_per_node=1, device="cuda")
-    assert m.gpu["weights"] == m.gpu["gradients"] == state_bytes
+    gpu, _ = model_states(spec, knobs, placement(spec, knobs), num_gpus=1)
+    assert gpu["weights"] == gpu["gradients"] == state_bytes
     numel = sum(t.numel() for t in model.state_dict().values())
-    assert m.gpu["master_weights"] == (4 * numel if dtype == torch.bfloat16 else 0)
-    assert m.gpu["optimizer_states"] == 8 * numel
+    assert gpu["master_weights"] == (4 * numel if dtype == torch.bfloat16 else 0)
+    assert gpu["optimizer_states"] == 8 * numel
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
