@@ -1,18 +1,22 @@
 """Does fastml train as HF transformers does, and do its lower precisions train as its bf16 does? Writes
 benchmarks/results/loss_parity-<gpu>.json, one part a call (each fits the device's ten minutes):
 
-    python benchmarks/loss_parity.py --part parity      # fastml's bf16 curve beside HF's, two shapes, 300 steps
+    python benchmarks/loss_parity.py --part parity      # fastml's bf16 curves beside HF's, two shapes, 300 steps
+    python benchmarks/loss_parity.py --part parity --shapes llama-3.1-8b   # one shape again, keeping the other's
     python benchmarks/loss_parity.py --part precision   # fp8 and bf16 optimizer state beside bf16, 500 steps
     python benchmarks/loss_parity.py --part precision --variants bf16,bf16_kahan_states   # only these again
 
 The whole precision part takes about 9 minutes on an H200 (12 runs): in calls of ten minutes, run it in two,
 `--variants bf16,fp8` then `--variants bf16_states,bf16_kahan_states` at the same commit.
 
-The parity part starts HF's LlamaForCausalLM from fastml's initial weights of seed 0 and feeds it the same tokens with
-the same schedule (vs_hf.run_hf): for TinyLlama and for Llama-3.1-8B's shape cut to PARITY_LAYERS layers, fastml's
-bf16 run of seed 0 beside HF's, at lr 3e-4 with warm-up. Rounding alone parts the two curves (different kernels,
-HF's bf16 Adam state against fastml's fp32 masters); whether that is within bf16's noise is judged against fastml's
-own runs of two more seeds: the noise is how far the seeds' smoothed curves lie apart.
+The parity part starts HF's LlamaForCausalLM from fastml's initial weights and feeds it the same tokens with the same
+schedule (vs_hf.run_hf): for TinyLlama and for Llama-3.1-8B's shape cut to PARITY_LAYERS layers, fastml's bf16 run
+beside HF's for each of SEEDS, at lr 3e-4 with warm-up (each shape about 4 minutes on an H200). Rounding alone parts
+the two curves of a seed (different kernels, HF's bf16 weights and Adam state against fastml's fp32 masters); whether
+that is within bf16's noise is judged against the seeds: how far the seeds' smoothed curves lie apart, and how far
+their final losses spread. One more fastml run of seed 0 keeps HF's precision (bf16 weights and state), to tell a
+difference of precision from one of arithmetic. (The training loop's arithmetic itself is HF's with torch's AdamW to
+fp32's rounding: tests/test_hf.py, on the CPU.)
 
 The precision part trains TinyLlama for 500 steps in bf16, with fp8 matmuls and with bf16 optimizer state (bf16 masters
 with stochastic rounding, or with a compensation), each over SEEDS seeds: each variant's final loss against bf16's of
@@ -75,20 +79,35 @@ def training(seed: int, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     return (*TRAINING, f"training.seed={seed}", *extra)
 
 
-def parity(shape: str, extra: tuple[str, ...]) -> dict:
+def parity(shape: str, extra: tuple[str, ...], commit: str) -> dict:
+    """fastml's bf16 runs and HF's, each over SEEDS (a seed picks the initial weights and the batches' order; the two
+    start from the same weights and read the same batches), and one fastml run of seed 0 with HF's precision (bf16
+    weights and Adam state, no compensation). Within noise: fastml's curve lies no farther from HF's of its seed than
+    the seeds' curves of either lie from each other, and the mean final losses differ by no more than either's seeds
+    spread."""
     ours = {seed: run_fastml(shape, SEQUENCES, KNOBS, PARITY_STEPS, SEQ_LEN, training(seed, extra))["losses"]
             for seed in SEEDS}
-    hf = run_hf(shape, SEQUENCES, SEQUENCES, False, PARITY_STEPS, SEQ_LEN, training(SEEDS[0], extra))["losses"]
-    # the noise: the seeds' curves against each other, the same comparison HF's curve gets against seed 0's
-    seed_gaps = [mean_gap(ours[a], ours[b], WARMUP_STEPS) for i, a in enumerate(SEEDS) for b in SEEDS[i + 1:]]
-    seed_finals = [final(ours[s]) for s in SEEDS]
-    gap, final_gap = mean_gap(ours[SEEDS[0]], hf, WARMUP_STEPS), abs(final(ours[SEEDS[0]]) - final(hf))
-    return {"model": shape, "overrides": list(extra), "steps": PARITY_STEPS,
-            "mean_gap_vs_hf": gap, "seed_mean_gaps": seed_gaps,
-            "final_loss": {"fastml": final(ours[SEEDS[0]]), "hf": final(hf)}, "final_gap_vs_hf": final_gap,
-            "seed_final_spread": max(seed_finals) - min(seed_finals),
-            "within_noise": gap <= max(seed_gaps) and final_gap <= max(seed_finals) - min(seed_finals),
-            "losses": {"hf": hf, **{f"fastml_seed{s}": ours[s] for s in SEEDS}}}
+    hf = {seed: run_hf(shape, SEQUENCES, SEQUENCES, False, PARITY_STEPS, SEQ_LEN, training(seed, extra))["losses"]
+          for seed in SEEDS}
+    hf_precision = run_fastml(shape, SEQUENCES, KNOBS | PRECISION_VARIANTS["bf16_states"], PARITY_STEPS, SEQ_LEN,
+                              training(SEEDS[0], extra))["losses"]
+    gaps = {str(s): mean_gap(ours[s], hf[s], WARMUP_STEPS) for s in SEEDS}
+    seed_gaps = {name: [mean_gap(runs[a], runs[b], WARMUP_STEPS) for i, a in enumerate(SEEDS) for b in SEEDS[i + 1:]]
+                 for name, runs in (("fastml", ours), ("hf", hf))}
+    finals = {name: {str(s): final(runs[s]) for s in SEEDS} for name, runs in (("fastml", ours), ("hf", hf))}
+    spread = {name: max(f.values()) - min(f.values()) for name, f in finals.items()}
+    mean_final = {name: statistics.fmean(f.values()) for name, f in finals.items()}
+    gap = statistics.fmean(gaps.values())
+    return {"model": shape, "overrides": list(extra), "steps": PARITY_STEPS, "git_commit": commit,
+            "mean_gap_vs_hf": gap, "gaps_vs_hf": gaps, "seed_mean_gaps": seed_gaps,
+            "paired_relative_to_hf": {str(s): paired_relative(ours[s], hf[s]) for s in SEEDS},
+            "hf_precision_paired_relative_to_hf": paired_relative(hf_precision, hf[SEEDS[0]]),
+            "hf_precision_gap_vs_hf": mean_gap(hf_precision, hf[SEEDS[0]], WARMUP_STEPS),
+            "final_loss": finals, "mean_final_loss": mean_final, "seed_final_spread": spread,
+            "within_noise": gap <= max(max(g) for g in seed_gaps.values())
+                            and abs(mean_final["fastml"] - mean_final["hf"]) <= max(spread.values()),
+            "losses": {**{f"hf_seed{s}": hf[s] for s in SEEDS}, **{f"fastml_seed{s}": ours[s] for s in SEEDS},
+                       "fastml_hf_precision_seed0": hf_precision}}
 
 
 def precision(variants: list[str], earlier: dict, earlier_commit: str | None, commit: str) -> dict:
@@ -142,8 +161,13 @@ def main() -> None:
     parser.add_argument("--part", choices=("parity", "precision"), required=True)
     parser.add_argument("--variants", default=",".join(PRECISION_VARIANTS),
                         help="the precision part's variants to run (the others' runs are kept from the file)")
+    parser.add_argument("--shapes", default=",".join(PARITY_SHAPES),
+                        help="the parity part's shapes to run (the others' entries are kept from the file)")
     args = parser.parse_args()
-    variants = args.variants.split(",")
+    variants, shapes = args.variants.split(","), args.shapes.split(",")
+    if set(shapes) - set(PARITY_SHAPES):
+        parser.error(f"unknown shapes {', '.join(sorted(set(shapes) - set(PARITY_SHAPES)))}; "
+                     f"choose from {', '.join(PARITY_SHAPES)}")
     unknown = set(variants) - set(PRECISION_VARIANTS)
     if unknown:
         parser.error(f"unknown variants {', '.join(sorted(unknown))}; choose from {', '.join(PRECISION_VARIANTS)}")
@@ -157,7 +181,9 @@ def main() -> None:
     if args.part == "precision" and set(variants) != set(PRECISION_VARIANTS) and changed:
         parser.error(f"the results file's runs were made with other settings ({', '.join(changed)}): run every variant")
     if args.part == "parity":
-        parts["parity"] = [parity(shape, extra) for shape, extra in PARITY_SHAPES.items()]
+        done = {entry["model"]: entry for entry in parts.get("parity", [])}
+        done |= {shape: parity(shape, PARITY_SHAPES[shape], _commit()) for shape in shapes}
+        parts["parity"] = [done[shape] for shape in PARITY_SHAPES if shape in done]
     else:
         earlier_commit = earlier.get("made_by", {}).get("precision", {}).get("git_commit")
         parts["precision"] = precision(variants, parts.get("precision", {}), earlier_commit, _commit())

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from fastml import plan as plan_module
 from fastml.config import UserError
 from fastml.executor.loop.train import train
+from fastml.executor.memory.optim import lr_at
 from fastml.executor.storage.data import TokenData
 from fastml.executor.storage.prepare import prepare
 from fastml.executor.storage.hf import (convert_from_hf, convert_to_hf, fastml_to_hf, hf_to_fastml, load_pretrained,
@@ -396,6 +397,50 @@ def test_a_plan_of_an_hf_model_trains_from_its_weights(finetune, tmp_path, knobs
     assert abs(want[0] - math.log(SMALL_HF["vocab_size"])) > 1  # a model that did not load would be near ln(V)
     got = trained(with_knobs(finetune.plan, **knobs), tmp_path / "log.jsonl")
     assert got == pytest.approx(want, rel=tolerance)
+
+
+LLAMA3_ROPE = dict(rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                           high_freq_factor=4.0, original_max_position_embeddings=16))
+TRAINING_STEPS = 20
+TRAINING_LOSS_TOLERANCE = 1e-4
+"""Each step's rounding (fp32, summed in another order) feeds the next step's weights, so the losses part a little
+more each step: 2e-6 relative at worst over these 20 steps, measured. A learning rate one step late parts them by
+6e-2, weight decay on the norms too by 2e-3: 1e-4 leaves a factor 50 above the one and 20 below the other."""
+
+
+def test_training_steps_as_torch_adamw_steps_transformers(finetune, tmp_path, monkeypatch):
+    """Training, not just a forward pass: fastml's loop against transformers stepped by torch.optim.AdamW, from the
+    same weights (Llama 3's rope scaling, GQA) on the same batches, with warm-up, weight decay on matrices only and a
+    clipped norm, in fp32 on the CPU. Any difference of schedule, decay groups, clipping or Adam's arithmetic moves
+    the losses by far more than fp32's rounding (TRAINING_LOSS_TOLERANCE)."""
+    torch.manual_seed(1)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL_HF | LLAMA3_ROPE,
+                                                                attn_implementation="eager"))
+    hf.save_pretrained(tmp_path / "hf")
+    fake_cpu_measurements(monkeypatch, tmp_path)
+    plan = make_plan(model=str(tmp_path / "hf"), device="cpu", seq_len=FT_SEQ, steps=TRAINING_STEPS, trials=1,
+                     global_batch_tokens=FT_SEQ * FT_SEQUENCES, data=finetune.plan.training.data,
+                     overrides=pinned(micro_batch_size=2) + ["training.lr=3e-3", "training.warmup_steps=5",
+                                                              "training.weight_decay=0.1", "training.grad_clip=0.5"]).plan
+    assert plan.model.rope_scaling and plan.knobs.grad_accum_steps == 2
+    got = trained(plan, tmp_path / "log.jsonl")
+    t, params = plan.training, list(hf.parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+    batches = TokenData.open(t.data, t.seq_len, plan.model.vocab_size).batches(2, t.seed)
+    want, norms = [], []
+    for step in range(TRAINING_STEPS):
+        micro = [F.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()) for x, y in (next(batches), next(batches))]
+        (sum(micro) / 2).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, t.grad_clip).item())
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, t)
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(sum(loss.item() for loss in micro) / 2)
+    assert max(norms) > t.grad_clip and want[-1] < want[0] - 1  # clipping at work, and the model learning
+    assert got == pytest.approx(want, rel=TRAINING_LOSS_TOLERANCE)
 
 
 @pytest.mark.slow
