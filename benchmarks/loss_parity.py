@@ -3,6 +3,7 @@ benchmarks/results/loss_parity-<gpu>.json, one part a call (each fits the device
 
     python benchmarks/loss_parity.py --part parity      # fastml's bf16 curves beside HF's, two shapes, 300 steps
     python benchmarks/loss_parity.py --part parity --shapes llama-3.1-8b   # one shape again, keeping the other's
+    python benchmarks/loss_parity.py --part hf-masters --shapes llama-3.1-8b   # HF with fp32 masters beside them
     python benchmarks/loss_parity.py --part precision   # fp8 and bf16 optimizer state beside bf16, 500 steps
     python benchmarks/loss_parity.py --part precision --variants bf16,bf16_kahan_states   # only these again
 
@@ -110,6 +111,21 @@ def parity(shape: str, extra: tuple[str, ...], commit: str) -> dict:
                        "fastml_hf_precision_seed0": hf_precision}}
 
 
+def hf_masters(entry: dict, commit: str) -> dict:
+    """HF again over SEEDS for the parity part's `entry`, with fp32 parameters and Adam state under bf16 autocast:
+    whether a gap between fastml's curves and HF's bf16 ones is one of precision (HF's bf16 weights drop updates
+    smaller than half their last bit, where fastml's fp32 masters keep them)."""
+    shape, extra = entry["model"], tuple(entry["overrides"])
+    runs = {seed: run_hf(shape, SEQUENCES, SEQUENCES, False, PARITY_STEPS, SEQ_LEN, training(seed, extra),
+                         fp32_masters=True)["losses"] for seed in SEEDS}
+    ours, hf = ({seed: entry["losses"][f"{name}_seed{seed}"] for seed in SEEDS} for name in ("fastml", "hf"))
+    return {"git_commit": commit, "final_loss": {str(s): final(runs[s]) for s in SEEDS},
+            "mean_final_loss": statistics.fmean(final(runs[s]) for s in SEEDS),
+            "fastml_paired_relative": {str(s): paired_relative(ours[s], runs[s]) for s in SEEDS},
+            "hf_bf16_paired_relative": {str(s): paired_relative(hf[s], runs[s]) for s in SEEDS},
+            "losses": {str(s): runs[s] for s in SEEDS}}
+
+
 def precision(variants: list[str], earlier: dict, earlier_commit: str | None, commit: str) -> dict:
     """The part, from new runs of `variants` (at `commit`) and the `earlier` part's runs of the others (made with the
     same settings, which `main` checks, at the commits its `variant_runs` names, or else at `earlier_commit`)."""
@@ -158,7 +174,7 @@ def precision(variants: list[str], earlier: dict, earlier_commit: str | None, co
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("parity", "precision"), required=True)
+    parser.add_argument("--part", choices=("parity", "hf-masters", "precision"), required=True)
     parser.add_argument("--variants", default=",".join(PRECISION_VARIANTS),
                         help="the precision part's variants to run (the others' runs are kept from the file)")
     parser.add_argument("--shapes", default=",".join(PARITY_SHAPES),
@@ -184,6 +200,10 @@ def main() -> None:
         done = {entry["model"]: entry for entry in parts.get("parity", [])}
         done |= {shape: parity(shape, PARITY_SHAPES[shape], _commit()) for shape in shapes}
         parts["parity"] = [done[shape] for shape in PARITY_SHAPES if shape in done]
+    elif args.part == "hf-masters":
+        for entry in parts.get("parity", []):
+            if entry["model"] in shapes:
+                entry["hf_fp32_masters"] = hf_masters(entry, _commit())
     else:
         earlier_commit = earlier.get("made_by", {}).get("precision", {}).get("git_commit")
         parts["precision"] = precision(variants, parts.get("precision", {}), earlier_commit, _commit())

@@ -76,15 +76,18 @@ FINAL_WINDOW = 20
 
 
 def run_hf(shape: str, sequences: int, micro_batch_size: int, checkpointing: bool, steps: int,
-           seq_len: int = SEQ_LEN, training: tuple[str, ...] = ()) -> dict:
+           seq_len: int = SEQ_LEN, training: tuple[str, ...] = (), fp32_masters: bool = False) -> dict:
     """The baseline, starting from the very weights fastml starts from and stepping with the same schedule and
-    AdamW settings, so that the two loss curves can be compared as well as the speeds."""
+    AdamW settings, so that the two loss curves can be compared as well as the speeds. With `fp32_masters` its
+    parameters and Adam state are fp32 and its forward pass runs under bf16 autocast (what fastml's fp32 masters do,
+    in transformers' way), instead of all in bf16."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     plan = _plan(shape, sequences, steps, seq_len=seq_len, training=training)
     config = LlamaConfig(**hf_config(plan.model, max_seq_len=seq_len))
     with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+        model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa",
+                                              dtype=torch.float32 if fp32_masters else torch.bfloat16)
     model.load_state_dict(_fastml_initial_weights(plan), strict=True)
     if checkpointing:
         model.gradient_checkpointing_enable()
@@ -104,7 +107,8 @@ def run_hf(shape: str, sequences: int, micro_batch_size: int, checkpointing: boo
         for _ in range(accum):
             inputs, targets = (x.cuda().contiguous() for x in next(batches))
             # shift_labels: the targets are already the next tokens, as fastml's are
-            loss = model(input_ids=inputs, labels=targets, shift_labels=targets).loss
+            with torch.autocast("cuda", torch.bfloat16, enabled=fp32_masters):
+                loss = model(input_ids=inputs, labels=targets, shift_labels=targets).loss
             (loss / accum).backward()
             loss_sum += loss.detach()
         torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
