@@ -29,7 +29,7 @@ def main(path: str) -> None:
         knobs = from_dict(Knobs, row["knobs"], "knobs")
         tokens = knobs.micro_batch_size * knobs.grad_accum_steps * SEQ_LEN
         candidate = evaluate(Problem(PRESETS[row["shape"]], SEQ_LEN, tokens, machine), knobs)
-        step, peak = candidate.simulation.step_time_s, candidate.memory.gpu_total
+        step, peak = candidate.simulation.step_time_s, candidate.memory.gpu_peak
         rows.append({"shape": row["shape"], "pins": row["pins"], "measured": row["measured"],
                      "predicted_before": row["predicted"], "predicted_now": {"step_time_s": step,
                                                                               "peak_memory_bytes": peak},

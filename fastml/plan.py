@@ -403,7 +403,9 @@ class Predicted:
     mfu: float
     peak_memory_bytes: int
     memory_bytes: dict[str, int]
-    """GPU memory of one GPU at its peak, by category (MEMORY_CATEGORIES)."""
+    """GPU memory of one GPU by category (MEMORY_CATEGORIES), as the run's meter measures them: the model states
+    with every gradient made, the activations a forward pass leaves, workspace the rest of peak_memory_bytes (0 where
+    the others add up to more: not all alive at once). planner/memory.py `Memory.gpu`."""
     host_memory_bytes: dict[str, int]
     """Host memory of one node, by category."""
     time_s: dict[str, float]

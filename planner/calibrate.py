@@ -173,9 +173,9 @@ def _predict(plan: Plan, profile: dict) -> _Prediction:
     if k.overlap_cpu_step:  # only what the GPU waits for is in the step: the step less that of an instant CPU step
         instant = dataclasses.replace(machine, node=dataclasses.replace(machine.node, cpu_adam_params_per_s=math.inf))
         cpu_step_s = simulation.step_time_s - simulate(plan.model, t.seq_len, k, instant).step_time_s
-    return _Prediction(simulation.step_time_s, simulation.time_s, candidate.memory.gpu_total,
-                       candidate.memory.gpu["activations"] if k.compile else 0, passes, forward_s, forward_passes,
-                       cpu_step_s)
+    compiled = candidate.memory.peak_phase["activations"] if k.compile else 0
+    return _Prediction(simulation.step_time_s, simulation.time_s, candidate.memory.gpu_peak, compiled, passes,
+                       forward_s, forward_passes, cpu_step_s)
 
 
 def _fit_time(records: dict[str, RunRecord], predicted: dict[str, _Prediction], terms: dict[str, float],

@@ -85,7 +85,7 @@ def faster_but_too_big(problem: Problem, candidate: Candidate) -> Blocked | None
 def shortfall(problem: Problem, candidate: Candidate) -> str:
     """Which memory an infeasible candidate lacks, and how much."""
     if candidate.gpu_over_bytes > 0:
-        return (f"needs {gib(candidate.memory.gpu_total)} of GPU memory, {gib(candidate.gpu_over_bytes)} more than "
+        return (f"needs {gib(candidate.memory.gpu_peak)} of GPU memory, {gib(candidate.gpu_over_bytes)} more than "
                 f"the {gib(problem.gpu_budget())} usable")
     return (f"needs {gib(candidate.memory.host_total)} of host memory, {gib(candidate.host_over_bytes)} more than "
             f"the {gib(problem.host_budget())} usable")

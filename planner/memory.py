@@ -42,13 +42,17 @@ STREAM_BUFFER_LAYERS = 2
 @dataclass(frozen=True)
 class Memory:
     gpu: dict[str, int]
-    """One GPU at its peak, by category."""
+    """One GPU by category, in the terms the run measures them (executor/loop/meter.py `gpu_memory`), so that the
+    closing table compares like with like: the model states with every gradient made, the activations a micro-batch's
+    forward pass leaves (the head weight's gradient, which the loss makes there, with them), and workspace the rest of
+    the peak. Not all of those are alive at once (a first micro-batch's backward pass frees activations as it makes
+    gradients): where they add up to more than the peak, workspace is 0."""
     host: dict[str, int]
     """One node's host memory, by category."""
-
-    @property
-    def gpu_total(self) -> int:
-        return sum(self.gpu.values())
+    gpu_peak: int
+    """One GPU's peak: the bytes of the phase of the step where they add up to most (`_phases`)."""
+    peak_phase: dict[str, int]
+    """That phase's bytes by category: what is alive at the peak."""
 
     @property
     def host_total(self) -> int:
@@ -344,12 +348,16 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
                 param_bytes(knobs)  # but streamed ones
     host = {k: v * gpus_per_node for k, v in host.items()}  # each GPU's process has its own host tensors
     phases = _phases(spec, knobs, place, gpu, _gradients_made(spec, knobs, place, num_gpus), tokens, device, num_gpus)
-    if knobs.compile:
-        for phase in phases:
-            phase["activations"] *= calibration.compiled_activations
-    gpu = max(phases, key=lambda phase: sum(phase.values()))
-    gpu["workspace"] += calibration.fragmentation * sum(gpu.values())
-    return Memory(gpu={k: int(v) for k, v in gpu.items()}, host={k: int(v) for k, v in host.items()})
+    compiled = calibration.compiled_activations if knobs.compile else 1.0
+    for phase in phases:
+        phase["activations"] *= compiled
+    peak = max(phases, key=lambda phase: sum(phase.values()))
+    peak["workspace"] += calibration.fragmentation * sum(peak.values())
+    as_measured = gpu | {"activations": compiled * forward_kept_bytes(spec, knobs, tokens, device) +
+                         spec.vocab_size * spec.hidden_size * param_bytes(knobs)}
+    as_measured["workspace"] = max(0.0, sum(peak.values()) - sum(v for k, v in as_measured.items() if k != "workspace"))
+    return Memory(gpu={k: int(v) for k, v in as_measured.items()}, host={k: int(v) for k, v in host.items()},
+                  gpu_peak=int(sum(peak.values())), peak_phase={k: int(v) for k, v in peak.items()})
 
 
 def _phases(spec: ModelSpec, knobs: Knobs, place: Placement, states: dict[str, float], made: dict[str, float],

@@ -191,7 +191,7 @@ def predicted(problem: Problem, candidate: Candidate, eval_tokens: int = Trainin
     return Predicted(
         step_time_s=sim.step_time_s, tokens_per_s=tokens_per_s,
         mfu=problem.spec.flops_per_token(problem.seq_len) * tokens_per_s / (peak * machine.num_gpus),
-        peak_memory_bytes=candidate.memory.gpu_total, memory_bytes=candidate.memory.gpu,
+        peak_memory_bytes=candidate.memory.gpu_peak, memory_bytes=candidate.memory.gpu,
         host_memory_bytes=candidate.memory.host, time_s=sim.time_s,
         usd_per_million_tokens=machine.usd_per_gpu_hour * machine.num_gpus * hours_per_million,
         kwh_per_million_tokens=machine.watts_per_gpu * machine.num_gpus / 1000 * hours_per_million,
@@ -220,7 +220,7 @@ def infeasible_message(problem: Problem, space: dict) -> str:
         return _cpu_memory_message(spec, problem.seq_len, smallest.memory, m.node.host_memory_bytes, m.num_gpus)
     parts = []
     if smallest.gpu_over_bytes > 0:
-        parts.append(f"GPU memory: the smallest plan needs {gib(smallest.memory.gpu_total)} per GPU, "
+        parts.append(f"GPU memory: the smallest plan needs {gib(smallest.memory.gpu_peak)} per GPU, "
                      f"{gib(smallest.gpu_over_bytes)} more than the {gib(problem.gpu_budget())} usable on "
                      f"{m.profile}")
     if smallest.host_over_bytes > 0:
@@ -239,7 +239,7 @@ def infeasible_message(problem: Problem, space: dict) -> str:
 
 
 def _cpu_memory_message(spec: ModelSpec, seq_len: int, smallest: Memory, pool_bytes: int, processes: int) -> str:
-    needs, budget = processes * smallest.gpu_total + smallest.host_total, int(pool_bytes * HOST_USABLE_FRACTION)
+    needs, budget = processes * smallest.gpu_peak + smallest.host_total, int(pool_bytes * HOST_USABLE_FRACTION)
     hints = [f"a shorter sequence (--seq {seq_len // 2})"] if seq_len > 256 else []
     hints += ["a smaller model (--model)", "GPUs (plan for them with --hw)"]
     return (f"no feasible plan for {spec.name} (seq {seq_len}) on this CPU: the smallest plan needs {gib(needs)} "
@@ -255,7 +255,7 @@ def _check_cpu_memory(spec: ModelSpec, seq_len: int, sequences: int, pool_bytes:
                   lm_head_chunks=max(KNOBS["lm_head_chunks"].choices),
                   **dict.fromkeys(ZERO_STAGES if processes > 1 else (), True), **CPU_KNOBS)
     smallest = memory(spec, seq_len, knobs, num_gpus=processes, gpus_per_node=processes, device="cpu")
-    if processes * smallest.gpu_total + smallest.host_total > pool_bytes * HOST_USABLE_FRACTION:
+    if processes * smallest.gpu_peak + smallest.host_total > pool_bytes * HOST_USABLE_FRACTION:
         raise NoFeasiblePlan(_cpu_memory_message(spec, seq_len, smallest, pool_bytes, processes))
 
 

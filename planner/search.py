@@ -142,10 +142,10 @@ def evaluate(problem: Problem, knobs: Knobs) -> Candidate:
     """Memory first; only knobs that fit are simulated."""
     m = memory(problem.spec, problem.seq_len, knobs, problem.machine.num_gpus, problem.machine.gpus_per_node,
                problem.machine.device, problem.machine.calibration)
-    gpu_over = m.gpu_total - problem.gpu_budget()
+    gpu_over = m.gpu_peak - problem.gpu_budget()
     host_over = m.host_total - problem.host_budget()
     if problem.machine.shares_host_memory:  # a CPU: every process's device bytes and the host's fill one pool
-        gpu_over = host_over = problem.machine.gpus_per_node * m.gpu_total + m.host_total - problem.host_budget()
+        gpu_over = host_over = problem.machine.gpus_per_node * m.gpu_peak + m.host_total - problem.host_budget()
     sim = None
     if gpu_over <= 0 and host_over <= 0:
         sim = simulate(problem.spec, problem.seq_len, knobs, problem.machine)
@@ -196,7 +196,7 @@ def rank(problem: Problem, candidates) -> list[Candidate]:
     candidates with the same prediction (time by component, GPU and host memory by category) only the first is kept:
     whatever knob tells them apart changes nothing."""
     def key(c: Candidate):
-        return -_nine_digits(tokens_per_s(problem, c)), num_knobs_set(c.knobs), c.memory.gpu_total
+        return -_nine_digits(tokens_per_s(problem, c)), num_knobs_set(c.knobs), c.memory.gpu_peak
     ranked, predictions = [], set()
     for candidate in sorted(candidates, key=key):
         prediction = _prediction(candidate)
@@ -221,7 +221,7 @@ def leanest(problem: Problem, candidates: list[Candidate]) -> Candidate:
     least traffic (the seconds the copy engines and collectives are busy, `traffic_s`); the fastest of equals."""
     m = problem.machine
     for need, tolerance in ((lambda c: c.memory.host_total, SAME_MEMORY_SHARE * m.node.host_memory_bytes),
-                            (lambda c: c.memory.gpu_total, SAME_MEMORY_SHARE * m.gpu.memory_bytes)):
+                            (lambda c: c.memory.gpu_peak, SAME_MEMORY_SHARE * m.gpu.memory_bytes)):
         least = min(need(c) for c in candidates)
         candidates = [c for c in candidates if need(c) <= least + tolerance]
     least = min(traffic_s(c.simulation) for c in candidates)

@@ -54,10 +54,10 @@ def test_the_smallest_choice_needs_the_least_gpu_memory():
     p = problem("llama-3.1-8b", "rtx4090", gpus=2, seq_len=4096, sequences_per_gpu=4)
     space = knob_space(p, lower_precision=True)
     smallest = smallest_choice(space)
-    least = evaluate(p, make_knobs(p, smallest)).memory.gpu_total
+    least = evaluate(p, make_knobs(p, smallest)).memory.gpu_peak
     for name, choices in space.items():
         for value in choices:
-            assert evaluate(p, make_knobs(p, {**smallest, name: value})).memory.gpu_total > least - 2**20, (name, value)
+            assert evaluate(p, make_knobs(p, {**smallest, name: value})).memory.gpu_peak > least - 2**20, (name, value)
 
 
 def test_an_offload_fraction_that_moves_no_layer_is_normalised():
@@ -85,7 +85,9 @@ def made_up(step_s: float, host_gib: float, gpu_gib: float, busy_links_s: float 
     ops = {"gather": Op("comm", busy_links_s, "comm", deps=(), start=0.0, blocker=None)}
     sim = Simulation(ops=ops, step_time_s=step_s, time_s=dict.fromkeys(TIME_COMPONENTS, 0.0) | {"compute": step_s})
     gib_of = lambda n: dict.fromkeys(MEMORY_CATEGORIES, 0) | {"weights": int(n * GIB)}  # noqa: E731
-    return Candidate(knobs=Knobs(micro_batch_size=16), memory=Memory(gpu=gib_of(gpu_gib), host=gib_of(host_gib)),
+    memory = Memory(gpu=gib_of(gpu_gib), host=gib_of(host_gib), gpu_peak=int(gpu_gib * GIB),
+                    peak_phase=gib_of(gpu_gib))
+    return Candidate(knobs=Knobs(micro_batch_size=16), memory=memory,
                      simulation=sim, gpu_over_bytes=-1, host_over_bytes=-1)
 
 
@@ -194,7 +196,7 @@ def test_a_plan_that_recomputes_because_nothing_else_fits_is_memory_bound():
     recomputed = Knobs(micro_batch_size=16, recompute=("block",))
     stored = Knobs(micro_batch_size=16)
     calibration = load_machine("h200", 1).calibration  # the shipped profile's (its fragmentation)
-    needs = {k: memory(spec, seq_len, k, 1, 1, "cuda", calibration).gpu_total for k in (recomputed, stored)}
+    needs = {k: memory(spec, seq_len, k, 1, 1, "cuda", calibration).gpu_peak for k in (recomputed, stored)}
     budget = (needs[recomputed] + needs[stored]) // 2
     p = problem(gpu_memory=int((budget + GIB) / 0.97) + 1)  # Problem.gpu_budget() inverted
     c = evaluate(p, recomputed)

@@ -14,8 +14,8 @@ from fastml.plan import STAGING_SLOTS, Knobs
 from fastml.planner.costs import costs
 from fastml.planner.hardware import load_machine
 from fastml.planner.memory import (PROCESS_HOST_BYTES, STREAM_BUFFER_LAYERS, block_input_bytes, group_params,
-                                   block_backward_workspace_bytes, layer_activation_bytes, memory,
-                                   rebuilt_activation_bytes)
+                                   block_backward_workspace_bytes, forward_kept_bytes, layer_activation_bytes,
+                                   loss_workspace_bytes, memory, model_states, placement, rebuilt_activation_bytes)
 from fastml.planner.simulate import simulate
 from fastml.spec import PRESETS
 
@@ -24,9 +24,9 @@ ALL_OFFLOADED = dict(offload_optimizer=1.0, offload_master=1.0, offload_gradient
                      offload_residuals=1.0)
 
 
-def gpu_and_host(knobs: Knobs, model: str = "tinyllama-1.1b", seq_len: int = SEQ):
+def peak_phase_and_host(knobs: Knobs, model: str = "tinyllama-1.1b", seq_len: int = SEQ):
     m = memory(PRESETS[model], seq_len, knobs, num_gpus=1, gpus_per_node=1, device="cuda")
-    return m.gpu, m.host
+    return m.peak_phase, m.host
 
 
 def sizes(model: str) -> tuple[int, int, int]:
@@ -57,13 +57,13 @@ def test_offloaded_gradients_are_one_host_copy_whatever_the_accumulation():
     layers = PRESETS["tinyllama-1.1b"].num_layers
     knobs = Knobs(recompute=("block",), offload_gradients=1.0)
     for accumulation in (1, 8):
-        _, host = gpu_and_host(dataclasses.replace(knobs, grad_accum_steps=accumulation))
+        _, host = peak_phase_and_host(dataclasses.replace(knobs, grad_accum_steps=accumulation))
         assert host["gradients"] == 2 * layers * block
-    first, _ = gpu_and_host(knobs)
+    first, _ = peak_phase_and_host(knobs)
     assert first["gradients"] == 2 * head
-    summed, _ = gpu_and_host(dataclasses.replace(knobs, grad_accum_steps=8))
+    summed, _ = peak_phase_and_host(dataclasses.replace(knobs, grad_accum_steps=8))
     assert summed["gradients"] == 2 * (embed + head) + 2 * STREAM_BUFFER_LAYERS * block
-    half_gpu, half_host = gpu_and_host(dataclasses.replace(knobs, grad_accum_steps=8, offload_gradients=0.5))
+    half_gpu, half_host = peak_phase_and_host(dataclasses.replace(knobs, grad_accum_steps=8, offload_gradients=0.5))
     assert half_host["gradients"] == 2 * 11 * block  # round(0.5 x 22): the first 11
     # the other 11 on the GPU; the peak is in the backward pass of one of the first 11, with two of their sums fetched
     assert half_gpu["gradients"] == 2 * (embed + head + 11 * block) + 2 * STREAM_BUFFER_LAYERS * block
@@ -76,8 +76,8 @@ def test_residual_offload_moves_exactly_the_block_inputs(recompute):
     the offloaded inputs (the first blocks') is back yet."""
     spec, tokens = PRESETS["tinyllama-1.1b"], 8 * SEQ
     base = Knobs(micro_batch_size=8, grad_accum_steps=2, recompute=recompute)
-    gpu, host = gpu_and_host(base)
-    off_gpu, off_host = gpu_and_host(dataclasses.replace(base, offload_residuals=0.5))
+    gpu, host = peak_phase_and_host(base)
+    off_gpu, off_host = peak_phase_and_host(dataclasses.replace(base, offload_residuals=0.5))
     block_input = spec.hidden_size * tokens * 2
     assert block_input_bytes(spec, base, tokens) == block_input
     assert off_host["activations"] == 11 * block_input and host["activations"] == 0
@@ -90,10 +90,10 @@ def test_residual_offload_moves_exactly_the_block_inputs(recompute):
     ("offload_optimizer", "optimizer_states", 8), ("offload_master", "master_weights", 4)])
 def test_embedding_and_head_follow_the_optimizer_and_masters_only_at_fraction_one(knob, category, bytes_per_param):
     block, embed, head = sizes("tinyllama-1.1b")
-    partial_gpu, partial_host = gpu_and_host(Knobs(**{knob: 0.75}))
+    partial_gpu, partial_host = peak_phase_and_host(Knobs(**{knob: 0.75}))
     assert partial_host[category] == bytes_per_param * 16 * block  # round(0.75 x 22) blocks
     assert partial_gpu[category] == bytes_per_param * (6 * block + embed + head)
-    whole_gpu, whole_host = gpu_and_host(Knobs(**{knob: 1.0}))
+    whole_gpu, whole_host = peak_phase_and_host(Knobs(**{knob: 1.0}))
     assert whole_gpu[category] == 0
     assert whole_host[category] == bytes_per_param * PRESETS["tinyllama-1.1b"].num_params()
 
@@ -103,10 +103,10 @@ def test_weights_and_gradients_of_the_embedding_and_head_stay_on_the_gpu():
     the embedding's and the head's stay. So do their gradients (accumulating, so that all are there at the peak),
     beside the sums so far of the block and the one below."""
     block, embed, head = sizes("tinyllama-1.1b")
-    gpu, host = gpu_and_host(Knobs(offload_weights=1.0))
+    gpu, host = peak_phase_and_host(Knobs(offload_weights=1.0))
     assert host["weights"] == 2 * 22 * block
     assert gpu["weights"] == 2 * (embed + head) + 2 * STREAM_BUFFER_LAYERS * block  # the streaming buffers
-    gpu, host = gpu_and_host(Knobs(grad_accum_steps=2, recompute=("block",), offload_gradients=1.0))
+    gpu, host = peak_phase_and_host(Knobs(grad_accum_steps=2, recompute=("block",), offload_gradients=1.0))
     assert host["gradients"] == 2 * 22 * block
     assert gpu["gradients"] == 2 * (embed + head) + 2 * STREAM_BUFFER_LAYERS * block
 
@@ -118,7 +118,7 @@ def test_host_memory_is_the_offloaded_tensors_staging_and_the_process():
     process itself."""
     spec = PRESETS["tinyllama-1.1b"]
     block, embed, head = sizes("tinyllama-1.1b")
-    _, host = gpu_and_host(Knobs(recompute=("block",), **ALL_OFFLOADED))
+    _, host = peak_phase_and_host(Knobs(recompute=("block",), **ALL_OFFLOADED))
     expected = {"weights": 2 * 22 * block, "gradients": 2 * 22 * block, "master_weights": 4 * spec.num_params(),
                 "optimizer_states": 8 * spec.num_params(), "activations": 22 * spec.hidden_size * SEQ * 2,
                 "workspace": PROCESS_HOST_BYTES + STAGING_SLOTS * (2 + 2) * max(embed, head),
@@ -135,14 +135,14 @@ def test_streamed_masters_are_the_blocks_only_host_weights():
     spec = PRESETS["tinyllama-1.1b"]
     block, embed, head = sizes("tinyllama-1.1b")
     knobs = Knobs(recompute=("block",), **ALL_OFFLOADED)
-    gpu, host = gpu_and_host(knobs)
-    streamed_gpu, streamed_host = gpu_and_host(dataclasses.replace(knobs, stream_masters=True))
+    gpu, host = peak_phase_and_host(knobs)
+    streamed_gpu, streamed_host = peak_phase_and_host(dataclasses.replace(knobs, stream_masters=True))
     assert streamed_host["weights"] == 4 * 22 * block
     assert streamed_host["master_weights"] == 4 * (embed + head)
     assert sum(host.values()) - sum(streamed_host.values()) == 2 * spec.num_layers * block
     assert streamed_gpu == gpu  # the fetched blocks are bf16 on the GPU either way
-    short, _ = gpu_and_host(knobs, seq_len=16)
-    streamed_short, _ = gpu_and_host(dataclasses.replace(knobs, stream_masters=True), seq_len=16)
+    short, _ = peak_phase_and_host(knobs, seq_len=16)
+    streamed_short, _ = peak_phase_and_host(dataclasses.replace(knobs, stream_masters=True), seq_len=16)
     rebuilt = rebuilt_activation_bytes(spec, knobs, 16, "cuda")
     assert streamed_short["workspace"] == 4 * block - rebuilt > short["workspace"]
 
@@ -153,11 +153,11 @@ def test_gpu_steps_of_host_masters_need_one_groups_workspace():
     the GPU's peak (the optimizer runs after the backward pass has freed the activations)."""
     block, embed, head = sizes("llama-3.1-8b")
     short = Knobs(recompute=("block",))
-    gpu, _ = gpu_and_host(dataclasses.replace(short, offload_master=1.0), "llama-3.1-8b", seq_len=256)
+    gpu, _ = peak_phase_and_host(dataclasses.replace(short, offload_master=1.0), "llama-3.1-8b", seq_len=256)
     assert gpu["workspace"] == 8 * max(embed, head, block) and gpu["activations"] == 0
-    resident, _ = gpu_and_host(short, "llama-3.1-8b", seq_len=256)
+    resident, _ = peak_phase_and_host(short, "llama-3.1-8b", seq_len=256)
     assert resident["workspace"] == 4 * max(embed, head, block)  # the fp32 gradient copy alone
-    cpu_steps, _ = gpu_and_host(dataclasses.replace(short, offload_master=1.0, offload_optimizer=1.0),
+    cpu_steps, _ = peak_phase_and_host(dataclasses.replace(short, offload_master=1.0, offload_optimizer=1.0),
                                 "llama-3.1-8b", seq_len=256)
     assert cpu_steps["workspace"] < resident["workspace"]  # no GPU step: the loss's workspace again
 
@@ -261,12 +261,33 @@ def test_the_gpu_peaks_in_one_phase_of_the_step():
                   offload_residuals=0.25, **dict.fromkeys(("offload_optimizer", "offload_master", "offload_gradients",
                                                            "offload_weights"), 1.0))
     block, embed, head = sizes("llama-3.1-8b")
-    gpu, _ = gpu_and_host(knobs, "llama-3.1-8b")
+    gpu, _ = peak_phase_and_host(knobs, "llama-3.1-8b")
     assert gpu == {"weights": 2 * (embed + head) + 2 * 2 * block, "master_weights": 0, "gradients": 2 * head,
                    "optimizer_states": 0,
                    "activations": 24 * block_input_bytes(spec, knobs, tokens)
                    + rebuilt_activation_bytes(spec, knobs, tokens, "cuda"),
                    "workspace": block_backward_workspace_bytes(spec, knobs, tokens), "comm_buffers": 0}
+
+
+def test_the_categories_are_those_the_run_measures():
+    """The closing table sets each predicted category beside what the run's meter measures (executor/loop/meter.py),
+    and the meter takes them at other moments than the peak: the model states once every gradient is made, the
+    activations a micro-batch's forward pass leaves (the head weight's gradient, which the loss makes, among them),
+    workspace the rest of the peak. TinyLlama at one micro-batch of 8 peaks at its loss, where none of its gradients
+    is made yet but the head's, in the loss's workspace."""
+    spec, knobs, tokens = PRESETS["tinyllama-1.1b"], Knobs(micro_batch_size=8), 8 * SEQ
+    m = memory(spec, SEQ, knobs, num_gpus=1, gpus_per_node=1, device="cuda")
+    states, _ = model_states(spec, knobs, placement(spec, knobs), 1)
+    assert m.peak_phase["gradients"] == 0 < m.gpu["gradients"] == states["gradients"]
+    assert m.peak_phase["workspace"] == loss_workspace_bytes(spec, knobs, tokens)  # the peak is at the loss
+    head_weight_gradient = spec.vocab_size * spec.hidden_size * 2
+    assert m.gpu["activations"] == forward_kept_bytes(spec, knobs, tokens, "cuda") + head_weight_gradient
+    assert m.gpu_peak == sum(m.peak_phase.values())
+    # Its gradients and its forward pass's activations are never alive together: they add up to more than the peak,
+    # and the meter's workspace, the rest of the peak, is 0. Accumulating, the first micro-batch's gradients are.
+    assert sum(m.gpu.values()) > m.gpu_peak and m.gpu["workspace"] == 0
+    m = memory(spec, SEQ, Knobs(micro_batch_size=4, grad_accum_steps=2), num_gpus=1, gpus_per_node=1, device="cuda")
+    assert sum(m.gpu.values()) == m.gpu_peak and m.gpu["workspace"] > 0
 
 
 def test_each_phase_holds_what_the_executor_holds_then():
@@ -275,17 +296,17 @@ def test_each_phase_holds_what_the_executor_holds_then():
     # A block's backward pass with every input offloaded: its own input and the one below fetched.
     knobs = Knobs(micro_batch_size=4, grad_accum_steps=2, recompute=("block",), offload_residuals=1.0,
                   lm_head_chunks=8)
-    gpu, _ = gpu_and_host(knobs)
+    gpu, _ = peak_phase_and_host(knobs)
     tokens = 4 * SEQ
     assert gpu["activations"] == 2 * block_input_bytes(spec, knobs, tokens) + \
         rebuilt_activation_bytes(spec, knobs, tokens, "cuda")
     # The first block's backward pass, in a step's first micro-batch: every other block's gradients and the head's
     # are made, the embedding's and the block's own (its workspace) not yet.
-    gpu, _ = gpu_and_host(Knobs(micro_batch_size=8, recompute=("block",)))
+    gpu, _ = peak_phase_and_host(Knobs(micro_batch_size=8, recompute=("block",)))
     assert gpu["gradients"] == 2 * (head + 21 * block)
     # fp8 matmuls with uncached weights: a block casts its weights to fp8 as it computes.
     knobs = Knobs(micro_batch_size=8, recompute=("block",), matmul_dtype="fp8", lm_head_chunks=8)
-    gpu, _ = gpu_and_host(knobs)
+    gpu, _ = peak_phase_and_host(knobs)
     assert gpu["workspace"] == block_backward_workspace_bytes(spec, knobs, 8 * SEQ) + spec.layer_matmul_params()
 
 
@@ -296,9 +317,9 @@ def test_a_tied_heads_gradient_waits_for_the_embeddings():
     embedding's backward pass holds both parts beside the sum (at a short sequence, the peak)."""
     block, embed, norm = sizes("llama-3.2-1b")  # tied: the head's group is the final norm
     knobs = Knobs(micro_batch_size=4, grad_accum_steps=2, recompute=("block",), lm_head_chunks=4, **ALL_OFFLOADED)
-    gpu, _ = gpu_and_host(knobs, "llama-3.2-1b", seq_len=4096)
+    gpu, _ = peak_phase_and_host(knobs, "llama-3.2-1b", seq_len=4096)
     # the sum and the waiting part, the norm's, and two blocks' sums fetched
     assert gpu["gradients"] == 2 * (2 * embed + norm) + 2 * STREAM_BUFFER_LAYERS * block
     _, embed, norm = sizes("qwen2.5-0.5b")
-    gpu, _ = gpu_and_host(Knobs(grad_accum_steps=2, **ALL_OFFLOADED), "qwen2.5-0.5b", seq_len=16)
+    gpu, _ = peak_phase_and_host(Knobs(grad_accum_steps=2, **ALL_OFFLOADED), "qwen2.5-0.5b", seq_len=16)
     assert gpu["gradients"] == 2 * (3 * embed + norm) and gpu["activations"] == 0
