@@ -83,11 +83,11 @@ def pinned_space(space: dict[str, tuple], fixed: dict, spec: ModelSpec) -> dict[
     step, offload_optimizer above none; where pinned streamed masters need a block to stream, the knobs that make one
     above none."""
     space = {**space, **{name: (value,) for name, value in fixed.items()}}
-    if fixed.get("overlap_cpu_step") and "offload_optimizer" in space:  # something to overlap: a CPU step
-        space["offload_optimizer"] = tuple(f for f in space["offload_optimizer"] if round(f * spec.num_layers) > 0)
-    if fixed.get("stream_masters"):  # a block to stream the masters of
-        for name in (n for n in STREAM_MASTERS_NEEDS if n in space):
-            space[name] = tuple(f for f in space[name] if round(f * spec.num_layers) > 0)
+    # Knobs that must offload at least one block: a CPU step to overlap, a block to stream the masters of.
+    needed = (("offload_optimizer",) if fixed.get("overlap_cpu_step") else ()) + \
+        (STREAM_MASTERS_NEEDS if fixed.get("stream_masters") else ())
+    for name in (n for n in dict.fromkeys(needed) if n in space):
+        space[name] = tuple(f for f in space[name] if round(f * spec.num_layers) > 0)
     if (fixed.get("cache_weights_on_host") or fixed.get("cache_fp8_weights")) and "offload_weights" in space:
         space["offload_weights"] = tuple(f for f in space["offload_weights"]
                                          if round(f * spec.num_layers) < spec.num_layers)
