@@ -7,8 +7,9 @@ benchmarks/results/loss_parity-<gpu>.json, one part a call (each fits the device
     python benchmarks/loss_parity.py --part precision   # fp8 and bf16 optimizer state beside bf16, 500 steps
     python benchmarks/loss_parity.py --part precision --variants bf16,bf16_kahan_states   # only these again
 
-The whole precision part takes about 9 minutes on an H200 (12 runs): in calls of ten minutes, run it in two,
-`--variants bf16,fp8` then `--variants bf16_states,bf16_kahan_states` at the same commit.
+The whole precision part takes about 14 minutes on an H200 (15 runs of about 55 s, the eager ones longer): in calls
+of ten minutes, run it in three at the same commit, `--variants bf16,fp8`, `--variants bf16_kahan_states,bf16_eager`
+and `--variants bf16_states`.
 
 The parity part starts HF's LlamaForCausalLM from fastml's initial weights and feeds it the same tokens with the same
 schedule (vs_hf.run_hf): for TinyLlama and for Llama-3.1-8B's shape cut to PARITY_LAYERS layers, fastml's bf16 run
@@ -20,7 +21,8 @@ difference of precision from one of arithmetic. (The training loop's arithmetic 
 fp32's rounding: tests/test_hf.py, on the CPU.)
 
 The precision part trains TinyLlama for 500 steps in bf16, with fp8 matmuls and with bf16 optimizer state (bf16 masters
-with stochastic rounding, or with a compensation), each over SEEDS seeds: each variant's final loss against bf16's of
+with stochastic rounding, or with a compensation), and in bf16 again with its blocks not compiled (the noise floor:
+the same arithmetic in other kernels), each over SEEDS seeds: each variant's final loss against bf16's of
 the same seed, and the spread of those ratios over the seeds. `--variants` runs some of them again, keeping the
 file's runs of the others (`variant_runs` says which commit ran each).
 A final loss is a noisy reading (one step's loss is one batch's, and varies by about a tenth of it), so the part also
@@ -51,7 +53,10 @@ PARITY_STEPS, PRECISION_STEPS = 300, 500
 SEEDS = (0, 1, 2)
 PRECISION_VARIANTS = {"bf16": {}, "fp8": {"matmul_dtype": "fp8"},
                       "bf16_states": {"optimizer_dtype": "bf16", "master_dtype": "bf16"},
-                      "bf16_kahan_states": {"optimizer_dtype": "bf16", "master_dtype": "bf16_kahan"}}
+                      "bf16_kahan_states": {"optimizer_dtype": "bf16", "master_dtype": "bf16_kahan"},
+                      "bf16_eager": {"compile": False}}
+"""bf16_eager is bf16's arithmetic in other kernels (its blocks not compiled): how far bf16's own rounding moves the
+curves from the same weights and batches, the floor the other variants' differences are read against."""
 KNOBS = {"micro_batch_size": SEQUENCES, "compile": True}
 FINAL_WINDOW, SMOOTHING, PAIRED_WINDOW = 20, 10, 100
 
