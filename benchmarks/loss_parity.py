@@ -8,15 +8,16 @@ benchmarks/results/loss_parity-<gpu>.json, one part a call (each fits the device
     python benchmarks/loss_parity.py --part precision --variants bf16,bf16_kahan_states   # only these again
 
 The whole precision part takes about 14 minutes on an H200 (15 runs of about 55 s, the eager ones longer): in calls
-of ten minutes, run it in three at the same commit, `--variants bf16,fp8`, `--variants bf16_kahan_states,bf16_eager`
-and `--variants bf16_states`.
+of ten minutes, run it in three at the same commit, `--variants bf16_kahan_states,bf16_eager`, `--variants bf16,fp8`
+and `--variants bf16_states` (a call keeps the file's runs of the other variants, and needs one of each).
 
 The parity part starts HF's LlamaForCausalLM from fastml's initial weights and feeds it the same tokens with the same
 schedule (vs_hf.run_hf): for TinyLlama and for Llama-3.1-8B's shape cut to PARITY_LAYERS layers, fastml's bf16 run
 beside HF's for each of SEEDS, at lr 3e-4 with warm-up (each shape about 4 minutes on an H200). Rounding alone parts
 the two curves of a seed (different kernels, HF's bf16 weights and Adam state against fastml's fp32 masters); whether
 that is within bf16's noise is judged against the seeds: how far the seeds' smoothed curves lie apart, and how far
-their final losses spread. One more fastml run of seed 0 keeps HF's precision (bf16 weights and state), to tell a
+their final losses spread. One more fastml run of seed 0 keeps bf16 weights and state as HF does (but rounded
+stochastically, where HF's AdamW rounds to nearest), and `--part hf-masters` runs HF with fp32 masters: the two tell a
 difference of precision from one of arithmetic. (The training loop's arithmetic itself is HF's with torch's AdamW to
 fp32's rounding: tests/test_hf.py, on the CPU.)
 
@@ -87,15 +88,15 @@ def training(seed: int, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
 
 def parity(shape: str, extra: tuple[str, ...], commit: str) -> dict:
     """fastml's bf16 runs and HF's, each over SEEDS (a seed picks the initial weights and the batches' order; the two
-    start from the same weights and read the same batches), and one fastml run of seed 0 with HF's precision (bf16
-    weights and Adam state, no compensation). Within noise: fastml's curve lies no farther from HF's of its seed than
+    start from the same weights and read the same batches), and one fastml run of seed 0 with bf16 weights and Adam
+    state (stochastic rounding, no compensation). Within noise: fastml's curve lies no farther from HF's of its seed than
     the seeds' curves of either lie from each other, and the mean final losses differ by no more than either's seeds
     spread."""
     ours = {seed: run_fastml(shape, SEQUENCES, KNOBS, PARITY_STEPS, SEQ_LEN, training(seed, extra))["losses"]
             for seed in SEEDS}
     hf = {seed: run_hf(shape, SEQUENCES, SEQUENCES, False, PARITY_STEPS, SEQ_LEN, training(seed, extra))["losses"]
           for seed in SEEDS}
-    hf_precision = run_fastml(shape, SEQUENCES, KNOBS | PRECISION_VARIANTS["bf16_states"], PARITY_STEPS, SEQ_LEN,
+    bf16_states = run_fastml(shape, SEQUENCES, KNOBS | PRECISION_VARIANTS["bf16_states"], PARITY_STEPS, SEQ_LEN,
                               training(SEEDS[0], extra))["losses"]
     gaps = {str(s): mean_gap(ours[s], hf[s], WARMUP_STEPS) for s in SEEDS}
     seed_gaps = {name: [mean_gap(runs[a], runs[b], WARMUP_STEPS) for i, a in enumerate(SEEDS) for b in SEEDS[i + 1:]]
@@ -107,13 +108,13 @@ def parity(shape: str, extra: tuple[str, ...], commit: str) -> dict:
     return {"model": shape, "overrides": list(extra), "steps": PARITY_STEPS, "git_commit": commit,
             "mean_gap_vs_hf": gap, "gaps_vs_hf": gaps, "seed_mean_gaps": seed_gaps,
             "paired_relative_to_hf": {str(s): paired_relative(ours[s], hf[s]) for s in SEEDS},
-            "hf_precision_paired_relative_to_hf": paired_relative(hf_precision, hf[SEEDS[0]]),
-            "hf_precision_gap_vs_hf": mean_gap(hf_precision, hf[SEEDS[0]], WARMUP_STEPS),
+            "bf16_states_paired_relative_to_hf": paired_relative(bf16_states, hf[SEEDS[0]]),
+            "bf16_states_gap_vs_hf": mean_gap(bf16_states, hf[SEEDS[0]], WARMUP_STEPS),
             "final_loss": finals, "mean_final_loss": mean_final, "seed_final_spread": spread,
             "within_noise": gap <= max(max(g) for g in seed_gaps.values())
                             and abs(mean_final["fastml"] - mean_final["hf"]) <= max(spread.values()),
             "losses": {**{f"hf_seed{s}": hf[s] for s in SEEDS}, **{f"fastml_seed{s}": ours[s] for s in SEEDS},
-                       "fastml_hf_precision_seed0": hf_precision}}
+                       "fastml_bf16_states_seed0": bf16_states}}
 
 
 def hf_masters(entry: dict, commit: str) -> dict:
@@ -201,14 +202,19 @@ def main() -> None:
     changed = [key for key, value in settings.items() if key in earlier and earlier[key] != value]
     if args.part == "precision" and set(variants) != set(PRECISION_VARIANTS) and changed:
         parser.error(f"the results file's runs were made with other settings ({', '.join(changed)}): run every variant")
+    if args.part == "parity" and set(shapes) != set(PARITY_SHAPES) and changed:
+        parser.error(f"the results file's runs were made with other settings ({', '.join(changed)}): run every shape")
     if args.part == "parity":
         done = {entry["model"]: entry for entry in parts.get("parity", [])}
         done |= {shape: parity(shape, PARITY_SHAPES[shape], _commit()) for shape in shapes}
         parts["parity"] = [done[shape] for shape in PARITY_SHAPES if shape in done]
     elif args.part == "hf-masters":
-        for entry in parts.get("parity", []):
-            if entry["model"] in shapes:
-                entry["hf_fp32_masters"] = hf_masters(entry, _commit())
+        entries = {entry["model"]: entry for entry in parts.get("parity", []) if "hf_seed0" in entry["losses"]}
+        if set(shapes) - set(entries):
+            parser.error(f"no parity runs of {', '.join(sorted(set(shapes) - set(entries)))} with HF over every seed "
+                         "in the results file: run `--part parity` for them first")
+        for shape in shapes:
+            entries[shape]["hf_fp32_masters"] = hf_masters(entries[shape], _commit())
     else:
         earlier_commit = earlier.get("made_by", {}).get("precision", {}).get("git_commit")
         parts["precision"] = precision(variants, parts.get("precision", {}), earlier_commit, _commit())

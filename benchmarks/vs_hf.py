@@ -79,8 +79,9 @@ def run_hf(shape: str, sequences: int, micro_batch_size: int, checkpointing: boo
            seq_len: int = SEQ_LEN, training: tuple[str, ...] = (), fp32_masters: bool = False) -> dict:
     """The baseline, starting from the very weights fastml starts from and stepping with the same schedule and
     AdamW settings, so that the two loss curves can be compared as well as the speeds. With `fp32_masters` its
-    parameters and Adam state are fp32 and its forward pass runs under bf16 autocast (what fastml's fp32 masters do,
-    in transformers' way), instead of all in bf16."""
+    parameters and Adam state are fp32 and its forward pass runs under bf16 autocast (fastml's fp32 masters, in
+    transformers' way, though autocast keeps the residual stream and the norms in fp32 where fastml keeps them in
+    bf16), instead of all in bf16."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     plan = _plan(shape, sequences, steps, seq_len=seq_len, training=training)

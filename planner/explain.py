@@ -111,13 +111,16 @@ def versus(chosen: Plan, runner_up: Plan) -> str:
 
 
 def _memory_difference(chosen: Plan, runner_up: Plan) -> str:
-    """'; needs 3.1 GiB more GPU memory (activations)': the peak difference and its largest category."""
+    """'; needs 3.1 GiB more GPU memory (mostly activations)': the peak difference, and the category that makes most
+    of it where one does (the categories are as a run measures them, not all alive at the peak: planner/memory.py)."""
     c, r = chosen.predicted, runner_up.predicted
     more = c.peak_memory_bytes - r.peak_memory_bytes
     if abs(more) < 0.05 * GIB:
         return ""
     category = max(c.memory_bytes, key=lambda k: abs(c.memory_bytes[k] - r.memory_bytes[k]))
-    return f"; needs {gib(abs(more))} {'more' if more > 0 else 'less'} GPU memory (mostly {category})"
+    share = (c.memory_bytes[category] - r.memory_bytes[category]) / more
+    mostly = f" (mostly {category})" if 0.5 <= share <= 1.5 else ""
+    return f"; needs {gib(abs(more))} {'more' if more > 0 else 'less'} GPU memory{mostly}"
 
 
 def _what_less(chosen: Plan, other: Plan) -> str:

@@ -45,8 +45,9 @@ class Memory:
     """One GPU by category, in the terms the run measures them (executor/loop/meter.py `gpu_memory`), so that the
     closing table compares like with like: the model states with every gradient made, the activations a micro-batch's
     forward pass leaves (the head weight's gradient, which the loss makes there, with them), and workspace the rest of
-    the peak. Not all of those are alive at once (a first micro-batch's backward pass frees activations as it makes
-    gradients): where they add up to more than the peak, workspace is 0."""
+    the peak (the collectives' buffers with it: the meter lists none). Not all of those are alive at once (a first
+    micro-batch's backward pass frees activations as it makes gradients): where they add up to more than the peak,
+    workspace is 0."""
     host: dict[str, int]
     """One node's host memory, by category."""
     gpu_peak: int
@@ -316,9 +317,18 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
     """Peak bytes on one GPU (or the CPU's memory for `device` "cpu"), and host bytes of one node, for training
     `spec` with `knobs`: each parameter group's tensors where `Placement` puts them, as the executor holds them, at
     the phase of the step where they add up to most (`_phases`); then as the machine's `calibration` corrects the
-    model (what a compiled block keeps, the allocator's fragmentation)."""
+    model (what a compiled block keeps, the allocator's fragmentation). The GPU's bytes by category are then set out
+    as the run's meter measures them (`Memory.gpu`): the model states it lists (a sharded model's shards, not the
+    whole groups gathered or reduced for a moment, nor the collectives' buffers, which it does not list), a forward
+    pass's activations, and the rest of the peak as workspace. With ZeRO-3 the meter's forward pass also holds the
+    gathered head's weights, which this counts as workspace."""
     place = placement(spec, knobs)
     gpu, host = model_states(spec, knobs, place, num_gpus)
+    if knobs.matmul_dtype == "fp8":
+        # Cached blocks keep their weights in fp8 and transposed (executor/model/fp8.py).
+        cached = len(fp8_cached_blocks(knobs, spec.num_layers, num_gpus))
+        gpu["weights"] += cached * spec.layer_matmul_params() * 2 * DTYPE_BYTES["fp8"]
+    listed = dict(gpu)  # what the run's meter lists (executor/loop/meter.py): not the buffers of a moment below
     groups = group_params(spec)
     sharded = knobs.shard_weights and num_gpus > 1
     if sharded:  # the head's gathered weights live from the last block until their gradients are made
@@ -327,10 +337,6 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
         gpu["gradients"] += max(groups.values()) * param_bytes(knobs)
     elif num_gpus > 1 and knobs.shard_optimizer:  # ZeRO-1: offloaded blocks' reduced shards stay on the GPU
         gpu["gradients"] += len(place.host_gradients) * spec.layer_params() * param_bytes(knobs) / num_gpus
-    if knobs.matmul_dtype == "fp8":
-        # Cached blocks keep their weights in fp8 and transposed (executor/model/fp8.py).
-        cached = len(fp8_cached_blocks(knobs, spec.num_layers, num_gpus))
-        gpu["weights"] += cached * spec.layer_matmul_params() * 2 * DTYPE_BYTES["fp8"]
     tokens = knobs.micro_batch_size * seq_len
     host["activations"] = len(place.host_inputs) * block_input_bytes(spec, knobs, tokens)
     on_cpu = device == "cpu"
@@ -353,8 +359,8 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
         phase["activations"] *= compiled
     peak = max(phases, key=lambda phase: sum(phase.values()))
     peak["workspace"] += calibration.fragmentation * sum(peak.values())
-    as_measured = gpu | {"activations": compiled * forward_kept_bytes(spec, knobs, tokens, device) +
-                         spec.vocab_size * spec.hidden_size * param_bytes(knobs)}
+    as_measured = listed | {"activations": compiled * forward_kept_bytes(spec, knobs, tokens, device) +
+                            spec.vocab_size * spec.hidden_size * param_bytes(knobs)}
     as_measured["workspace"] = max(0.0, sum(peak.values()) - sum(v for k, v in as_measured.items() if k != "workspace"))
     return Memory(gpu={k: int(v) for k, v in as_measured.items()}, host={k: int(v) for k, v in host.items()},
                   gpu_peak=int(sum(peak.values())), peak_phase={k: int(v) for k, v in peak.items()})

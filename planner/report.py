@@ -66,8 +66,9 @@ def print_breakdown(console: Console, plan: Plan) -> None:
     time_table.add_column("share", justify="right")
     for name, seconds in p.time_s.items():
         time_table.add_row(name, f"{seconds:.4f}", f"{seconds / p.step_time_s:.1%}")
-    memory_table = Table(title="memory by category (GiB)", caption="the GPU's categories as the run measures them "
-                         "(every gradient made, a forward pass's activations, the rest of the peak); its total: the peak")
+    caption = ("GPU: the categories as the run measures them (every gradient made, a forward pass's activations, "
+               "the rest of the peak); its total: the peak") if on_gpu else None
+    memory_table = Table(title="memory by category (GiB)", caption=caption)
     memory_table.add_column("category")
     # On a CPU the "device" and the host are the same memory: training tensors, and the rest of the process.
     memory_table.add_column("GPU (one)" if on_gpu else "training (RAM)", justify="right")

@@ -237,7 +237,7 @@ def _prediction(candidate: Candidate) -> tuple | None:
     if not candidate.feasible:
         return None
     times = tuple(_nine_digits(t) for t in candidate.simulation.time_s.values())
-    return times, tuple(candidate.memory.gpu.values()), tuple(candidate.memory.host.values())
+    return times, candidate.memory.gpu_peak, tuple(candidate.memory.gpu.values()), tuple(candidate.memory.host.values())
 
 
 def _nine_digits(x: float) -> float:

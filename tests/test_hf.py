@@ -412,8 +412,9 @@ more each step: 2e-6 relative at worst over these 20 steps, measured. A learning
 def test_training_steps_as_torch_adamw_steps_transformers(finetune, tmp_path, monkeypatch):
     """Training, not just a forward pass: fastml's loop against transformers stepped by torch.optim.AdamW, from the
     same weights (Llama 3's rope scaling, GQA) on the same batches, with warm-up, weight decay on matrices only and a
-    clipped norm, in fp32 on the CPU. Any difference of schedule, decay groups, clipping or Adam's arithmetic moves
-    the losses by far more than fp32's rounding (TRAINING_LOSS_TOLERANCE)."""
+    clipped norm, in fp32 on the CPU. A learning rate applied at the wrong step, other decay groups, clipping or
+    Adam's arithmetic moves the losses by far more than fp32's rounding (TRAINING_LOSS_TOLERANCE). Both sides take
+    the schedule's values from fastml's `lr_at`, which tests/test_train.py checks."""
     torch.manual_seed(1)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL_HF | LLAMA3_ROPE,
                                                                 attn_implementation="eager"))
@@ -595,7 +596,8 @@ def test_bf16_gradients_are_as_near_fp32_as_transformers_bf16_ones():
     """The compiled bf16 path on the GPU (fused cross-entropy, SwiGLU and RMSNorm kernels, the LM head's gradients
     made in the forward pass), against transformers from the same weights on the same tokens: each parameter's
     gradient lies about as far from transformers' fp32 gradient as transformers' own bf16 gradient does. (Over 300
-    steps fastml's curves lie with those of transformers' fp32 masters, not its all-bf16 ones: loss_parity.py.)"""
+    steps of the 8B's shape, fastml's curves lie with those of transformers' fp32 masters, not its all-bf16 ones:
+    loss_parity.py.)"""
     plan = make_plan(model="llama-3.1-8b", gpus=1, seq_len=256, global_batch_tokens=256 * 8, steps=1, trials=1,
                      overrides=pinned(micro_batch_size=8, compile=True) +
                      [f"model.{name}={value}" for name, value in GRADIENT_SHAPE.items()]).plan

@@ -288,6 +288,13 @@ def test_the_categories_are_those_the_run_measures():
     assert sum(m.gpu.values()) > m.gpu_peak and m.gpu["workspace"] == 0
     m = memory(spec, SEQ, Knobs(micro_batch_size=4, grad_accum_steps=2), num_gpus=1, gpus_per_node=1, device="cuda")
     assert sum(m.gpu.values()) == m.gpu_peak and m.gpu["workspace"] > 0
+    # ZeRO-3 over 8 GPUs: the meter lists a rank's shards, not the head's weights gathered for a moment, a group's
+    # gradients before their reduction, nor the collectives' buffers (it lists none): those are in the peak alone.
+    knobs = Knobs(micro_batch_size=1, shard_optimizer=True, shard_gradients=True, shard_weights=True)
+    m = memory(spec, SEQ, knobs, num_gpus=8, gpus_per_node=8, device="cuda")
+    states, _ = model_states(spec, knobs, placement(spec, knobs), 8)
+    assert [m.gpu[k] for k in ("weights", "gradients")] == [int(states[k]) for k in ("weights", "gradients")]
+    assert m.peak_phase["weights"] > m.gpu["weights"] and m.gpu["comm_buffers"] == 0 < m.peak_phase["comm_buffers"]
 
 
 def test_each_phase_holds_what_the_executor_holds_then():

@@ -151,11 +151,11 @@ def gpu_memory(listed: dict[str, int] | None, forward_kept: int | None, peak: in
     gradients, optimizer_states and comm_buffers: the bytes of the distinct GPU storages listed under each
     (`Meter.sample_states`, `listed`); activations: what the last micro-batch's forward pass left allocated
     (`Meter.forward`, `forward_kept`: the tensors kept for the backward pass, and the loss with the head's gradients
-    that its forward pass makes, executor/model/loss.py, which the planner counts as workspace); workspace: the rest of
-    the run's `peak` (torch.cuda.max_memory_allocated): the backward pass's and the optimizer's temporaries, library
-    workspaces, allocator rounding. So they add up to the peak, unless the gradients and the activations were never
-    all alive at once (gradients made by a backward pass that frees activations, none kept from an earlier
-    micro-batch): then their sum exceeds the peak and workspace is 0."""
+    that its forward pass makes, executor/model/loss.py); workspace: the rest of the run's `peak`
+    (torch.cuda.max_memory_allocated): the backward pass's and the optimizer's temporaries, library workspaces,
+    allocator rounding. So they add up to the peak, unless the gradients and the activations were never all alive at
+    once (gradients made by a backward pass that frees activations, none kept from an earlier micro-batch): then their
+    sum exceeds the peak and workspace is 0. The planner predicts the same figures (planner/memory.py `Memory.gpu`)."""
     measured = dict.fromkeys(MEMORY_CATEGORIES)
     if listed is not None:
         measured.update({name: listed[name] for name in LISTED_CATEGORIES if name != "activations"})
