@@ -89,19 +89,20 @@ def training(seed: int, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
 def parity(shape: str, extra: tuple[str, ...], commit: str) -> dict:
     """fastml's bf16 runs and HF's, each over SEEDS (a seed picks the initial weights and the batches' order; the two
     start from the same weights and read the same batches), and one fastml run of seed 0 with bf16 weights and Adam
-    state (stochastic rounding, no compensation). Within noise: fastml's curve lies no farther from HF's of its seed than
-    the seeds' curves of either lie from each other, and the mean final losses differ by no more than either's seeds
-    spread."""
+    state (stochastic rounding, no compensation). Within noise: fastml's curve lies no farther from HF's of its seed
+    than the seeds' curves of either lie from each other, and the mean final losses differ by no more than either's
+    seeds spread."""
     ours = {seed: run_fastml(shape, SEQUENCES, KNOBS, PARITY_STEPS, SEQ_LEN, training(seed, extra))["losses"]
             for seed in SEEDS}
     hf = {seed: run_hf(shape, SEQUENCES, SEQUENCES, False, PARITY_STEPS, SEQ_LEN, training(seed, extra))["losses"]
           for seed in SEEDS}
     bf16_states = run_fastml(shape, SEQUENCES, KNOBS | PRECISION_VARIANTS["bf16_states"], PARITY_STEPS, SEQ_LEN,
                               training(SEEDS[0], extra))["losses"]
+    systems = {"fastml": ours, "hf": hf}
     gaps = {str(s): mean_gap(ours[s], hf[s], WARMUP_STEPS) for s in SEEDS}
     seed_gaps = {name: [mean_gap(runs[a], runs[b], WARMUP_STEPS) for i, a in enumerate(SEEDS) for b in SEEDS[i + 1:]]
-                 for name, runs in (("fastml", ours), ("hf", hf))}
-    finals = {name: {str(s): final(runs[s]) for s in SEEDS} for name, runs in (("fastml", ours), ("hf", hf))}
+                 for name, runs in systems.items()}
+    finals = {name: {str(s): final(runs[s]) for s in SEEDS} for name, runs in systems.items()}
     spread = {name: max(f.values()) - min(f.values()) for name, f in finals.items()}
     mean_final = {name: statistics.fmean(f.values()) for name, f in finals.items()}
     gap = statistics.fmean(gaps.values())
@@ -113,7 +114,7 @@ def parity(shape: str, extra: tuple[str, ...], commit: str) -> dict:
             "final_loss": finals, "mean_final_loss": mean_final, "seed_final_spread": spread,
             "within_noise": gap <= max(max(g) for g in seed_gaps.values())
                             and abs(mean_final["fastml"] - mean_final["hf"]) <= max(spread.values()),
-            "losses": {**{f"hf_seed{s}": hf[s] for s in SEEDS}, **{f"fastml_seed{s}": ours[s] for s in SEEDS},
+            "losses": {**{f"{name}_seed{s}": runs[s] for name, runs in systems.items() for s in SEEDS},
                        "fastml_bf16_states_seed0": bf16_states}}
 
 

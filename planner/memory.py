@@ -169,6 +169,11 @@ def loss_logit_bytes(knobs: Knobs, device: str) -> int:
     return act + (FP32_BYTES if device == "cpu" and act < FP32_BYTES else 0)
 
 
+def head_weight_gradient_bytes(spec: ModelSpec, knobs: Knobs) -> int:
+    """Bytes of the LM head weight's gradient, which the loss makes in its forward pass (executor/model/loss.py)."""
+    return spec.vocab_size * spec.hidden_size * param_bytes(knobs)
+
+
 def loss_workspace_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str = "cuda") -> int:
     """Peak bytes of the LM head and cross-entropy of one micro-batch beside what the model counts elsewhere, in its
     forward pass, where it makes its gradients (executor/model/loss.py): one slice's logits, the head weight's
@@ -177,8 +182,7 @@ def loss_workspace_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str
     tests/test_planner_vs_model.py. In a step's first micro-batch the weight's gradient becomes the head's gradient;
     from the second it is added into that (`_phases` counts the head's gradients at the loss accordingly)."""
     chunk = loss_logit_bytes(knobs, device) * spec.vocab_size * -(-tokens // knobs.lm_head_chunks)
-    weight_gradient = spec.vocab_size * spec.hidden_size * param_bytes(knobs)
-    return chunk + weight_gradient + tokens * spec.hidden_size * activation_bytes(knobs)
+    return chunk + head_weight_gradient_bytes(spec, knobs) + tokens * spec.hidden_size * activation_bytes(knobs)
 
 
 def block_backward_workspace_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
@@ -359,11 +363,12 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
         phase["activations"] *= compiled
     peak = max(phases, key=lambda phase: sum(phase.values()))
     peak["workspace"] += calibration.fragmentation * sum(peak.values())
+    peak_bytes = sum(peak.values())
     as_measured = listed | {"activations": compiled * forward_kept_bytes(spec, knobs, tokens, device) +
-                            spec.vocab_size * spec.hidden_size * param_bytes(knobs)}
-    as_measured["workspace"] = max(0.0, sum(peak.values()) - sum(v for k, v in as_measured.items() if k != "workspace"))
+                            head_weight_gradient_bytes(spec, knobs)}
+    as_measured["workspace"] = max(0.0, peak_bytes - sum(v for k, v in as_measured.items() if k != "workspace"))
     return Memory(gpu={k: int(v) for k, v in as_measured.items()}, host={k: int(v) for k, v in host.items()},
-                  gpu_peak=int(sum(peak.values())), peak_phase={k: int(v) for k, v in peak.items()})
+                  gpu_peak=int(peak_bytes), peak_phase={k: int(v) for k, v in peak.items()})
 
 
 def _phases(spec: ModelSpec, knobs: Knobs, place: Placement, states: dict[str, float], made: dict[str, float],
@@ -420,7 +425,7 @@ def _phases(spec: ModelSpec, knobs: Knobs, place: Placement, states: dict[str, f
     # embedding's part is made, and only then adds both into the weight's gradient: beside it, from a step's second
     # micro-batch.
     unmade = 0 if spec.tied_embeddings else made.get("embed", 0)
-    head_weight_gradient = spec.vocab_size * spec.hidden_size * param_bytes(knobs)
+    head_weight_gradient = head_weight_gradient_bytes(spec, knobs)
     waiting = head_weight_gradient if spec.tied_embeddings and accumulating else 0
     gone = 0  # the inputs of the blocks below i - 1 that are on the host
     for i in range(layers):

@@ -422,8 +422,9 @@ def test_training_steps_as_torch_adamw_steps_transformers(finetune, tmp_path, mo
     fake_cpu_measurements(monkeypatch, tmp_path)
     plan = make_plan(model=str(tmp_path / "hf"), device="cpu", seq_len=FT_SEQ, steps=TRAINING_STEPS, trials=1,
                      global_batch_tokens=FT_SEQ * FT_SEQUENCES, data=finetune.plan.training.data,
-                     overrides=pinned(micro_batch_size=2) + ["training.lr=3e-3", "training.warmup_steps=5",
-                                                              "training.weight_decay=0.1", "training.grad_clip=0.5"]).plan
+                     overrides=pinned(micro_batch_size=2) + [
+                         "training.lr=3e-3", "training.warmup_steps=5", "training.weight_decay=0.1",
+                         "training.grad_clip=0.5"]).plan
     assert plan.model.rope_scaling and plan.knobs.grad_accum_steps == 2
     got = trained(plan, tmp_path / "log.jsonl")
     t, params = plan.training, list(hf.parameters())
