@@ -7,9 +7,9 @@ benchmarks/results/loss_parity-<gpu>.json, one part a call (each fits the device
     python benchmarks/loss_parity.py --part precision   # fp8 and bf16 optimizer state beside bf16, 500 steps
     python benchmarks/loss_parity.py --part precision --variants bf16,bf16_kahan_states   # only these again
 
-The whole precision part takes about 14 minutes on an H200 (15 runs of about 55 s, the eager ones longer): in calls
-of ten minutes, run it in three at the same commit, `--variants bf16_kahan_states,bf16_eager`, `--variants bf16,fp8`
-and `--variants bf16_states` (a call keeps the file's runs of the other variants, and needs one of each).
+The whole precision part takes about 12 minutes on an H200 (18 runs of 35-55 s): in calls of ten minutes, run it in
+two at the same commit, `--variants bf16,fp8,fp8_fast_accum` and `--variants bf16_states,bf16_kahan_states,bf16_eager`
+(a call keeps the file's runs of the other variants, and needs one of each).
 
 The parity part starts HF's LlamaForCausalLM from fastml's initial weights and feeds it the same tokens with the same
 schedule (vs_hf.run_hf): for TinyLlama and for Llama-3.1-8B's shape cut to PARITY_LAYERS layers, fastml's bf16 run
@@ -21,8 +21,9 @@ stochastically, where HF's AdamW rounds to nearest), and `--part hf-masters` run
 difference of precision from one of arithmetic. (The training loop's arithmetic itself is HF's with torch's AdamW to
 fp32's rounding: tests/test_hf.py, on the CPU.)
 
-The precision part trains TinyLlama for 500 steps in bf16, with fp8 matmuls and with bf16 optimizer state (bf16 masters
-with stochastic rounding, or with a compensation), and in bf16 again with its blocks not compiled (the noise floor:
+The precision part trains TinyLlama for 500 steps in bf16, with fp8 matmuls (their backward GEMMs accumulating in fp32
+or in the tensor cores' fast mode) and with bf16 optimizer state (bf16 masters with stochastic rounding, or with a
+compensation), and in bf16 again with its blocks not compiled (the noise floor:
 the same arithmetic in other kernels), each over SEEDS seeds: each variant's final loss against bf16's of
 the same seed, and the spread of those ratios over the seeds. `--variants` runs some of them again, keeping the
 file's runs of the others (`variant_runs` says which commit ran each).
@@ -53,10 +54,12 @@ PARITY_SHAPES = {"tinyllama-1.1b": (), "llama-3.1-8b": (f"model.num_layers={PARI
 PARITY_STEPS, PRECISION_STEPS = 300, 500
 SEEDS = (0, 1, 2)
 PRECISION_VARIANTS = {"bf16": {}, "fp8": {"matmul_dtype": "fp8"},
+                      "fp8_fast_accum": {"matmul_dtype": "fp8", "fp8_backward_fast_accum": True},
                       "bf16_states": {"optimizer_dtype": "bf16", "master_dtype": "bf16"},
                       "bf16_kahan_states": {"optimizer_dtype": "bf16", "master_dtype": "bf16_kahan"},
                       "bf16_eager": {"compile": False}}
-"""bf16_eager is bf16's arithmetic in other kernels (its blocks not compiled): how far bf16's own rounding moves the
+"""fp8_fast_accum: fp8 with its backward GEMMs accumulating in the tensor cores' fast mode too. bf16_eager is bf16's
+arithmetic in other kernels (its blocks not compiled): how far bf16's own rounding moves the
 curves from the same weights and batches, the floor the other variants' differences are read against."""
 KNOBS = {"micro_batch_size": SEQUENCES, "compile": True}
 FINAL_WINDOW, SMOOTHING, PAIRED_WINDOW = 20, 10, 100

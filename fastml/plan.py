@@ -162,6 +162,12 @@ class Knobs:
     """fp8 matmuls only: the blocks' weights are cast to fp8 (and transposed) once per optimizer step and kept on the
     GPU, 2 bytes a weight, instead of cast again in every micro-batch's forward and backward pass. Blocks whose
     weights are streamed from the host or sharded are cast as they come (`fp8_cached_blocks`)."""
+    fp8_backward_fast_accum: bool = False
+    """fp8 matmuls only: the backward pass's GEMMs (the input's and the weight's gradients) accumulate in the tensor
+    cores' fast mode too, as the forward pass's always do, instead of adding their partial sums into fp32 as they
+    go: about a tenth faster on an H200 (benchmarks/NOTES.md), with less precise sums over long reductions (a weight
+    gradient's sum runs over a micro-batch's tokens). Taken only when pinned until its loss is measured
+    (docs/precision.md)."""
     optimizer_dtype: Literal["fp32", "bf16"] = "fp32"
     """Adam's m and v."""
     master_dtype: Literal["fp32", "bf16", "bf16_kahan"] = "fp32"
@@ -197,6 +203,9 @@ class Knobs:
         if self.cache_fp8_weights and self.matmul_dtype != "fp8":
             fail("knobs.cache_fp8_weights", f"caches fp8 copies of the weights: it needs knobs.matmul_dtype 'fp8', not "
                                             f"{self.matmul_dtype!r}")
+        if self.fp8_backward_fast_accum and self.matmul_dtype != "fp8":
+            fail("knobs.fp8_backward_fast_accum", f"sets how fp8 GEMMs accumulate: it needs knobs.matmul_dtype 'fp8', "
+                                                  f"not {self.matmul_dtype!r}")
         if self.param_dtype == "fp32" and self.master_dtype != "fp32":
             fail("knobs.master_dtype", "fp32 parameters are their own fp32 masters; master_dtype must be 'fp32'")
         if self.overlap_cpu_step and self.shard_optimizer:
@@ -268,6 +277,8 @@ KNOBS: dict[str, KnobInfo] = {
     # fp8 matmuls save time, not memory: their casts and scales come on top of the bf16 weights (planner/memory.py)
     "matmul_dtype": KnobInfo("precision", ("bf16", "fp8"), lower_precision=True, least_memory="bf16"),
     "cache_fp8_weights": KnobInfo("speed", (False, True), lower_precision=True, least_memory=False),
+    # pinned only until its loss is measured beside fp8's (docs/precision.md)
+    "fp8_backward_fast_accum": KnobInfo("precision", (False,), lower_precision=True, least_memory=False),
     "overlap_cpu_step": KnobInfo("speed", (False, True), least_memory=False),
     "optimizer_dtype": KnobInfo("precision", ("fp32", "bf16"), lower_precision=True, least_memory="bf16"),
     # bf16 masters with a compensation, not with stochastic rounding ("bf16", pinned only): over three seeds of 500

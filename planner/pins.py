@@ -104,6 +104,8 @@ def _ties(name: str, value) -> dict[str, object]:
         return {"shard_weights": True}
     if name == "cache_fp8_weights" and value:  # weights sharded over GPUs are cast as they are gathered
         return {"matmul_dtype": "fp8", "shard_weights": False}
+    if name == "fp8_backward_fast_accum" and value:
+        return {"matmul_dtype": "fp8"}
     if name == "overlap_cpu_step" and value:
         return {"shard_optimizer": False}
     if name == "stream_masters" and value:

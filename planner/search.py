@@ -116,9 +116,9 @@ def without_no_ops(spec: ModelSpec, values: dict, num_gpus: int) -> dict:
     """`values` with the knobs that change nothing (in planner/memory.py and planner/simulate.py) at their
     defaults, so that plans differing only in them are one plan: an offload fraction that moves no whole layer,
     offloaded bf16 master weights (there are none: the weights are the masters), a host cache of gathered
-    weights when the weights are not sharded or every layer is streamed from the host anyway, cached fp8 weights
-    without fp8 matmuls or without a block whose weights stay on the GPU, an overlapped CPU step without one, and
-    streamed masters where no block streams them."""
+    weights when the weights are not sharded or every layer is streamed from the host anyway, fast fp8 accumulation
+    without fp8 matmuls, cached fp8 weights without them or without a block whose weights stay on the GPU, an
+    overlapped CPU step without one, and streamed masters where no block streams them."""
     fixed = dict(values)
     for name in OFFLOAD_FRACTIONS:
         if round(fixed[name] * spec.num_layers) == 0:
@@ -127,6 +127,7 @@ def without_no_ops(spec: ModelSpec, values: dict, num_gpus: int) -> dict:
     if not fixed["shard_weights"] or all_streamed:
         fixed["cache_weights_on_host"] = False
     fixed["cache_fp8_weights"] &= fixed["matmul_dtype"] == "fp8"
+    fixed["fp8_backward_fast_accum"] &= fixed["matmul_dtype"] == "fp8"
     fixed["overlap_cpu_step"] &= fixed["offload_optimizer"] > 0 and not fixed["shard_optimizer"]
     knobs = Knobs(**{**{f.name: f.default for f in dataclasses.fields(Knobs)}, **fixed})
     if not has_fp32_masters(knobs):

@@ -199,13 +199,16 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def test_fp8_linear_matches_bf16_forward_and_backward():
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["split-accumulation", "fast-accumulation"])
+def test_fp8_linear_matches_bf16_forward_and_backward(fast_accum):
+    """Either way the backward GEMMs accumulate (knobs.fp8_backward_fast_accum), within the tolerances the fp8 casts
+    alone set."""
     needs_fp8_tensor_cores()
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(4, 256, 1024, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
     weight = (torch.randn(768, 1024, device="cuda", generator=gen) * 0.02).to(torch.bfloat16).requires_grad_()
     grad = torch.randn(4, 256, 768, device="cuda", generator=gen).to(torch.bfloat16)
-    y = fp8.fp8_linear(x, weight)
+    y = fp8.fp8_linear(x, weight, fast_accum=fast_accum)
     y.backward(grad)
     fp8_grads = x.grad, weight.grad
     x32, w32 = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
@@ -220,6 +223,13 @@ def test_fp8_linear_matches_bf16_forward_and_backward():
     wq, _, w_inv = fp8.quantize_reference(weight.detach(), fp8.E4M3)
     emulated = (xq.float() * x_inv) @ (wq.float() * w_inv).t()
     assert relative_error(y.flatten(0, 1), emulated) < 0.01
+    # the backward GEMMs too, fast accumulation or not: sums over 768 outputs and 1,024 tokens
+    gq, gq_t, g_inv = fp8.quantize_reference(grad.flatten(0, 1), fp8.E5M2, transposed=True)
+    _, xq_t, _ = fp8.quantize_reference(x.detach().flatten(0, 1), fp8.E4M3, transposed=True)
+    grad_x = (gq.float() * g_inv) @ (wq.float() * w_inv)
+    grad_weight = (gq_t.float() * g_inv) @ (xq_t.float() * x_inv).t()
+    assert relative_error(fp8_grads[0].flatten(0, 1), grad_x) < 0.01
+    assert relative_error(fp8_grads[1], grad_weight) < 0.01
 
 
 def test_fp8_linear_with_a_frozen_weight_makes_only_the_input_gradient():
@@ -248,13 +258,14 @@ def test_cached_fp8_weights_give_the_uncached_results_bit_for_bit():
         assert torch.equal(uncached, cached), name
 
 
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["split-accumulation", "fast-accumulation"])
 @pytest.mark.parametrize("cached", [False, True], ids=["cast", "cached"])
 @pytest.mark.parametrize("shape", [(96, 64, 160), (8192, 4096, 14336)], ids=["small", "llama-3.1-8b"])
-def test_the_fp8_feed_forward_is_its_parts_bit_for_bit(cached, shape):
+def test_the_fp8_feed_forward_is_its_parts_bit_for_bit(cached, shape, fast_accum):
     needs_fp8_tensor_cores()
     from test_precision import fused_feed_forward_matches_its_parts
 
-    fused_feed_forward_matches_its_parts("cuda", cached, *shape)
+    fused_feed_forward_matches_its_parts("cuda", cached, *shape, fast_accum=fast_accum)
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["cast", "cached"])

@@ -11,7 +11,7 @@ from fastml.config import UserError
 from fastml.hwprofiles.schema import Calibration
 from fastml.plan import TIME_COMPONENTS, Knobs, knob_names
 from fastml.planner.hardware import load_machine, parse_bytes
-from fastml.planner.costs import (ATTENTION_BACKWARD_FACTOR, _attention_s, costs, layer_flops, nccl_s,
+from fastml.planner.costs import (ATTENTION_BACKWARD_FACTOR, _attention_s, costs, layer_flops, layer_work, nccl_s,
                                   optimizer_step_bytes, step_work)
 from fastml.planner.memory import layer_activation_bytes, memory, model_state_bytes
 from fastml.planner.planner import NoFeasiblePlan, _this_machine, eval_time_s, make_plan, replan
@@ -516,6 +516,23 @@ def test_cached_fp8_weights_are_cast_once_a_step_and_cost_two_bytes_a_weight():
     assert m_cached.gpu["weights"] - m_base.gpu["weights"] == spec.num_layers * spec.layer_matmul_params() * 2
 
 
+def test_fast_fp8_backward_accumulation_is_priced_at_the_forward_gemms_rate():
+    """knobs.fp8_backward_fast_accum: the backward GEMMs priced as the forward ones (the fast-accumulating table), a
+    block's backward matmuls then twice its forward's; only with fp8 matmuls; searched only when pinned."""
+    spec, machine = PRESETS["llama-3.1-8b"], load_machine("h200")
+    split = Knobs(micro_batch_size=4, grad_accum_steps=4, matmul_dtype="fp8", lm_head_chunks=4, compile=True)
+    fast = dataclasses.replace(split, fp8_backward_fast_accum=True)
+    work_split, work_fast = (layer_work(spec, 2048, k, machine) for k in (split, fast))
+    assert work_fast.backward["matmul"] == pytest.approx(2 * work_fast.forward["matmul"])
+    assert work_fast.backward["matmul"] < work_split.backward["matmul"]
+    assert work_fast.forward == work_split.forward
+    with pytest.raises(UserError, match="knobs.fp8_backward_fast_accum: sets how fp8 GEMMs accumulate: it needs "
+                                        "knobs.matmul_dtype 'fp8', not 'bf16'"):
+        Knobs(fp8_backward_fast_accum=True)
+    problem = Problem(spec, 2048, 2048 * 16, machine)
+    assert "fp8_backward_fast_accum" not in knob_space(problem, lower_precision=True)
+
+
 def test_the_search_leaves_out_fp8_weight_caches_that_would_cache_nothing():
     from fastml.planner.search import without_no_ops
 
@@ -601,7 +618,8 @@ def other_value(name: str, chosen):
     """A value of knob `name` other than the one the search `chosen` unpinned (so that a pin can be seen kept)."""
     from fastml.plan import KNOBS
 
-    choices = (1, 2, 4, 8, 16) if name == "micro_batch_size" else KNOBS[name].choices
+    choices = (1, 2, 4, 8, 16) if name == "micro_batch_size" else (False, True) if isinstance(chosen, bool) else \
+        KNOBS[name].choices
     return next(v for v in choices if v != chosen)
 
 
@@ -610,7 +628,8 @@ def other_value(name: str, chosen):
 def test_every_knob_pin_is_kept(name, unpinned_tiny_on_two_h200s):
     """REVIEW 3: `--set knobs.shard_optimizer=false` gave a plan with shard_optimizer=True (the search turned the
     ZeRO stages below a drawn one on over the pin). Each knob pinned to another value than the search's own choice
-    keeps it, and the knobs it needs follow (cache_weights_on_host: ZeRO-3; cache_fp8_weights: fp8 matmuls).
+    keeps it, and the knobs it needs follow (cache_weights_on_host: ZeRO-3; cache_fp8_weights and
+    fp8_backward_fast_accum, which the search leaves off: fp8 matmuls).
     grad_accum_steps follows from the batch (pinning it is refused); param_dtype has one value on a GPU."""
     value = other_value(name, getattr(unpinned_tiny_on_two_h200s, name))
     pin = ",".join(value) or "" if isinstance(value, tuple) else json.dumps(value)

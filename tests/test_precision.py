@@ -163,8 +163,25 @@ def test_every_recompute_part_runs_the_converted_linears(emulated_fp8, monkeypat
     assert set(calls) == {cached}
 
 
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_the_backward_gemms_accumulate_as_the_knob_says(emulated_fp8, monkeypatch, fast_accum):
+    """knobs.fp8_backward_fast_accum reaches every backward GEMM of every fp8 linear (the feed-forward's function's
+    too), and only those: the forward GEMMs always accumulate fast."""
+    modes = []
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, use_fast_accum=False, **kwargs:
+                        modes.append(use_fast_accum) or scaled_mm(*args, use_fast_accum=use_fast_accum, **kwargs))
+    model = build_training_model(cpu_plan(matmul_dtype="fp8", fp8_backward_fast_accum=fast_accum), torch.device("cpu"))
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+    forward, modes[:] = list(modes), []
+    loss.backward()
+    assert forward == [True] * 4 * len(model.blocks)
+    assert modes == [fast_accum] * 2 * 4 * len(model.blocks)
+
+
 def fused_feed_forward_matches_its_parts(device: str, cached: bool, tokens=96, hidden=64, ffn=160,
-                                         needs_grad=(True, True, True)) -> None:
+                                         needs_grad=(True, True, True), fast_accum=False) -> None:
     """fp8.FP8FeedForwardFunction against the two fp8 linears around SwiGLU it replaces: the same output and gradients
     bit for bit, since it runs the same kernels and takes the same maxima (SwiGLU's, not the cast's own pass)."""
     from fastml.executor.model import fp8, fused
@@ -180,12 +197,12 @@ def fused_feed_forward_matches_its_parts(device: str, cached: bool, tokens=96, h
 
     def parts(x, gate_up, down):
         gate_up_cache, down_cache = caches(gate_up, down)
-        h = fp8.fp8_linear(x, gate_up, cache=gate_up_cache)
-        return fp8.fp8_linear(fused.swiglu(h), down, cache=down_cache)
+        h = fp8.fp8_linear(x, gate_up, cache=gate_up_cache, fast_accum=fast_accum)
+        return fp8.fp8_linear(fused.swiglu(h), down, cache=down_cache, fast_accum=fast_accum)
 
     def fused_function(x, gate_up, down):
         flat = [t for cache in caches(gate_up, down) for t in (cache or (None,) * 3)]
-        return fp8.FP8FeedForwardFunction.apply(x, gate_up, down, *flat)
+        return fp8.FP8FeedForwardFunction.apply(x, gate_up, down, fast_accum, *flat)
 
     results = []
     for forward in (parts, fused_function):

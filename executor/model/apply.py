@@ -26,7 +26,7 @@ logging.getLogger("torch._higher_order_ops.wrap").addFilter(lambda record: "cont
 def apply_plan(model: Transformer, knobs: Knobs, num_gpus: int = 1) -> Transformer:
     """The knobs that change the model's modules, on a meta model of a job of `num_gpus` ranks."""
     if knobs.matmul_dtype == "fp8":
-        fp8.convert_to_fp8(model, fp8_cached_blocks(knobs, len(model.blocks), num_gpus))
+        fp8.convert_to_fp8(model, fp8_cached_blocks(knobs, len(model.blocks), num_gpus), knobs.fp8_backward_fast_accum)
     apply_recompute(model, knobs.recompute, compiled=knobs.compile)
     if knobs.compile:
         apply_compile(model)

@@ -78,9 +78,9 @@ def forward_gemm(flat: torch.Tensor, weight: torch.Tensor, cache: tuple, partial
 
 
 def backward_gemms(grad: torch.Tensor, xq_t: torch.Tensor, x_inv: torch.Tensor, weight: torch.Tensor, cache: tuple,
-                   needs_x: bool, needs_weight: bool, partial_amax: torch.Tensor | None = None):
+                   needs_x: bool, needs_weight: bool, fast_accum: bool, partial_amax: torch.Tensor | None = None):
     """The gradients of forward_gemm's input and weight (each None where not needed) from the gradient of its
-    output, grad (tokens, out)."""
+    output, grad (tokens, out); `fast_accum`: knobs.fp8_backward_fast_accum."""
     if not (needs_x or needs_weight):
         return None, None
     gq, gq_t, g_inv = quantize(grad, E5M2, rowwise=needs_x, transposed=needs_weight, partial_amax=partial_amax)
@@ -88,9 +88,11 @@ def backward_gemms(grad: torch.Tensor, xq_t: torch.Tensor, x_inv: torch.Tensor, 
     grad_x = grad_weight = None
     if needs_x:
         wq_t, w_inv = (cache[1], cache[2]) if cache else quantize(weight, E4M3, rowwise=False, transposed=True)[1:]
-        grad_x = torch._scaled_mm(gq, wq_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype)
+        grad_x = torch._scaled_mm(gq, wq_t.t(), scale_a=g_inv, scale_b=w_inv, out_dtype=grad.dtype,
+                                  use_fast_accum=fast_accum)
     if needs_weight:
-        grad_weight = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=grad.dtype)
+        grad_weight = torch._scaled_mm(gq_t, xq_t.t(), scale_a=g_inv, scale_b=x_inv, out_dtype=grad.dtype,
+                                       use_fast_accum=fast_accum)
     return grad_x, grad_weight
 
 
@@ -101,12 +103,13 @@ def _cache(*tensors) -> tuple:
 class FP8Matmul(torch.autograd.Function):
     """x @ weight.T in fp8, x (..., in) and weight (out, in) bf16; the result bf16. Given the weight's fp8 copies
     (`CachedFP8Linear`: `wq` row-major, `wq_t` transposed, `w_inv` their inverse scale), it uses them instead of
-    casting the weight."""
+    casting the weight. `fast_accum`: knobs.fp8_backward_fast_accum."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, wq: torch.Tensor | None = None,
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fast_accum: bool = False, wq: torch.Tensor | None = None,
                 wq_t: torch.Tensor | None = None, w_inv: torch.Tensor | None = None) -> torch.Tensor:
         cache = _cache(wq, wq_t, w_inv)
+        ctx.fast_accum = fast_accum
         y, xq_t, x_inv = forward_gemm(fused.as_rows(x), weight, cache)
         ctx.save_for_backward(xq_t, x_inv, weight, *cache)
         ctx.x_shape = x.shape
@@ -116,8 +119,8 @@ class FP8Matmul(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         xq_t, x_inv, weight, *cache = ctx.saved_tensors
         grad_x, grad_weight = backward_gemms(fused.as_rows(grad), xq_t, x_inv, weight, tuple(cache),
-                                             *ctx.needs_input_grad[:2])
-        return None if grad_x is None else grad_x.view(ctx.x_shape), grad_weight, None, None, None
+                                             *ctx.needs_input_grad[:2], ctx.fast_accum)
+        return None if grad_x is None else grad_x.view(ctx.x_shape), grad_weight, None, None, None, None
 
 
 class FP8FeedForwardFunction(torch.autograd.Function):
@@ -129,8 +132,10 @@ class FP8FeedForwardFunction(torch.autograd.Function):
     weight's fp8 copies (CachedFP8Linear's buffers) or three Nones."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *caches) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, fast_accum: bool,
+                *caches) -> torch.Tensor:
         gate_up_cache, down_cache = _cache(*caches[:3]), _cache(*caches[3:])
+        ctx.fast_accum = fast_accum
         h, xq_t, x_inv = forward_gemm(fused.as_rows(x), gate_up, gate_up_cache)
         a, a_amax = fused.swiglu_amax(h)
         y, aq_t, a_inv = forward_gemm(a, down, down_cache, partial_amax=a_amax)
@@ -144,19 +149,21 @@ class FP8FeedForwardFunction(torch.autograd.Function):
         gate_up_cache, down_cache = _cache(*caches[:3]), _cache(*caches[3:])
         needs_x, needs_gate_up, needs_down = ctx.needs_input_grad[:3]
         needs_a = needs_x or needs_gate_up
-        grad_a, grad_down = backward_gemms(fused.as_rows(grad), aq_t, a_inv, down, down_cache, needs_a, needs_down)
+        grad_a, grad_down = backward_gemms(fused.as_rows(grad), aq_t, a_inv, down, down_cache, needs_a, needs_down,
+                                           ctx.fast_accum)
         grad_x = grad_gate_up = None
         if needs_a:
             grad_h, h_amax = fused.swiglu_backward_amax(grad_a, h)
             del grad_a  # h and aq_t stay until this function returns: autograd frees what a node saved after it
             grad_x, grad_gate_up = backward_gemms(grad_h, xq_t, x_inv, gate_up, gate_up_cache, needs_x,
-                                                  needs_gate_up, partial_amax=h_amax)
+                                                  needs_gate_up, ctx.fast_accum, partial_amax=h_amax)
         grad_x = None if grad_x is None else grad_x.view(ctx.x_shape)
         return grad_x, grad_gate_up, grad_down, *[None] * (len(ctx.needs_input_grad) - 3)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cache=()) -> torch.Tensor:
-    y = FP8Matmul.apply(x, weight, *cache)
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cache=(),
+               fast_accum: bool = False) -> torch.Tensor:
+    y = FP8Matmul.apply(x, weight, fast_accum, *cache)
     return y if bias is None else y + bias
 
 
@@ -164,8 +171,11 @@ class FP8Linear(nn.Linear):
     """An nn.Linear that multiplies in fp8. A linear becomes one by a change of class (`convert_to_fp8`), not by a new
     module: it keeps its parameters and their names, and recompute and compile (apply.py) wrap it as any module."""
 
+    fast_accum = False
+    """knobs.fp8_backward_fast_accum, set by `convert_to_fp8`."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias)
+        return fp8_linear(x, self.weight, self.bias, fast_accum=self.fast_accum)
 
 
 class CachedFP8Linear(FP8Linear):
@@ -173,7 +183,7 @@ class CachedFP8Linear(FP8Linear):
     `refresh_weight_caches` casts anew once per optimizer step: every micro-batch's passes use them."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.bias, weight_cache(self))
+        return fp8_linear(x, self.weight, self.bias, weight_cache(self), self.fast_accum)
 
 
 def weight_cache(linear: nn.Linear) -> tuple:
@@ -188,18 +198,18 @@ class FP8FeedForward(FeedForward):
     matmuls around SwiGLU, the same bits with fewer reads."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return FP8FeedForwardFunction.apply(x, self.gate_up.weight, self.down.weight, *weight_cache(self.gate_up),
-                                            *weight_cache(self.down))
+        return FP8FeedForwardFunction.apply(x, self.gate_up.weight, self.down.weight, self.gate_up.fast_accum,
+                                            *weight_cache(self.gate_up), *weight_cache(self.down))
 
 
 def block_linears(block: nn.Module) -> list[nn.Linear]:
     return [block.attn.qkv, block.attn.out, block.ffn.gate_up, block.ffn.down]
 
 
-def convert_to_fp8(model: nn.Module, cached: frozenset[str] = frozenset()) -> None:
+def convert_to_fp8(model: nn.Module, cached: frozenset[str] = frozenset(), fast_accum: bool = False) -> None:
     """Makes every block's linear layers multiply in fp8; those of the blocks `cached` names (`fastml.plan.block_group`
     names, fastml.plan.fp8_cached_blocks) also keep their weights cast to fp8, in buffers that `refresh_weight_caches`
-    fills (non-persistent: checkpoints hold the weights alone). One class for all of them, not a forward per module:
+    fills (non-persistent: checkpoints hold the weights alone). `fast_accum`: knobs.fp8_backward_fast_accum. One class for all of them, not a forward per module:
     the compiled blocks (apply.py) then share one graph instead of recompiling for each block's own function."""
     for i, block in enumerate(model.blocks):
         if block.ffn.gate_up.bias is not None or block.ffn.down.bias is not None:
@@ -207,6 +217,8 @@ def convert_to_fp8(model: nn.Module, cached: frozenset[str] = frozenset()) -> No
         block.ffn.__class__ = FP8FeedForward
         for linear in block_linears(block):
             linear.__class__ = CachedFP8Linear if block_group(i) in cached else FP8Linear
+            if fast_accum:
+                linear.fast_accum = True
             if block_group(i) in cached:
                 for name in CACHE_BUFFERS:
                     linear.register_buffer(name, None, persistent=False)
