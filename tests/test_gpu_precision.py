@@ -280,7 +280,9 @@ def test_compiled_fp8_blocks_share_one_graph(parts, cached):
     from fastml.spec import PRESETS
 
     torch._dynamo.reset()
-    knobs = Knobs(matmul_dtype="fp8", recompute=parts, compile=True, cache_fp8_weights=cached)
+    # the cached blocks with fast backward accumulation, to compile that knob too
+    knobs = Knobs(matmul_dtype="fp8", recompute=parts, compile=True, cache_fp8_weights=cached,
+                  fp8_backward_fast_accum=cached)
     model = materialize(apply_plan(build_model(PRESETS["tiny"]), knobs), "cuda", torch.bfloat16)
     tokens = torch.randint(0, 512, (2, 65), device="cuda")
     with torch._dynamo.config.patch(error_on_recompile=True):

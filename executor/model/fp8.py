@@ -2,7 +2,9 @@
 by e4m3 weights, the backward pass e5m2 gradients (more range, less precision) by e4m3 weights and inputs, each
 tensor cast with a scale from its own current absolute maximum just before the cast (csrc/fp8_cuda.cu,
 `torch.ops.fastml.quantize_fp8`), so nothing is ever clipped. The GEMMs are torch._scaled_mm's (cuBLASLt), with bf16
-outputs. Embeddings, the LM head, norms and attention stay bf16.
+outputs; the forward GEMMs accumulate in the tensor cores' fast mode, the backward ones add their partial sums into
+fp32 as they go unless knobs.fp8_backward_fast_accum says otherwise. Embeddings, the LM head, norms and attention
+stay bf16.
 
 A converted linear keeps its parameter (so checkpoints, sharding and offload see the same model) and saves for its
 backward pass the fp8 transpose of its input (1 byte an element, not bf16's 2) and the weight itself, which it casts
@@ -198,6 +200,7 @@ class FP8FeedForward(FeedForward):
     matmuls around SwiGLU, the same bits with fewer reads."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # convert_to_fp8 sets fast_accum on both linears alike: gate_up's speaks for the two
         return FP8FeedForwardFunction.apply(x, self.gate_up.weight, self.down.weight, self.gate_up.fast_accum,
                                             *weight_cache(self.gate_up), *weight_cache(self.down))
 
@@ -209,8 +212,9 @@ def block_linears(block: nn.Module) -> list[nn.Linear]:
 def convert_to_fp8(model: nn.Module, cached: frozenset[str] = frozenset(), fast_accum: bool = False) -> None:
     """Makes every block's linear layers multiply in fp8; those of the blocks `cached` names (`fastml.plan.block_group`
     names, fastml.plan.fp8_cached_blocks) also keep their weights cast to fp8, in buffers that `refresh_weight_caches`
-    fills (non-persistent: checkpoints hold the weights alone). `fast_accum`: knobs.fp8_backward_fast_accum. One class for all of them, not a forward per module:
-    the compiled blocks (apply.py) then share one graph instead of recompiling for each block's own function."""
+    fills (non-persistent: checkpoints hold the weights alone); `fast_accum` (knobs.fp8_backward_fast_accum) is set on
+    every linear. One class for all of them, not a forward per module: the compiled blocks (apply.py) then share one
+    graph instead of recompiling for each block's own function."""
     for i, block in enumerate(model.blocks):
         if block.ffn.gate_up.bias is not None or block.ffn.down.bias is not None:
             raise ValueError("FP8FeedForward multiplies the feed-forward's weights alone: its linears have no bias")
