@@ -165,7 +165,7 @@ class Knobs:
     fp8_backward_fast_accum: bool = False
     """fp8 matmuls only: the backward pass's GEMMs (the input's and the weight's gradients) accumulate in the tensor
     cores' fast mode too, as the forward pass's always do, instead of adding their partial sums into fp32 as they
-    go: about a tenth faster on an H200 (benchmarks/NOTES.md), with less precise sums over long reductions (a weight
+    go: faster GEMMs (benchmarks/NOTES.md, issue 25 part 14), with less precise sums over long reductions (a weight
     gradient's sum runs over a micro-batch's tokens). Taken only when pinned until its loss is measured
     (docs/precision.md)."""
     optimizer_dtype: Literal["fp32", "bf16"] = "fp32"
