@@ -45,6 +45,10 @@ CASES = {
     # the same with the weights cast to fp8 once a step: vs_hf.py's best fp8 plan
     "fp8-cached-bf16-state": dict(micro_batch_size=4, lm_head_chunks=4, compile=True, matmul_dtype="fp8",
                                   cache_fp8_weights=True, optimizer_dtype="bf16", master_dtype="bf16_kahan"),
+    # the same with the backward GEMMs accumulating in the tensor cores' fast mode (knobs.fp8_backward_fast_accum)
+    "fp8-cached-fast-accum": dict(micro_batch_size=4, lm_head_chunks=4, compile=True, matmul_dtype="fp8",
+                                  cache_fp8_weights=True, optimizer_dtype="bf16", master_dtype="bf16_kahan",
+                                  fp8_backward_fast_accum=True),
     "bf16-bf16-state": dict(micro_batch_size=4, lm_head_chunks=4, compile=True, optimizer_dtype="bf16",
                             master_dtype="bf16_kahan"),
     # vs_hf.py's best bf16 plan for tinyllama-1.1b (32 sequences a step)
