@@ -36,20 +36,20 @@ has 500 GB, where its baseline ran out of memory; else the profile's)."""
 HEADLINE = ("rtx4090x4", "qwen2.5-32b", "bf16")
 
 
-def published_cases() -> list[tuple[str, str, str, float]]:
-    """(machine, model, precision, LLMQ's tokens/s) of every figure LLMQ measured (not its baselines or notes)."""
-    data = json.loads(PUBLISHED.read_text())
+def published_cases(data: dict) -> list[tuple[str, str, str, float]]:
+    """(machine, model, precision, LLMQ's tokens/s) of every figure LLMQ measured in `data` (the published file),
+    not its baselines or notes."""
     return [(machine, model, precision, float(value))
             for machine, models in data.items() if machine in MACHINES
             for model, figures in models.items()
             for precision, value in figures.items() if precision in ("bf16", "fp8")]
 
 
-def planned(machine: str, model: str, precision: str, trials: int) -> dict:
-    profile, gpus, host_mem = MACHINES[machine]
+def planned(profile: str, gpus: int, host_mem: str | None, model: str, precision: str, trials: int) -> dict:
     try:
         p = make_plan(model=model, hw=profile, gpus=gpus, host_mem=host_mem, seq_len=SEQ_LEN,
-                      global_batch_tokens=GLOBAL_BATCH_TOKENS, lower_precision=True, trials=trials, overrides=[f"knobs.matmul_dtype={precision}"])
+                      global_batch_tokens=GLOBAL_BATCH_TOKENS, lower_precision=True, trials=trials,
+                      overrides=[f"knobs.matmul_dtype={precision}"])
     except (NoFeasiblePlan, UserError) as e:
         return {"error": str(e).splitlines()[0]}
     return {"predicted_tokens_per_s": p.plan.predicted.tokens_per_s, "knobs": describe_knobs(p.plan.knobs),
@@ -60,11 +60,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trials", type=int, default=DEFAULT_TRIALS)
     args = parser.parse_args()
-    cases = []
-    for machine, model, precision, llmq in published_cases():
+    published, cases = json.loads(PUBLISHED.read_text()), []
+    for machine, model, precision, llmq in published_cases(published):
         profile, gpus, host_mem = MACHINES[machine]
-        case = {"machine": machine, "profile": profile, "gpus": gpus, "host_mem": host_mem, "model": model, "precision": precision,
-                "llmq_tokens_per_s": llmq, **planned(machine, model, precision, args.trials)}
+        case = {"machine": machine, "profile": profile, "gpus": gpus, "host_mem": host_mem, "model": model,
+                "precision": precision, "llmq_tokens_per_s": llmq,
+                **planned(profile, gpus, host_mem, model, precision, args.trials)}
         if "predicted_tokens_per_s" in case:
             case["ratio"] = case["predicted_tokens_per_s"] / llmq
         cases.append(case)
@@ -74,7 +75,7 @@ def main() -> None:
     ratios = [c["ratio"] for c in cases if "ratio" in c]
     headline = next(c for c in cases if (c["machine"], c["model"], c["precision"]) == HEADLINE)
     summary = {"seq_len": SEQ_LEN, "global_batch_tokens": GLOBAL_BATCH_TOKENS, "trials": args.trials,
-               "source": json.loads(PUBLISHED.read_text())["source"],
+               "source": published["source"],
                "geometric_mean_ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
                "cases_planned": len(ratios), "cases": cases,
                "headline": {k: headline.get(k) for k in ("machine", "model", "precision", "llmq_tokens_per_s",

@@ -304,7 +304,7 @@ def layer_work(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) ->
     forward = {"matmul": gemms("qkv", "out", "gate_up", "down"), "attention": attention, "elementwise": elementwise,
                "fp8 cast": quantize_forward}
     # With knobs.fp8_backward_fast_accum the backward GEMMs accumulate as the forward ones: at their rate (on an H200
-    # the three GEMMs of a linear then ran within 4% of each other; benchmarks/NOTES.md, issue 25 part 14).
+    # the three GEMMs of a linear then ran within 5% of each other; benchmarks/NOTES.md, issue 25 part 14).
     backward = {"matmul": 2 * gemms("qkv", "out", "gate_up", "down", backward=not knobs.fp8_backward_fast_accum),
                 "attention": ATTENTION_BACKWARD_FACTOR * attention,
                 "elementwise": (ELEMENTWISE_PASSES - 1) * elementwise,

@@ -221,8 +221,7 @@ def convert_to_fp8(model: nn.Module, cached: frozenset[str] = frozenset(), fast_
         block.ffn.__class__ = FP8FeedForward
         for linear in block_linears(block):
             linear.__class__ = CachedFP8Linear if block_group(i) in cached else FP8Linear
-            if fast_accum:
-                linear.fast_accum = True
+            linear.fast_accum = fast_accum
             if block_group(i) in cached:
                 for name in CACHE_BUFFERS:
                     linear.register_buffer(name, None, persistent=False)
