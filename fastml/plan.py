@@ -154,6 +154,12 @@ class Knobs:
     shard_gradients: bool = False
     shard_weights: bool = False
     cache_weights_on_host: bool = False
+    share_host_weights: bool = False
+    """Streamed blocks (offload_weights) whose sharded optimizer steps on the CPU (shard_optimizer, offload_optimizer
+    at least offload_weights): their weights live in host memory once a node, shared by its ranks' processes, instead
+    of once a rank. Each rank's CPU step writes its shard of them in place, and a barrier between the node's ranks
+    replaces the all-gather of the updated shards (executor/memory/shared.py). One node only; without streamed blocks
+    it does nothing. Taken only when pinned for now: the planner does not model it yet (issue 26)."""
     param_dtype: Literal["bf16", "fp32"] = "bf16"
     """The dtype of the weights in the model (and of their gradients)."""
     matmul_dtype: Literal["fp32", "bf16", "fp8"] = "bf16"
@@ -211,6 +217,12 @@ class Knobs:
         if self.overlap_cpu_step and self.shard_optimizer:
             fail("knobs.overlap_cpu_step", "needs unsharded optimizer states (knobs.shard_optimizer false): the ranks "
                                            "gather their updated shards group by group as the step ends")
+        if self.share_host_weights and not (self.shard_optimizer and not self.shard_weights and
+                                            self.offload_weights <= self.offload_optimizer):
+            fail("knobs.share_host_weights", "shares the host copy of streamed weights that a sharded optimizer steps "
+                                             "on the CPU: it needs knobs.offload_optimizer at least as high as "
+                                             "knobs.offload_weights, and knobs.shard_optimizer without "
+                                             "knobs.shard_weights")
         # ZeRO's stages build on each other (Rajbhandari et al. 2020, section 5): a GPU that keeps only a shard of
         # the gradients can step only that shard of the optimizer states, and one that keeps a shard of the weights
         # only reduces its shard of their gradients.
@@ -273,6 +285,8 @@ KNOBS: dict[str, KnobInfo] = {
     "stream_masters": KnobInfo("offload", (False, True), least_memory=True),
     **{name: KnobInfo("shard", (False, True), multi_gpu=True, least_memory=True) for name in ZERO_STAGES},
     "cache_weights_on_host": KnobInfo("shard", (False, True), multi_gpu=True, least_memory=False),
+    # pinned only until the planner models it (issue 26)
+    "share_host_weights": KnobInfo("shard", (False,), multi_gpu=True, least_memory=False),
     "param_dtype": KnobInfo("precision", ("bf16",), least_memory="bf16"),
     # fp8 matmuls save time, not memory: their casts and scales come on top of the bf16 weights (planner/memory.py)
     "matmul_dtype": KnobInfo("precision", ("bf16", "fp8"), lower_precision=True, least_memory="bf16"),

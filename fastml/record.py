@@ -45,6 +45,10 @@ class Measured:
     """One GPU's (rank 0's) peak, as torch's allocator counts it; None on a CPU."""
     memory_bytes: dict[str, int | None] | None
     host_memory_bytes: dict[str, int | None] | None
+    """One process's (rank 0's), by category; of memory the node's ranks share, its share."""
+    node_host_memory_bytes: int | None = None
+    """The node's ranks' proportional set sizes at the end of the run, summed (what they share counted once): the
+    figure to set beside the plan's host total."""
 
 
 @dataclass(frozen=True, kw_only=True)

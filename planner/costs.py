@@ -23,7 +23,8 @@ from fastml.hwprofiles.schema import (ATTENTION_BACKWARD_FACTOR, ELEMENTWISE_PAS
                                       Calibration)
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (DTYPE_BYTES, FP32_BYTES, activation_bytes, block_input_bytes, compensation_bytes,
-                                   group_params, has_fp32_masters, loss_logit_bytes, param_bytes)
+                                   group_params, has_fp32_masters, loss_logit_bytes, param_bytes,
+                                   shared_host_weight_params)
 from fastml.spec import ModelSpec
 
 @dataclass(frozen=True)
@@ -389,7 +390,8 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
         layer_grads_h2d=layer_bytes * h2d, layer_grads_d2h=layer_bytes * d2h,
         layer_input_d2h=block_input * d2h, layer_input_h2d=block_input * h2d,
         layer_weight_gather=gather(spec.layer_params()), layer_grad_reduce=reduce(spec.layer_params()),
-        step_weight_gather=gather(p), embed_gather=gather(groups["embed"]), head_gather=gather(groups["head"]),
+        # but of the weights the node's ranks share in host memory: each rank stepped its shard of them there
+        step_weight_gather=gather(p - shared_host_weight_params(spec, knobs, machine.num_gpus)), embed_gather=gather(groups["embed"]), head_gather=gather(groups["head"]),
         embed_grad_reduce=reduce(groups["embed"]), head_grad_reduce=reduce(groups["head"]),
         shard_h2d=layer_bytes / machine.num_gpus * h2d,
     )

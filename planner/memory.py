@@ -356,7 +356,10 @@ def memory(spec: ModelSpec, seq_len: int, knobs: Knobs, num_gpus: int, gpus_per_
         if knobs.cache_weights_on_host and sharded:  # each rank's copy of the gathered weights of every block
             host["weights"] += (spec.num_layers - len(place.streamed_weights)) * spec.layer_params() * \
                 param_bytes(knobs)  # but streamed ones
+    shared = shared_host_weight_params(spec, knobs, num_gpus) * param_bytes(knobs)  # one copy a node, not a rank
+    host["weights"] -= shared
     host = {k: v * gpus_per_node for k, v in host.items()}  # each GPU's process has its own host tensors
+    host["weights"] += shared
     phases = _phases(spec, knobs, place, gpu, _gradients_made(spec, knobs, place, num_gpus), tokens, device, num_gpus)
     compiled = calibration.compiled_activations if knobs.compile else 1.0
     for phase in phases:
@@ -489,6 +492,14 @@ def model_states(spec: ModelSpec, knobs: Knobs, place: Placement,
             on_host = group in getattr(place, _OFFLOADED_BY[category])
             (host if on_host else gpu)[category] += num_bytes
     return gpu, host
+
+
+def shared_host_weight_params(spec: ModelSpec, knobs: Knobs, num_gpus: int) -> int:
+    """The weights that live in host memory once a node, shared by its ranks (knobs.share_host_weights): the
+    streamed blocks'."""
+    if not (knobs.share_host_weights and num_gpus > 1):
+        return 0
+    return len(offloaded_groups(knobs, "offload_weights", spec.num_layers)) * spec.layer_params()
 
 
 def rebuilt_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str) -> int:

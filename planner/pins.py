@@ -68,6 +68,9 @@ def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, devi
                 fail("knobs.stream_masters", "streams the fp32 masters of blocks that are streamed and step on the "
                                              "CPU with their masters and gradients on the host, and "
                                              f"knobs.{name} {fixed[name]} leaves no such block")
+    if fixed.get("share_host_weights") and round(fixed.get("offload_weights", 1.0) * spec.num_layers) == 0:
+        fail("knobs.share_host_weights", "shares the host copy of streamed weights, and knobs.offload_weights "
+                                         f"{fixed['offload_weights']} streams no block")
     streams_all = round(fixed.get("offload_weights", 0.0) * spec.num_layers) == spec.num_layers
     for name in ("cache_weights_on_host", "cache_fp8_weights"):
         if fixed.get(name) and streams_all:
@@ -85,7 +88,8 @@ def pinned_space(space: dict[str, tuple], fixed: dict, spec: ModelSpec) -> dict[
     space = {**space, **{name: (value,) for name, value in fixed.items()}}
     # Knobs that must offload at least one block: a CPU step to overlap, a block to stream the masters of.
     needed = (("offload_optimizer",) if fixed.get("overlap_cpu_step") else ()) + \
-        (STREAM_MASTERS_NEEDS if fixed.get("stream_masters") else ())
+        (STREAM_MASTERS_NEEDS if fixed.get("stream_masters") else ()) + \
+        (("offload_weights",) if fixed.get("share_host_weights") else ())
     for name in (n for n in dict.fromkeys(needed) if n in space):
         space[name] = tuple(f for f in space[name] if round(f * spec.num_layers) > 0)
     if (fixed.get("cache_weights_on_host") or fixed.get("cache_fp8_weights")) and "offload_weights" in space:
@@ -108,6 +112,8 @@ def _ties(name: str, value) -> dict[str, object]:
         return {"matmul_dtype": "fp8"}
     if name == "overlap_cpu_step" and value:
         return {"shard_optimizer": False}
+    if name == "share_host_weights" and value:  # every block stepped on the CPU covers whatever is streamed
+        return {"shard_optimizer": True, "shard_weights": False, "offload_optimizer": 1.0}
     if name == "stream_masters" and value:
         return {"shard_optimizer": False, "master_dtype": "fp32", "param_dtype": "bf16"}
     if name == "offload_master" and value:  # bf16 masters are the weights themselves: no copy to move
@@ -146,4 +152,6 @@ def _not_on_device(name: str, value, spec: ModelSpec, seq_len: int, device: Devi
         return "it acts between GPUs (or CPU processes), and the plan has one: give --gpus N"
     if name == "comm" and device.num_nodes > 1:
         return "the memcpy collectives copy through one node's host memory; across nodes use 'nccl'"
+    if name == "share_host_weights" and device.num_nodes > 1:
+        return "the weights are shared in one node's host memory; a plan for several nodes cannot share them"
     return ""

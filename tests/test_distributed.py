@@ -32,6 +32,8 @@ from fastml.config import to_dict
 from fastml.plan import Hardware, Knobs, Plan, Training, load_plan, save_plan
 from fastml.record import load_record
 from fastml.executor import native
+from fastml.executor.memory.shared import FLAG_LINE_BYTES
+from fastml.executor.model.transformer import build_model
 from fastml.executor.storage.data import TokenData
 from fastml.executor.storage.tensordir import read_manifest
 from fastml.executor.loop.train import train
@@ -142,6 +144,12 @@ def two_rank_plans() -> dict[str, Plan]:
         "zero2-host-gradient-shards": plan(2, micro=1, bf16=True, **ZERO[2], offload_gradients=1.0,
                                            offload_optimizer=1.0),
         "ddp-streamed-memcpy": plan(2, bf16=True, comm="memcpy", offload_weights=0.5, offload_optimizer=0.5),
+        # streamed weights stepped on the CPU, in each rank's own host copy or in one the node's ranks share
+        "zero1-streamed-cpu-step": plan(2, bf16=True, **ZERO[1], offload_weights=1.0, offload_optimizer=1.0),
+        "zero1-shared-host-weights": plan(2, bf16=True, **ZERO[1], offload_weights=1.0, offload_optimizer=1.0,
+                                          share_host_weights=True),
+        "zero1-shared-host-weights-memcpy": plan(2, bf16=True, comm="memcpy", **ZERO[1], offload_weights=0.5,
+                                                 offload_optimizer=1.0, share_host_weights=True),
         # the planner's bf16 masters: each rank's shard of the compensation stepped beside its m and v, half on the CPU
         "zero1-compensated-bf16": plan(2, bf16=True, **ZERO[1], optimizer_dtype="bf16", master_dtype="bf16_kahan",
                                        offload_optimizer=0.5),
@@ -211,7 +219,8 @@ def test_one_micro_batch_per_rank_sums_in_one_processs_order(tmp_path, two_ranks
 
 @pytest.mark.parametrize("name", ["zero1-cpu-step", "zero3-cpu-step-memcpy", "zero3-streamed", "zero3-host-cache",
                                   "ddp-host-gradients", "zero1-host-gradients", "zero2-host-gradient-shards",
-                                  "ddp-streamed-memcpy", "zero1-compensated-bf16"])
+                                  "ddp-streamed-memcpy", "zero1-compensated-bf16", "zero1-shared-host-weights",
+                                  "zero1-shared-host-weights-memcpy"])
 def test_sharding_with_offload_trains_as_one_process_with_that_offload(tmp_path, two_ranks, name):
     """A rank's shard of the optimizer state in host memory, stepped by the C++ AdamW; streamed weight shards;
     gathered weights kept on the host for the backward pass; gradients, or a rank's reduced shard of them, summed
@@ -222,6 +231,33 @@ def test_sharding_with_offload_trains_as_one_process_with_that_offload(tmp_path,
     assert got == pytest.approx(alone, rel=1e-3)
     assert final_val_loss(two_ranks[name]) == pytest.approx(final_val_loss(records(tmp_path / f"{name}.jsonl")),
                                                             rel=1e-3)
+
+
+def test_ranks_sharing_the_streamed_weights_host_copy_train_bit_for_bit_as_with_a_copy_each(two_ranks, two_ranks_dir):
+    """knobs.share_host_weights changes where the updated weights are written, not what they are: each rank's CPU
+    step writes its shard into the node's one copy instead of its own, and no all-gather follows. The run's meter
+    counts each rank's share of that copy, so the two ranks' host weights are half of one copy each."""
+    own, shared = two_ranks["zero1-streamed-cpu-step"], two_ranks["zero1-shared-host-weights"]
+    assert [(r["loss"], r["grad_norm"]) for r in shared] == [(r["loss"], r["grad_norm"]) for r in own]
+    assert shared[-1]["val_loss"] == own[-1]["val_loss"]
+    small = build_model(SMALL)
+    streamed_bytes = sum(p.numel() for name, p in small.named_parameters() if name.startswith("blocks.")) * 2
+    host_weights = [log[-1]["host_memory_bytes"]["weights"] for log in (own, shared)]
+    segment_bytes = 2 * FLAG_LINE_BYTES + streamed_bytes  # the barrier's flags first
+    assert host_weights[1] == host_weights[0] - streamed_bytes + segment_bytes // 2
+    record = load_record(two_ranks_dir / "zero1-shared-host-weights" / "record.json")
+    assert record.measured.node_host_memory_bytes > 0
+
+
+def test_four_ranks_sharing_the_streamed_weights_host_copy_train_as_one_process(tmp_path):
+    """knobs.share_host_weights over 4 ranks, on gloo and on the memcpy collectives, half the blocks streamed: the
+    loss curve of one process."""
+    plans = {f"shared-{comm}": plan(4, micro=1, bf16=True, comm=comm, **ZERO[1], offload_weights=0.5,
+                                    offload_optimizer=1.0, share_host_weights=True) for comm in ("nccl", "memcpy")}
+    got = job(tmp_path, plans, ranks=4)
+    for name, p in plans.items():
+        alone = trained_alone(tmp_path, one_process(p), f"{name}-alone")
+        assert [r["loss"] for r in got[name]] == pytest.approx(alone, rel=1e-3)
 
 
 def test_each_rank_works_on_its_share_of_the_cores_under_torchrun(two_ranks_dir):
@@ -327,27 +363,27 @@ def test_memcpy_collectives_equal_the_sums_in_rank_order(ranks):
 
 @pytest.fixture
 def one_rank_group(tmp_path, monkeypatch):
-    """A process group of this process alone, and the memcpy collectives' shared memory in a directory of the test."""
+    """A process group of this process alone, and the node's shared memory in a directory of the test."""
     import torch.distributed as dist
 
-    from fastml.executor.parallel import hostcomm
+    from fastml.executor.memory import shared
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    monkeypatch.setattr(hostcomm, "SHARED_DIR", tmp_path / "shm")
+    monkeypatch.setattr(shared, "SHARED_DIR", tmp_path / "shm")
     (tmp_path / "shm").mkdir()
     yield tmp_path / "shm"
     dist.destroy_process_group()
 
 
 def test_the_shared_memory_is_removed_when_a_rank_fails_before_all_mapped_it(one_rank_group, monkeypatch):
-    from fastml.executor.parallel import hostcomm
+    from fastml.executor.memory import shared
     from fastml.executor.parallel.world import SINGLE
 
     def another_rank_is_gone():
         raise RuntimeError("rank 1 is gone")
-    monkeypatch.setattr(hostcomm.dist, "barrier", another_rank_is_gone)
+    monkeypatch.setattr(shared.dist, "barrier", another_rank_is_gone)
     with pytest.raises(RuntimeError, match="rank 1 is gone"):
-        hostcomm._shared_memory(SINGLE, 4096)
+        shared._map(SINGLE, 4096)
     assert list(one_rank_group.iterdir()) == []
 
 
@@ -356,7 +392,7 @@ def test_the_shared_memory_is_a_new_file_of_this_user_alone(one_rank_group, monk
     them), mode 0600 whatever the umask."""
     import torch
 
-    from fastml.executor.parallel import hostcomm
+    from fastml.executor.memory import shared
     from fastml.executor.parallel.world import SINGLE
 
     modes = []
@@ -365,34 +401,78 @@ def test_the_shared_memory_is_a_new_file_of_this_user_alone(one_rank_group, monk
                         or from_file(path, **kw))
     umask = os.umask(0)
     try:
-        shared = hostcomm._shared_memory(SINGLE, 4096)
+        segment = shared._map(SINGLE, 4096)
     finally:
         os.umask(umask)
-    assert modes == [0o600] and shared.numel() == 4096 and not shared.any()
+    assert modes == [0o600] and segment.numel() == 4096 and not segment.any()
     assert list(one_rank_group.iterdir()) == []
 
     class Token:
         hex = "0123456789abcdef"
-    monkeypatch.setattr(hostcomm.uuid, "uuid4", Token)
+    monkeypatch.setattr(shared.uuid, "uuid4", Token)
     victim = one_rank_group.parent / "victim"
     victim.write_text("theirs")
-    (one_rank_group / f"fastml-memcpy-{os.getpid()}-0123456789ab").symlink_to(victim)
+    (one_rank_group / f"fastml-shared-{os.getpid()}-0123456789ab").symlink_to(victim)
     with pytest.raises(FileExistsError):
-        hostcomm._shared_memory(SINGLE, 4096)
+        shared._map(SINGLE, 4096)
     assert victim.read_text() == "theirs"
 
 
 def test_a_killed_jobs_shared_memory_is_removed_by_the_next(one_rank_group):
     """Named after the pid of the rank 0 that created it: a dead one's file goes, a running one's stays."""
-    from fastml.executor.parallel import hostcomm
+    from fastml.executor.memory import shared
     from fastml.executor.parallel.world import SINGLE
     from test_files import reaped_pid
 
-    dead, running = (one_rank_group / f"fastml-memcpy-{pid}-0123456789ab" for pid in (reaped_pid(), os.getpid()))
+    dead, running = (one_rank_group / f"fastml-shared-{pid}-0123456789ab" for pid in (reaped_pid(), os.getpid()))
     dead.write_bytes(b"x")
     running.write_bytes(b"x")
-    hostcomm._shared_memory(SINGLE, 4096)
+    shared._map(SINGLE, 4096)
     assert list(one_rank_group.iterdir()) == [running]
+
+
+SHARED_PROBE = """
+import json, os, re, sys, torch, torch.distributed as dist
+from fastml.executor.memory.shared import NodeShared
+from fastml.executor.parallel.world import World
+rank, size, num_bytes = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[4], rank=rank, world_size=size)
+node = NodeShared(World(rank=rank, size=size, local_rank=rank, local_size=size, node=0), num_bytes, cuda=False)
+part = num_bytes // size
+node.data[rank * part:(rank + 1) * part].fill_(rank + 1)  # each rank its part
+node.barrier()
+total = int(node.data.sum(dtype=torch.int64))  # and every rank reads all of it
+node.barrier()  # measured once every rank maps every page, and before any unmaps one
+kb = {"Rss": 0, "Pss": 0}
+for block in re.split(r"\\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):  # a block a mapping
+    if "fastml-shared-" in block.splitlines()[0]:
+        for key in kb:
+            kb[key] += int(re.search(rf"^{key}:\\s+(\\d+) kB", block, re.M)[1])
+node.barrier()  # all measured while all map it
+print(json.dumps({"total": total, "rss": kb["Rss"] * 1024, "pss": kb["Pss"] * 1024}))
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_nodes_ranks_hold_one_copy_of_the_memory_they_share(tmp_path, ranks):
+    """Measured by the kernel (/proc/self/smaps of each process): each rank writes its part of a 64 MiB segment and
+    reads all of it; each one's resident set holds the whole segment, and their proportional set sizes (each page
+    divided among the processes that map it) add up to one copy, not one a rank. The file is gone once all mapped
+    it."""
+    num_bytes = 64 * 2**20
+    procs = [subprocess.Popen([sys.executable, "-c", SHARED_PROBE, str(rank), str(ranks), str(num_bytes),
+                               str(tmp_path / "store")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(ranks)]
+    seen = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        seen.append(json.loads(out))
+    part = num_bytes // ranks
+    assert all(s["total"] == sum((r + 1) * part for r in range(ranks)) for s in seen)
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert all(num_bytes <= s["rss"] <= num_bytes + page for s in seen)  # the flags' page too
+    assert num_bytes <= sum(s["pss"] for s in seen) <= num_bytes + ranks * page
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -491,16 +571,23 @@ def test_a_plan_for_more_ranks_than_started_is_one_error(tmp_path):
     assert re.search(r"traceback : " + said, root_cause), ran.stderr
 
 
-@pytest.mark.parametrize("comm, killed", [("nccl", 0), ("memcpy", 1)])
-def test_a_killed_rank_stops_the_job_within_seconds_and_is_named(tmp_path, comm, killed):
+SHARED_WEIGHTS = dict(bf16=True, **ZERO[1], offload_weights=1.0, offload_optimizer=1.0, share_host_weights=True)
+
+
+@pytest.mark.parametrize("comm, killed, knobs", [("nccl", 0, {}), ("memcpy", 1, {}), ("memcpy", 1, SHARED_WEIGHTS)])
+def test_a_killed_rank_stops_the_job_within_seconds_and_is_named(tmp_path, comm, killed, knobs):
     """kill -9 of one rank in the middle of a step: the other notices at once (gloo: its connection drops; memcpy:
     the barrier sees the process gone) and stops, so the launcher names the rank that was killed. Before, the memcpy
     rank waited at its barrier until the launcher killed it too, after its 30 s grace (SIGTERM only asks a rank to
     finish its step), and then named it. The progress line is drawn as on a terminal: every message starts a line of
     its own, also after a rank 0 killed in the middle of drawing it. Bound: 15 s from the last step logged (the
     killed step takes milliseconds; the rest is noticing, exiting and the launcher's 0.2 s polls), half the
-    launcher's grace."""
-    save_plan(plan(2, steps=4, comm=comm), tmp_path / "p.json")
+    launcher's grace. The memory the ranks shared (the memcpy collectives', the streamed weights' host copy) is
+    gone with them."""
+    from fastml.executor.memory.shared import SHARED_DIR, SHARED_PREFIX
+
+    before = set(SHARED_DIR.glob(f"{SHARED_PREFIX}*"))
+    save_plan(plan(2, steps=4, comm=comm, **knobs), tmp_path / "p.json")
     ran = fastml("run", "p.json", "--log-json", "log.jsonl", cwd=tmp_path,
                  env={"FASTML_FAULTS": f"kill-mid-step@2:{killed}", "TTY_COMPATIBLE": "1", "TERM": "xterm"})
     stopped_s = time.time() - (tmp_path / "log.jsonl").stat().st_mtime  # rank 0 logged step 1; step 2 was killed
@@ -509,6 +596,7 @@ def test_a_killed_rank_stops_the_job_within_seconds_and_is_named(tmp_path, comm,
     shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", ran.stderr)  # as a terminal shows it: without its escapes
     assert not re.search(r"[^\n\r]fastml: ", shown), shown  # each message at the start of a line
     assert stopped_s < 15, ran.stderr
+    assert set(SHARED_DIR.glob(f"{SHARED_PREFIX}*")) <= before
 
 
 def test_a_rank_waiting_at_the_memcpy_barrier_stops_when_the_one_it_waits_for_dies(tmp_path):

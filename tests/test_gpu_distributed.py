@@ -38,6 +38,9 @@ SHARED_GPU_PLANS = {
     "zero3-streamed-shards": gpu_plan(micro=2, **ZERO[3], offload_weights=1.0, offload_residuals=0.5),
     "zero2-compiled": gpu_plan(micro=2, **ZERO[2], recompute=("block",), compile=True),
     "zero2-host-gradient-shards": gpu_plan(micro=1, **ZERO[2], offload_gradients=1.0, offload_optimizer=1.0),
+    # the streamed blocks' one host copy, pinned for both ranks' copy engines, each stepping its shard there
+    "zero1-shared-host-weights": gpu_plan(micro=2, **ZERO[1], offload_weights=1.0, offload_optimizer=1.0,
+                                          share_host_weights=True),
 }
 
 
@@ -79,8 +82,8 @@ def test_one_micro_batch_per_rank_over_memcpy_is_one_process_bit_for_bit(tmp_pat
 
 @pytest.mark.parametrize("name", [n for n in SHARED_GPU_PLANS if n != "zero0"])
 def test_sharding_on_cuda_streams_trains_as_one_process(tmp_path, shared_gpu, name):
-    """Gathered weights and their host copies, shards stepped by the C++ AdamW, streamed weight shards and
-    compiled blocks, on the GPU's streams: the losses of one process, to bf16 rounding. The first loss comes before
+    """Gathered weights and their host copies, shards stepped by the C++ AdamW, streamed weight shards, a streamed
+    host copy the ranks share and compiled blocks, on the GPU's streams: the losses of one process, to bf16 rounding. The first loss comes before
     any step, so it is the same bit for bit, but where the blocks are compiled: each process's Inductor chooses its
     own kernels (seen differing by 5e-6 in the first loss on an H200)."""
     got = [r["loss"] for r in shared_gpu[name]]

@@ -533,6 +533,31 @@ def test_fast_fp8_backward_accumulation_is_priced_at_the_forward_gemms_rate():
     assert "fp8_backward_fast_accum" not in knob_space(problem, lower_precision=True)
 
 
+def test_weights_a_nodes_ranks_share_in_host_memory_are_counted_once_and_not_gathered():
+    """knobs.share_host_weights: the streamed blocks' host copy once a node, not once a rank, and the all-gather
+    after the step only of the other groups' updated shards; refused without a sharded CPU step of streamed blocks;
+    searched only when pinned."""
+    spec, machine = PRESETS["llama-3.1-8b"], load_machine("h200", num_gpus=4)
+    own = Knobs(micro_batch_size=1, grad_accum_steps=4, shard_optimizer=True, offload_weights=0.5,
+                offload_optimizer=1.0, recompute=("block",))
+    shared = dataclasses.replace(own, share_host_weights=True)
+    m_own, m_shared = (memory(spec, 2048, k, 4, 4, "cuda") for k in (own, shared))
+    streamed_bytes = spec.num_layers // 2 * spec.layer_params() * 2
+    assert m_own.host["weights"] - m_shared.host["weights"] == 3 * streamed_bytes
+    assert {k: v for k, v in m_own.host.items() if k != "weights"} == \
+        {k: v for k, v in m_shared.host.items() if k != "weights"}
+    assert m_own.gpu == m_shared.gpu
+    gather_own, gather_shared = (costs(spec, 2048, k, machine).step_weight_gather.seconds for k in (own, shared))
+    unshared = spec.num_params() - spec.num_layers // 2 * spec.layer_params()
+    alpha = machine.collective_latency_s
+    assert (gather_shared - alpha) / (gather_own - alpha) == pytest.approx(unshared / spec.num_params(), rel=1e-6)
+    for wrong in (dict(shard_optimizer=False), dict(offload_optimizer=0.25),
+                  dict(shard_gradients=True, shard_weights=True)):
+        with pytest.raises(UserError, match="knobs.share_host_weights: shares the host copy of streamed weights"):
+            dataclasses.replace(shared, **wrong)
+    assert "share_host_weights" not in knob_space(Problem(spec, 2048, 2048 * 16, machine), lower_precision=True)
+
+
 def test_the_search_leaves_out_fp8_weight_caches_that_would_cache_nothing():
     from fastml.planner.search import without_no_ops
 
@@ -663,6 +688,12 @@ def test_a_pinned_zero_stage_off_keeps_the_stages_above_it_off_on_cpu_processes(
      "knobs.cache_fp8_weights: True needs knobs.matmul_dtype 'fp8', and a100-80gb has no fp8 tensor cores"),
     (dict(hw="h200", gpus=1), ["knobs.offload_gradients=0.1"], "0.1: that is no whole layer of tiny's 4"),
     (dict(hw="h100-sxm", gpus=8, nodes=2), ["knobs.comm=memcpy"], "copy through one node's host memory"),
+    (dict(hw="h100-sxm", gpus=8, nodes=2), ["knobs.share_host_weights=true"], "shared in one node's host memory"),
+    (dict(hw="h200", gpus=2), ["knobs.share_host_weights=true", "knobs.offload_weights=0"],
+     "knobs.share_host_weights: shares the host copy of streamed weights, and knobs.offload_weights 0.0 streams no "
+     "block"),
+    (dict(hw="h200", gpus=2), ["knobs.share_host_weights=true", "knobs.shard_weights=true"],
+     "knobs.share_host_weights: True needs knobs.shard_weights False, which is pinned to True"),
     (dict(device="cpu"), ["knobs.overlap_cpu_step=true"], "knobs.overlap_cpu_step: True: this CPU trains in host "
                                                           "memory: its optimizer step is the device's own"),
     (dict(hw="h200", gpus=1), ["knobs.overlap_cpu_step=true", "knobs.offload_optimizer=0"],

@@ -119,6 +119,10 @@ def print_summary(console: Console, plan: Plan, summary: dict) -> None:
         rows.append(("peak GPU memory", gib(summary["peak_gpu_memory_bytes"], 2), p and gib(p.peak_memory_bytes, 2)))
     rows.append(("peak host memory (this process)", gib(summary["peak_host_memory_bytes"], 2),
                  p and gib(predicted_host_bytes(plan) / plan.hardware.gpus_per_node, 2)))
+    if plan.hardware.gpus_per_node > 1 and summary.get("node_host_memory_bytes") is not None:
+        # its ranks' proportional set sizes: what they share counted once
+        rows.append(("host memory of the node, at the end", gib(summary["node_host_memory_bytes"], 2),
+                     p and gib(predicted_host_bytes(plan), 2)))
     for name, measured, expected in rows:
         table.add_row(name, measured, expected or "-")
     console.print(table)

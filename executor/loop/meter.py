@@ -4,16 +4,20 @@ by the planner's categories, on the GPU and in host memory."""
 from __future__ import annotations
 
 import contextlib
+import re
 import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 import torch
 
 from fastml import hwprofiles
 from fastml.plan import MEMORY_CATEGORIES, Plan
+from fastml.executor.memory.shared import sharers
+from fastml.executor.parallel.collectives import agree
 from fastml.executor.model import fp8
 
 TensorsByCategory = Callable[[], Mapping[str, Iterable[torch.Tensor | None]]]
@@ -146,6 +150,27 @@ def peak_host_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
+def proportional_host_bytes() -> int | None:
+    """This process's resident host memory now, each page it shares with other processes counted as its share (the
+    kernel's proportional set size: memory the node's ranks share is counted once over them); None where the kernel
+    does not say (not Linux)."""
+    try:
+        rollup = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return None
+    pss = re.search(r"^Pss:\s+(\d+) kB", rollup, re.MULTILINE)
+    return int(pss[1]) * 1024 if pss else None
+
+
+def node_host_memory_bytes(world) -> int | None:
+    """The host memory of this rank's node now: the proportional set sizes of its ranks' processes, summed (every
+    rank calls it: a collective). None where the kernel does not say."""
+    rows = agree([float(proportional_host_bytes() or -1)])
+    first = world.node * world.local_size  # a launcher numbers the ranks of a node one after another
+    node = [row[0] for row in rows[first:first + world.local_size]]
+    return None if min(node) < 0 else int(sum(node))
+
+
 def gpu_memory(listed: dict[str, int] | None, forward_kept: int | None, peak: int) -> dict[str, int | None]:
     """GPU memory by category, None where not measured (a call of the step missing). weights, master_weights,
     gradients, optimizer_states and comm_buffers: the bytes of the distinct GPU storages listed under each
@@ -168,7 +193,7 @@ def gpu_memory(listed: dict[str, int] | None, forward_kept: int | None, peak: in
 
 def host_memory(listed: dict[str, int] | None, peak_rss: int, on_gpu: bool) -> dict[str, int | None]:
     """Host memory by category, None where not measured: the bytes of the distinct host storages listed under each
-    category (pinned buffers included); workspace: the rest of the process's peak resident memory `peak_rss`
+    category (pinned buffers included; of host memory the node's ranks share, this rank's share); workspace: the rest of the process's peak resident memory `peak_rss`
     (torch, the CUDA context, data; and training a CPU, its activations and temporaries, which are not listed)."""
     measured = dict.fromkeys(MEMORY_CATEGORIES)
     if listed is not None:
@@ -203,7 +228,8 @@ def storage_bytes(tensors_by_category: Mapping[str, Iterable[torch.Tensor | None
             key = (tensor.device, storage.data_ptr())
             if key not in seen:
                 seen.add(key)
-                (gpu if gpu_side else host)[name] += storage.nbytes()
+                # a segment the node's ranks share: this rank's share of it (memory/shared.py)
+                (gpu if gpu_side else host)[name] += storage.nbytes() // (1 if gpu_side else sharers(tensor))
     return gpu, host
 
 

@@ -81,7 +81,8 @@ def write_run(run_dir: Path, plan: Plan, summary: dict, device: torch.device, co
                          host=socket.gethostname(), cpu_threads=torch.get_num_threads())
     measured = Measured(step_time_s=summary["step_time_s"], tokens_per_s=summary["tokens_per_s"], mfu=summary["mfu"],
                         peak_memory_bytes=summary["peak_gpu_memory_bytes"], memory_bytes=summary["memory_bytes"],
-                        host_memory_bytes=summary["host_memory_bytes"])
+                        host_memory_bytes=summary["host_memory_bytes"],
+                        node_host_memory_bytes=summary.get("node_host_memory_bytes"))
     save_record(RunRecord(plan=plan, machine=machine, steps=summary["steps"], measured=measured,
                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")),
                 run_dir / RECORD_FILE)

@@ -26,7 +26,7 @@ from fastml.executor.storage.data import BlendedData, open_training_data
 from fastml.executor.loop.device import apply_memory_cap, check_hardware, check_host_memory, training_device
 from fastml.executor.loop.evaluate import Validation
 from fastml.executor.model.generate import Sampler
-from fastml.executor.loop.meter import Meter, memory_tensors
+from fastml.executor.loop.meter import Meter, memory_tensors, node_host_memory_bytes
 from fastml.executor.loop.signals import StopSignals, stopped_message
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.step import train_step
@@ -212,7 +212,7 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
                 signum = stop.signal or signal.SIGTERM  # another rank's: this one was not signalled (yet)
                 raise TrainingStopped(stopped_message(plan, step + 1, signum, checkpoint), 128 + signum)
     optimizer.close()
-    summary = meter.summary() | last_validation
+    summary = meter.summary() | last_validation | {"node_host_memory_bytes": node_host_memory_bytes(world)}
     if isinstance(data, BlendedData):
         summary["data_shares"] = {part.path: share for part, share in zip(plan.training.data, data.shares)}
     display.print_summary(out, plan, summary)

@@ -6,7 +6,9 @@ Per block (a parameter group, `fastml.plan.layer_of`), as `fastml.plan.offloaded
 - offload_weights: the block's bf16 weights live in pinned host memory; a parameter points at its host copy except
   while the block runs, when it points at a GPU copy (`fetch`, one block ahead, forward and backward). With
   knobs.stream_masters the host copy of a block that steps on the CPU is its fp32 master (`master_streamed`): the
-  parameter points at it, fp32, between uses, and the fetch rounds it to bf16 on the GPU.
+  parameter points at it, fp32, between uses, and the fetch rounds it to bf16 on the GPU. With
+  knobs.share_host_weights the host copies are one a node, in memory its ranks share (memory/shared.py): each rank
+  writes only its shard of them (`write`; its optimizer's CPU step, in place), and `settle` waits for the others'.
 - offload_gradients: once backward has accumulated a block's gradients they go to pinned host memory and leave the
   GPU (`grads_to_host`). Micro-batches after the first fetch the sum so far back (`fetch_grad_sums`), so that
   backward adds into it as it would without offload (the same arithmetic, bit for bit).
@@ -23,14 +25,18 @@ from torch import nn
 
 from fastml.plan import Plan, master_streamed_groups, offloaded_groups
 from fastml.executor.memory.pinned import pinned_empty
+from fastml.executor.memory.shared import NodeShared
 from fastml.executor.memory.streams import Copier, CopyDone
+from fastml.executor.parallel.shard import Layout
 
 
 class _Flat:
-    """One pinned host buffer holding several blocks' tensors back to back, with a view per parameter name."""
+    """One pinned host buffer holding several blocks' tensors back to back, with a view per parameter name; the
+    buffer is made by `make(numel)` (default: this process's own)."""
 
-    def __init__(self, shapes: dict[str, torch.Size], dtype: torch.dtype, cuda: bool):
-        self.buffer = pinned_empty(sum(shape.numel() for shape in shapes.values()), dtype, cuda)
+    def __init__(self, shapes: dict[str, torch.Size], dtype: torch.dtype, cuda: bool, make=None):
+        numel = sum(shape.numel() for shape in shapes.values())
+        self.buffer = make(numel) if make is not None else pinned_empty(numel, dtype, cuda)
         self.views: dict[str, torch.Tensor] = {}
         offset = 0
         for name, shape in shapes.items():
@@ -43,10 +49,11 @@ class HostOffload:
     plan's offload knobs say (the module's docstring).
     `shapes`: each group's parameter shapes by name; `sharded`: the groups whose weights the sharding engine keeps
     (their streamed shards are its own); `grads_summed_elsewhere`: sharded gradients, whose host sums the sharding
-    engine keeps."""
+    engine keeps; `world`: the ranks of a job, with whom knobs.share_host_weights shares the host copies."""
 
     def __init__(self, plan: Plan, shapes: dict[str, dict[str, torch.Size]], device: torch.device, copier: Copier,
-                 dtype: torch.dtype, sharded: frozenset[str] = frozenset(), grads_summed_elsewhere: bool = False):
+                 dtype: torch.dtype, sharded: frozenset[str] = frozenset(), grads_summed_elsewhere: bool = False,
+                 world=None):
         knobs, num_layers = plan.knobs, plan.model.num_layers
         self.device, self.copier, self.shapes, self.dtype = device, copier, shapes, dtype
         self.streamed = offloaded_groups(knobs, "offload_weights", num_layers)
@@ -55,7 +62,14 @@ class HostOffload:
         self.grads_out = frozenset() if grads_summed_elsewhere else \
             offloaded_groups(knobs, "offload_gradients", num_layers)
         self.residuals_out = offloaded_groups(knobs, "offload_residuals", num_layers)
-        self.weights = _Flat(self._shapes(self.host_weights - self.master_streamed), dtype, copier.cuda)
+        self.world = world
+        self.node = None  # knobs.share_host_weights: the node's shared memory, where the host copies live
+        make = None
+        if knobs.share_host_weights and world is not None and world.distributed and self.host_weights:
+            def make(numel: int) -> torch.Tensor:
+                self.node = NodeShared(world, numel * dtype.itemsize, copier.cuda)
+                return self.node.data.view(dtype)
+        self.weights = _Flat(self._shapes(self.host_weights - self.master_streamed), dtype, copier.cuda, make)
         # Each master with storage of its own, as the optimizer's other masters: a checkpoint writes it as it is,
         # where a view of one buffer would be copied first (executor/storage/files.py, `compact`).
         self.masters = {name: pinned_empty(shape.numel(), torch.float32, copier.cuda).view(shape)
@@ -72,9 +86,27 @@ class HostOffload:
 
     def keep(self, group: str, name: str, p: nn.Parameter) -> torch.Tensor:
         """A streamed block's initialized parameter goes to its host copy, which it points at from then on."""
+        self.write(group, name, p.data)
+        return self._host_copies(group)[name]
+
+    def write(self, group: str, name: str, value: torch.Tensor) -> None:
+        """Sets a streamed block's parameter `name` in its host copy: all of it, or where the ranks of a node share
+        the copy, this rank's shard of it (the part its optimizer steps; `settle` waits for the others')."""
         host = self._host_copies(group)[name]
-        host.copy_(p.data)
-        return host
+        if self.node is None:
+            host.copy_(value)
+            return
+        layout = Layout.of(self.shapes[group], self.world.size)
+        offset = layout.offsets()[layout.names.index(name)]
+        start, end = layout.range_of(self.world.rank)
+        lo, hi = max(start - offset, 0), min(end - offset, host.numel())
+        if lo < hi:
+            host.view(-1)[lo:hi].copy_(value.reshape(-1)[lo:hi])
+
+    def settle(self) -> None:
+        """Where the node's ranks share the host copies: returns once every rank has written its shard of them."""
+        if self.node is not None:
+            self.node.barrier()
 
     def fetch(self, group: str, backward: bool = False) -> tuple[list[torch.Tensor], CopyDone]:
         """Starts copying a streamed block's weights to the GPU; returns the copies and their end. fp32 masters come
@@ -100,8 +132,8 @@ class HostOffload:
     def host_flat(self, group: str) -> torch.Tensor | None:
         """A streamed block's weights in host memory, as one vector (they lie back to back), or None."""
         # None too for a block whose host copy is its fp32 master: only sharded optimizer states gather from here,
-        # and those never stream masters
-        if group not in self.host_weights - self.master_streamed:
+        # and those never stream masters; and where the node's ranks share the copy: nothing to gather
+        if group not in self.host_weights - self.master_streamed or self.node is not None:
             return None
         views = self.homes(group)
         start = views[0].storage_offset() - self.weights.buffer.storage_offset()

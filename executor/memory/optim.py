@@ -230,6 +230,8 @@ class AdamW(torch.optim.Optimizer):
                 if self.staging.stream is not None:  # the CPU step's weights, written back on the side stream
                     torch.cuda.current_stream().wait_stream(self.staging.stream)
                 self.parallel.gather_updated(group["layer"], self.placement.host_flat(group["layer"]))
+        if self.parallel is not None:
+            self.placement.settle()  # knobs.share_host_weights: the other ranks' shards of the host copy stepped too
         if not self._stepping:
             self.wait()
 

@@ -65,7 +65,8 @@ class Placement:
         self.device, self.copier, self.shapes, self.parallel = device, copier, shapes, parallel
         self.sharded = parallel.sharded if parallel is not None else frozenset()
         self.offload = HostOffload(plan, shapes, device, copier, dtype, self.sharded,
-                                   grads_summed_elsewhere=parallel is not None and parallel.every_micro_batch)
+                                   grads_summed_elsewhere=parallel is not None and parallel.every_micro_batch,
+                                   world=parallel.world if parallel is not None else None)
         self.streamed = self.offload.streamed
         self.fetched = self.streamed | self.sharded  # groups whose weights come to the device only to compute
         self._fetched: dict[str, tuple[list[torch.Tensor], object]] = {}  # group -> device tensors, work
@@ -98,6 +99,11 @@ class Placement:
             return self._source(group).keep(group, name, p)
         return self.parallel.keep(group, name, p) if self.parallel is not None else p.data
 
+    def settle(self) -> None:
+        """Where the node's ranks share the streamed weights' host copy (knobs.share_host_weights), each having written
+        its shard of it (placed, loaded, or stepped): returns once all have."""
+        self.offload.settle()
+
     def host_flat(self, group: str) -> torch.Tensor | None:
         """A streamed block's whole weights in host memory, as one vector, or None."""
         return self.offload.host_flat(group)
@@ -119,6 +125,7 @@ class Placement:
                 block.register_forward_hook(self._after_block(index), always_call=True)
         if self.overlapped:
             self._wait_for_steps_before_use(model)
+        self.settle()  # every rank's part of the host weights placed before any rank fetches them
         if "embed" in self.sharded:  # its backward pass reads no weights: gathered for the lookup alone
             model.embed.register_forward_pre_hook(_eager(lambda module, args: self._acquire_embed()))
             model.embed.register_forward_hook(_eager(lambda module, args, out: self._release("embed")))

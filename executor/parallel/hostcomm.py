@@ -6,7 +6,7 @@ once down and once up, the two directions overlapping, and the GPU adds.
 The ranks share MEMCPY_SLOTS slots (fastml.plan), each a row of MEMCPY_ROW_BYTES per rank. A collective runs in
 rounds, one slot each, taking turns: every rank copies what the others need from its GPU into its row (device to
 host), waits for its copies, meets the others at a barrier (torch.ops.fastml.host_barrier, csrc/hostcomm.cpp: release
-and acquire atomics on flags in the same shared memory), then copies what it needs from their rows to its GPU (host
+and acquire atomics on flags in the same shared memory: executor/memory/shared.py), then copies what it needs from their rows to its GPU (host
 to device) and adds on the GPU. A reduce-scatter's row holds one cell per destination rank; rank r sums the cells
 addressed to it in rank order 0, 1, ..., so that the sums are those of one process adding micro-batches in that
 order (bitwise where the orders agree). Rank r's own contribution never leaves its GPU. An all-gather's row holds the
@@ -25,30 +25,14 @@ that the job ends at once and the launcher blames the rank that died, not the on
 
 from __future__ import annotations
 
-import contextlib
-import os
 import queue
-import re
-import tempfile
 import threading
-import uuid
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from fastml.plan import MEMCPY_ROW_BYTES, MEMCPY_SLOTS
-from fastml.executor import native
-from fastml.executor.memory.pinned import pin
-from fastml.executor.storage.files import is_running
-
-FLAG_LINE_BYTES = 64
-"""The barrier's flags lie at the start of the shared memory, a cache line per rank, so that no two ranks write one
-line (its count of barriers, its process id: csrc/hostcomm.cpp, which takes the lines to share the flags equally)."""
-SHARED_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-SHARED_PREFIX = "fastml-memcpy-"
-"""The shared memory's file is SHARED_DIR/fastml-memcpy-PID-TOKEN, PID that of the rank 0 that created it."""
-
+from fastml.executor.memory.shared import BARRIER_TIMEOUT_S, NodeShared
 
 class HostCollectives:
     """The memcpy collectives of one rank (see the module's docstring); every rank of the node makes one, together."""
@@ -56,19 +40,13 @@ class HostCollectives:
     def __init__(self, world, device: torch.device, watchdog=None):
         if world.num_nodes > 1:
             raise ValueError("memcpy collectives route through the host memory of one node")
-        native.load()
         self.world, self.device, self.watchdog = world, device, watchdog
-        self.timeout_s = watchdog.timeout_s if watchdog is not None else 600.0
         self.cuda = device.type == "cuda"
-        flag_bytes = world.size * FLAG_LINE_BYTES  # keeps the slots after it 64-byte aligned
-        shared = _shared_memory(world, flag_bytes + MEMCPY_SLOTS * world.size * MEMCPY_ROW_BYTES)
-        if self.cuda:
-            pin(shared)
-        self.shared = shared
-        self.flags = shared[:flag_bytes].view(torch.int64)
-        self.slots = [shared[flag_bytes + k * world.size * MEMCPY_ROW_BYTES:][:world.size * MEMCPY_ROW_BYTES]
-                      for k in range(MEMCPY_SLOTS)]
-        self.generation, self.round = 0, 0
+        slot_bytes = world.size * MEMCPY_ROW_BYTES
+        self.shared = NodeShared(world, MEMCPY_SLOTS * slot_bytes, self.cuda,
+                                 watchdog.timeout_s if watchdog is not None else BARRIER_TIMEOUT_S)
+        self.slots = [self.shared.data[k * slot_bytes:][:slot_bytes] for k in range(MEMCPY_SLOTS)]
+        self.round = 0
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self.last_up = None  # the event after this rank's last round's reads of a slot
@@ -173,8 +151,7 @@ class HostCollectives:
         else:
             for dst, src in pairs:
                 dst.copy_(src)
-        self.generation += 1
-        torch.ops.fastml.host_barrier(self.flags, self.world.rank, self.world.size, self.generation, self.timeout_s)
+        self.shared.barrier()
 
     def _up(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.cuda.stream(self.h2d) if self.cuda else _nothing():
@@ -234,43 +211,3 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
-
-
-def _shared_memory(world, num_bytes: int) -> torch.Tensor:
-    """Zeroed host memory that every rank of this node maps: a file in SHARED_DIR that rank 0 creates afresh, for this
-    user alone (never a file or link that was there before), and removes once all have mapped it or one has failed,
-    so that nothing is left behind. Its name holds rank 0's pid: should rank 0 be killed in between, the next job on
-    this node removes it (`_remove_stale`). Memcpy collectives run within one node, so rank 0 is this node's."""
-    name = [f"{SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}" if world.main else None]
-    if world.main:
-        _remove_stale()
-    dist.broadcast_object_list(name, src=0)
-    path = SHARED_DIR / name[0]
-    try:
-        if world.main:
-            _create_file(path, num_bytes)
-        dist.barrier()
-        shared = torch.from_file(str(path), shared=True, size=num_bytes, dtype=torch.uint8)
-        dist.barrier()
-    finally:
-        if world.main:
-            path.unlink(missing_ok=True)
-    return shared
-
-
-def _create_file(path: Path, num_bytes: int) -> None:
-    """A new file of `num_bytes` zeros that only this user may open; an existing file or link at `path` is an error."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.ftruncate(fd, num_bytes)
-    finally:
-        os.close(fd)
-
-
-def _remove_stale() -> None:
-    """Removes the shared-memory files of jobs whose rank 0 has died (killed between creating and removing one)."""
-    for path in SHARED_DIR.glob(f"{SHARED_PREFIX}*"):
-        match = re.fullmatch(rf"{SHARED_PREFIX}(\d+)-[0-9a-f]{{12}}", path.name)
-        if match and not is_running(int(match[1])):
-            with contextlib.suppress(OSError):  # another user's (SHARED_DIR is sticky), or removed meanwhile
-                path.unlink()

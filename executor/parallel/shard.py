@@ -118,6 +118,9 @@ class DataParallel:
         self.sharded = frozenset(g for g in shapes if weights_sharded(knobs, g))
         # A streamed block's shard lives in host memory and comes up before each gather.
         self.host_shards_of_weights = self.sharded & offloaded_groups(knobs, "offload_weights", plan.model.num_layers)
+        # knobs.share_host_weights: streamed blocks whose one host copy a node each rank updates its shard of in place
+        self.shared_on_host = offloaded_groups(knobs, "offload_weights", plan.model.num_layers) \
+            if knobs.share_host_weights else frozenset()
         self.scatter = knobs.shard_optimizer
         self.every_micro_batch = knobs.shard_gradients
         # With sharded gradients, offload_gradients keeps these blocks' shards in host memory, summed there.
@@ -293,8 +296,8 @@ class DataParallel:
     def gather_updated(self, group: str, host_flat: torch.Tensor | None) -> None:
         """Spreads this rank's updated shard of a replicated group to every rank, in place: into the padded flat
         vector its parameters are views of, or (a streamed block, `host_flat`: its unpadded host copy) through a
-        GPU buffer."""
-        if not self.scatter or group in self.sharded:
+        GPU buffer. Not one whose host copy the node's ranks share: each updated its shard there."""
+        if not self.scatter or group in self.sharded or group in self.shared_on_host:
             return
         layout = self.layouts[group]
         start, end = self.range(group)

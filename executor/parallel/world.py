@@ -71,6 +71,9 @@ def check_world(plan: Plan, world: World) -> None:
     if plan.knobs.comm == "memcpy" and world.num_nodes > 1:
         fail("knobs.comm", "'memcpy' collectives route through the host memory of one node; a plan for several "
                            "nodes uses 'nccl'")
+    if plan.knobs.share_host_weights and world.num_nodes > 1:
+        fail("knobs.share_host_weights", "the weights are shared in the host memory of one node; a plan for "
+                                         "several nodes cannot share them")
 
 
 def join(plan: Plan, world: World, device: torch.device, timeout_s: float, checkpoint_s: float) -> None:

@@ -419,16 +419,22 @@ def _model_state(model: Transformer, world: World) -> dict[str, torch.Tensor]:
 def _load_model(model: Transformer, read: Callable[[str], torch.Tensor]) -> None:
     """The weights `read(name)` gives into the model, a tensor at a time (every rank reads them; none holds them
     whole), cast to the model's dtype: into this rank's shard of a sharded group, into the host copy of a streamed
-    one."""
-    parallel = model.placement.parallel if hasattr(model, "placement") else None
+    one (its shard of it, where the node's ranks share the copy)."""
+    placement = getattr(model, "placement", None)
+    parallel = placement.parallel if placement is not None else None
     sharded = parallel.sharded if parallel is not None else frozenset()
+    shared = placement.offload.host_weights if placement is not None and placement.offload.node else frozenset()
     dtype = model.embed.weight.dtype  # the model's: a block whose masters are streamed points at them, fp32
     for name, tensor in model.state_dict().items():
         group = layer_of(name)
         if group in sharded:
             parallel.load_weights(group, name, read(name))
+        elif group in shared:  # the node's one host copy: this rank writes its shard
+            placement.offload.write(group, name, read(name).to(dtype))
         else:
             tensor.copy_(read(name).to(dtype))  # rounded as the weights are, whatever keeps them
+    if placement is not None:
+        placement.settle()
 
 
 def load_for_inference(path: str | Path, device: torch.device, dtype: torch.dtype) -> Transformer:
