@@ -195,10 +195,13 @@ class _StepGraph:
         """A double buffer frees when the compute op two back is done."""
         return self.compute_ops[-2] if len(self.compute_ops) >= 2 else None
 
-    def buffer_free(self, kind: str) -> str | None:
+    def buffer_free(self, kind: str, ahead: bool = False) -> str | None:
         """The op after which the GPU buffer the next block of stream `kind` takes is free: the one its block two
-        back used, the buffers being taken in turn."""
+        back used, the buffers being taken in turn; `ahead`, asked for before the block in between computes: the
+        last one used."""
         users = self.buffer_users[kind]
+        if ahead:
+            return users[-1] if users else None
         return users[0] if len(users) == STREAM_BUFFER_LAYERS else None
 
     def collective(self, name: str, c: Collective, deps) -> str:
@@ -212,9 +215,10 @@ class _StepGraph:
         up = self.add(f"{name} (up)", "h2d", c.h2d_s, "comm", deps)
         return self.add(name, "comm", 0.0, "comm", [down, up])
 
-    def fetch_weights(self, layer: int, tag: str, backward: bool) -> str | None:
+    def fetch_weights(self, layer: int, tag: str, backward: bool, ahead: bool = False) -> str | None:
         """What a block's computing waits for: its streamed weights up from the host, or its weight shards gathered
-        (a streamed shard first up from the host), or in the backward pass their copy cached on the host."""
+        (a streamed shard first up from the host), or in the backward pass their copy cached on the host; `ahead`:
+        streamed weights asked for before the block above them computes (`buffer_free`)."""
         k, c = self.knobs, self.c
         sharded = k.shard_weights and self.multi
         streamed = self.groups[layer] in self.place.streamed_weights
@@ -222,7 +226,7 @@ class _StepGraph:
             masters = self.groups[layer] in self.place.master_streamed
             return self.add(f"h2d {'masters' if masters else 'weights'} L{layer} {tag}", "h2d",
                             c.layer_masters_h2d if masters else c.layer_weights_h2d, "offload",
-                            [self.buffer_free("weights"), self.cache_op, self.stepped.get(self.groups[layer])])
+                            [self.buffer_free("weights", ahead), self.cache_op, self.stepped.get(self.groups[layer])])
         if not sharded:
             return None
         if backward and k.cache_weights_on_host and not streamed:
@@ -290,23 +294,28 @@ class _StepGraph:
             self.last_grad["head"] = self.collective(f"reduce grads head mb{m}", self.c.head_grad_reduce, [head])
 
     def backward(self, m: int, last: bool) -> None:
+        """Each block's backward pass (recompute first), its gradients then reduced and sent to the host as the plan
+        says. As in the executor (memory/placement.py), what a block needs from the host (weights, input, gradient
+        sums so far) is asked for as the backward pass of the block above it begins: ahead of that block's own
+        gradients' copies on the same copy engines."""
         c = self.c
+        ahead = self.fetch_for_backward(self.num_layers - 1, m, ahead=False)
         for layer in reversed(range(self.num_layers)):
-            deps = [self.fetch_weights(layer, f"mb{m} bwd", backward=True)]
-            freed = [f"act {m} {layer}"]
+            deps, freed = ahead, [f"act {m} {layer}"]
+            if self.knobs.shard_weights and self.multi:  # gathered two compute ops ahead (`prefetch_slot`)
+                deps[0] = self.fetch_weights(layer, f"mb{m} bwd", backward=True)
             if self.groups[layer] in self.place.host_inputs:
-                deps.append(self.add(f"h2d input L{layer} mb{m}", "h2d", c.layer_input_h2d, "offload",
-                                     [f"d2h input L{layer} mb{m}", self.buffer_free("inputs")],
-                                     alloc=[(f"input {m} {layer}", self.input_bytes)]))
                 freed.append(f"input {m} {layer}")
+            if layer > 0:
+                ahead = self.fetch_for_backward(layer - 1, m, ahead=True)
             if self.knobs.recompute:
                 recast = self.weight_casts(layer, "forward") * self.recomputed_weights
-                self.compute(f"recompute L{layer} mb{m}", c.layer_recompute + recast, "recompute", deps)
-                deps = []
+                self.compute(f"recompute L{layer} mb{m}", c.layer_recompute + recast, "recompute",
+                             deps[:2])
+                deps = deps[2:]
             accumulate = c.grad_accumulate / self.num_layers if m > 0 else 0.0
             grad = self.compute(f"bwd L{layer} mb{m}", c.layer_backward + self.weight_casts(layer, "backward") +
-                                accumulate, "compute",
-                                [*deps, *self.fetch_gradients(layer, m)], free=freed, micro_batch=m)
+                                accumulate, "compute", deps, free=freed, micro_batch=m)
             self.release("weights", layer, grad)
             self.release("inputs", layer, grad)
             if self.multi and (self.knobs.shard_gradients or last):
@@ -318,6 +327,19 @@ class _StepGraph:
         if self.multi and (self.knobs.shard_gradients or last):  # the embedding's, the last made
             self.last_grad["embed"] = self.collective(f"reduce grads embed mb{m}", c.embed_grad_reduce,
                                                       [self.compute_ops[-1]])
+
+    def fetch_for_backward(self, layer: int, m: int, ahead: bool) -> list[str | None]:
+        """What block `layer`'s backward pass waits for, asked for now: [its streamed weights, its input] (what its
+        recompute needs), then its gradient sums so far."""
+        c = self.c
+        gathered = self.knobs.shard_weights and self.multi  # `backward` gathers them
+        weights = None if gathered else self.fetch_weights(layer, f"mb{m} bwd", backward=True, ahead=ahead)
+        block_input = None
+        if self.groups[layer] in self.place.host_inputs:
+            block_input = self.add(f"h2d input L{layer} mb{m}", "h2d", c.layer_input_h2d, "offload",
+                                   [f"d2h input L{layer} mb{m}", self.buffer_free("inputs", ahead)],
+                                   alloc=[(f"input {m} {layer}", self.input_bytes)])
+        return [weights, block_input, *self.fetch_gradients(layer, m, ahead)]
 
     def reduced_on_gpu(self) -> bool:
         """ZeRO-1: the last micro-batch's reduce-scatter leaves a block's shard of the sums on the GPU, where offloaded
@@ -340,15 +362,15 @@ class _StepGraph:
                             [grad, f"d2h grad shard L{layer} mb{m - 1}"])
         return self.add(f"d2h grad shard L{layer} mb{m}", "d2h", c.layer_grads_d2h * shard, "offload", [grad])
 
-    def fetch_gradients(self, layer: int, m: int) -> list[str | None]:
+    def fetch_gradients(self, layer: int, m: int, ahead: bool = False) -> list[str | None]:
         """What the backward pass of an offloaded-gradient block waits for: a free gradient buffer, and from the
         second micro-batch on the accumulated gradients, back from the host to be added to (unsharded: a sharded
         block adds to its shard after the reduction, `gradients_down`)."""
         if self.groups[layer] not in self.place.host_gradients:
             return []
         if self.sharded_host_gradients(layer):
-            return [self.buffer_free("gradients")]
-        free = self.buffer_free("gradients")
+            return [self.buffer_free("gradients", ahead)]
+        free = self.buffer_free("gradients", ahead)
         if m == 0:
             return [free]
         return [self.add(f"h2d grads L{layer} mb{m}", "h2d", self.c.layer_grads_h2d, "offload",
