@@ -188,7 +188,10 @@ class Knobs:
     """With offload_optimizer: the CPU steps its groups on a worker thread once the gradients are clipped, in the
     order the next forward pass needs them (embedding, blocks, head), and that forward pass waits for each group's
     step only where it first uses the group's weights, not for the whole step. The same arithmetic in the same order:
-    only when the waiting happens changes. Without offload_optimizer it does nothing."""
+    only when the waiting happens changes. Without offload_optimizer it does nothing. With sharded optimizer states
+    only the blocks whose host weights the ranks share overlap, each rank's step of a block followed by a barrier
+    between the node's ranks; the other groups step first, and their updated shards are gathered at once
+    (`overlapped_groups`)."""
     lm_head_chunks: int = 1
     """The LM head and loss run over this many slices of the tokens, so the full logits never exist at once."""
     compile: bool = False
@@ -214,8 +217,9 @@ class Knobs:
                                                   f"not {self.matmul_dtype!r}")
         if self.param_dtype == "fp32" and self.master_dtype != "fp32":
             fail("knobs.master_dtype", "fp32 parameters are their own fp32 masters; master_dtype must be 'fp32'")
-        if self.overlap_cpu_step and self.shard_optimizer:
-            fail("knobs.overlap_cpu_step", "needs unsharded optimizer states (knobs.shard_optimizer false): the ranks "
+        if self.overlap_cpu_step and self.shard_optimizer and not self.share_host_weights:
+            fail("knobs.overlap_cpu_step", "needs unsharded optimizer states (knobs.shard_optimizer false), or weights "
+                                           "the ranks share in host memory (knobs.share_host_weights): the ranks "
                                            "gather their updated shards group by group as the step ends")
         if self.share_host_weights and not (self.shard_optimizer and not self.shard_weights and
                                             self.offload_weights <= self.offload_optimizer):
@@ -371,6 +375,19 @@ def master_streamed_groups(knobs: Knobs, num_layers: int) -> frozenset[str]:
     if not knobs.stream_masters or knobs.shard_optimizer or knobs.param_dtype == "fp32" or knobs.master_dtype != "fp32":
         return frozenset()
     return frozenset.intersection(*(offloaded_groups(knobs, name, num_layers) for name in STREAM_MASTERS_NEEDS))
+
+
+def overlapped_groups(knobs: Knobs, num_layers: int) -> frozenset[str]:
+    """The groups whose CPU step runs into the next step (knobs.overlap_cpu_step): every group the CPU steps, or with
+    sharded optimizer states the streamed blocks whose host copy the node's ranks share (the others' updated shards
+    are gathered as the step ends)."""
+    if not knobs.overlap_cpu_step:
+        return frozenset()
+    cpu_steps = offloaded_groups(knobs, "offload_optimizer", num_layers)
+    if not knobs.shard_optimizer:
+        return cpu_steps
+    return cpu_steps & offloaded_groups(knobs, "offload_weights", num_layers) if knobs.share_host_weights \
+        else frozenset()
 
 
 def weights_sharded(knobs: Knobs, group: str) -> bool:

@@ -47,7 +47,7 @@ def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, devi
     pending = list(fixed)
     while pending:
         name = pending.pop()
-        for other, needed in _ties(name, fixed[name]).items():
+        for other, needed in _ties(name, fixed[name], fixed).items():
             needs = f"{fixed[name]!r} needs knobs.{other} {needed!r}"
             if other not in fixed:
                 if reason := _not_on_device(other, needed, spec, seq_len, device):
@@ -98,9 +98,10 @@ def pinned_space(space: dict[str, tuple], fixed: dict, spec: ModelSpec) -> dict[
     return space
 
 
-def _ties(name: str, value) -> dict[str, object]:
-    """The values other knobs must take for knob `name` to hold `value` in a plan: what the plan's rules require
-    (fastml.plan.Knobs) and what the search would otherwise undo as a no-op (planner/search.py `without_no_ops`)."""
+def _ties(name: str, value, fixed: dict) -> dict[str, object]:
+    """The values other knobs must take for knob `name` to hold `value` in a plan (beside the knobs `fixed` so far):
+    what the plan's rules require (fastml.plan.Knobs) and what the search would otherwise undo as a no-op
+    (planner/search.py `without_no_ops`)."""
     if name in ZERO_STAGES:  # ZeRO's stages build on each other: on needs the stages below, off the ones above
         stage = ZERO_STAGES.index(name)
         return dict.fromkeys(ZERO_STAGES[:stage] if value else ZERO_STAGES[stage + 1:], bool(value))
@@ -110,7 +111,7 @@ def _ties(name: str, value) -> dict[str, object]:
         return {"matmul_dtype": "fp8", "shard_weights": False}
     if name == "fp8_backward_fast_accum" and value:
         return {"matmul_dtype": "fp8"}
-    if name == "overlap_cpu_step" and value:
+    if name == "overlap_cpu_step" and value and not fixed.get("share_host_weights"):  # sharded, the ranks gather
         return {"shard_optimizer": False}
     if name == "share_host_weights" and value:  # every block stepped on the CPU covers whatever is streamed
         return {"shard_optimizer": True, "shard_weights": False, "offload_optimizer": 1.0}

@@ -128,7 +128,9 @@ def without_no_ops(spec: ModelSpec, values: dict, num_gpus: int) -> dict:
         fixed["cache_weights_on_host"] = False
     fixed["cache_fp8_weights"] &= fixed["matmul_dtype"] == "fp8"
     fixed["fp8_backward_fast_accum"] &= fixed["matmul_dtype"] == "fp8"
-    fixed["overlap_cpu_step"] &= fixed["offload_optimizer"] > 0 and not fixed["shard_optimizer"]
+    fixed["share_host_weights"] &= fixed["offload_weights"] > 0
+    fixed["overlap_cpu_step"] &= fixed["offload_optimizer"] > 0 and (not fixed["shard_optimizer"] or
+                                                                    fixed["share_host_weights"])
     knobs = Knobs(**{**{f.name: f.default for f in dataclasses.fields(Knobs)}, **fixed})
     if not has_fp32_masters(knobs):
         fixed["offload_master"] = 0.0

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fastml.plan import TIME_COMPONENTS, Knobs, block_group, fp8_cached_blocks
+from fastml.plan import TIME_COMPONENTS, Knobs, block_group, fp8_cached_blocks, overlapped_groups
 from fastml.planner.costs import Collective, costs, recomputed_weight_share
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (STREAM_BUFFER_LAYERS, block_input_bytes, group_params, layer_activation_bytes,
@@ -167,7 +167,7 @@ class _StepGraph:
         self.buffer_users = {kind: deque(maxlen=STREAM_BUFFER_LAYERS) for kind in self.streamed}
         self.last_grad: dict[int | str, str] = {}  # per group, the op after which its gradient is final (GPU or host)
         # knobs.overlap_cpu_step: the CPU steps its groups after this step's clipping, into the next step
-        self.overlapped = knobs.overlap_cpu_step and bool(self.place.cpu_steps)
+        self.overlapped = overlapped_groups(knobs, spec.num_layers)
         self.stepped: dict[str, str] = {}  # per group, the op after which the last step's CPU work left its weights
 
     def add(self, name: str, resource: str, duration_s: float, category: str, deps=(), alloc=(), free=(),
@@ -383,7 +383,7 @@ class _StepGraph:
         if self.overlapped:
             tag = " (last step)"
             for group in self.group_params:
-                if group in self.place.cpu_steps:
+                if group in self.overlapped:
                     self.stepped[group] = self.cpu_step(group, None, self.cpu_inputs_down(group, None, tag), tag)
 
     def optimizer_step(self) -> None:
@@ -393,7 +393,7 @@ class _StepGraph:
         knobs.overlap_cpu_step it does so into the next step: `last_steps_cpu_work`); the GPU steps the others,
         fetching what they keep on the host into one group's workspace at a time."""
         clip = self.compute("clip gradients", self.c.grad_clip, "optimizer", list(self.last_grad.values()))
-        on_cpu = [g for g in self.group_params if g in self.place.cpu_steps and not self.overlapped]
+        on_cpu = [g for g in self.group_params if g in self.place.cpu_steps and g not in self.overlapped]
         on_gpu = [g for g in self.group_params if g not in self.place.cpu_steps]
         resident = [g for g in on_gpu if self.place.gpu_step_transfers(g) == (0, 0)]
         updated = []

@@ -150,6 +150,10 @@ def two_rank_plans() -> dict[str, Plan]:
                                           share_host_weights=True),
         "zero1-shared-host-weights-memcpy": plan(2, bf16=True, comm="memcpy", **ZERO[1], offload_weights=0.5,
                                                  offload_optimizer=1.0, share_host_weights=True),
+        # and their CPU steps overlapping the next step, each followed by the ranks' barrier (the others gathered)
+        "zero1-shared-host-weights-overlap": plan(2, bf16=True, comm="memcpy", **ZERO[1], offload_weights=0.5,
+                                                  offload_optimizer=1.0, share_host_weights=True,
+                                                  overlap_cpu_step=True),
         # the planner's bf16 masters: each rank's shard of the compensation stepped beside its m and v, half on the CPU
         "zero1-compensated-bf16": plan(2, bf16=True, **ZERO[1], optimizer_dtype="bf16", master_dtype="bf16_kahan",
                                        offload_optimizer=0.5),
@@ -220,7 +224,7 @@ def test_one_micro_batch_per_rank_sums_in_one_processs_order(tmp_path, two_ranks
 @pytest.mark.parametrize("name", ["zero1-cpu-step", "zero3-cpu-step-memcpy", "zero3-streamed", "zero3-host-cache",
                                   "ddp-host-gradients", "zero1-host-gradients", "zero2-host-gradient-shards",
                                   "ddp-streamed-memcpy", "zero1-compensated-bf16", "zero1-shared-host-weights",
-                                  "zero1-shared-host-weights-memcpy"])
+                                  "zero1-shared-host-weights-memcpy", "zero1-shared-host-weights-overlap"])
 def test_sharding_with_offload_trains_as_one_process_with_that_offload(tmp_path, two_ranks, name):
     """A rank's shard of the optimizer state in host memory, stepped by the C++ AdamW; streamed weight shards;
     gathered weights kept on the host for the backward pass; gradients, or a rank's reduced shard of them, summed
@@ -247,6 +251,14 @@ def test_ranks_sharing_the_streamed_weights_host_copy_train_bit_for_bit_as_with_
     assert host_weights[1] == host_weights[0] - streamed_bytes + segment_bytes // 2
     record = load_record(two_ranks_dir / "zero1-shared-host-weights" / "record.json")
     assert record.measured.node_host_memory_bytes > 0
+
+
+def test_ranks_sharing_host_weights_overlap_their_cpu_steps_with_the_next_step_bit_for_bit(two_ranks):
+    """knobs.overlap_cpu_step with sharded states and shared host weights: the shared blocks step on each rank's
+    worker thread, each then waiting for the other rank's (a barrier), while the next forward pass begins; the
+    embedding, the head and the blocks kept on the GPU step first and are gathered. Only the timing changes."""
+    overlapped, inline = two_ranks["zero1-shared-host-weights-overlap"], two_ranks["zero1-shared-host-weights-memcpy"]
+    assert [(r["loss"], r["grad_norm"]) for r in overlapped] == [(r["loss"], r["grad_norm"]) for r in inline]
 
 
 def test_four_ranks_sharing_the_streamed_weights_host_copy_train_as_one_process(tmp_path):

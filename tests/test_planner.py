@@ -556,6 +556,14 @@ def test_weights_a_nodes_ranks_share_in_host_memory_are_counted_once_and_not_gat
         with pytest.raises(UserError, match="knobs.share_host_weights: shares the host copy of streamed weights"):
             dataclasses.replace(shared, **wrong)
     assert "share_host_weights" not in knob_space(Problem(spec, 2048, 2048 * 16, machine), lower_precision=True)
+    overlapped = dataclasses.replace(shared, overlap_cpu_step=True)  # the shared blocks' CPU steps: the others first
+    assert simulate(spec, 2048, overlapped, machine).time_s["optimizer"] < \
+        simulate(spec, 2048, shared, machine).time_s["optimizer"]
+    with pytest.raises(UserError, match="knobs.overlap_cpu_step: needs unsharded optimizer states"):
+        dataclasses.replace(own, overlap_cpu_step=True)
+    both = make_plan(model="tiny", hw="h200", gpus=2, trials=10, overrides=[
+        "knobs.share_host_weights=true", "knobs.overlap_cpu_step=true"]).plan.knobs
+    assert both.share_host_weights and both.overlap_cpu_step and both.shard_optimizer and both.offload_weights > 0
 
 
 def test_the_search_leaves_out_fp8_weight_caches_that_would_cache_nothing():
@@ -692,6 +700,9 @@ def test_a_pinned_zero_stage_off_keeps_the_stages_above_it_off_on_cpu_processes(
     (dict(hw="h200", gpus=2), ["knobs.share_host_weights=true", "knobs.offload_weights=0"],
      "knobs.share_host_weights: shares the host copy of streamed weights, and knobs.offload_weights 0.0 streams no "
      "block"),
+    (dict(hw="h200", gpus=2), ["knobs.overlap_cpu_step=true", "knobs.share_host_weights=true",
+                               "knobs.shard_optimizer=false"],
+     "knobs.share_host_weights: True needs knobs.shard_optimizer True, which is pinned to False"),
     (dict(hw="h200", gpus=2), ["knobs.share_host_weights=true", "knobs.shard_weights=true"],
      "knobs.share_host_weights: True needs knobs.shard_weights False, which is pinned to True"),
     (dict(device="cpu"), ["knobs.overlap_cpu_step=true"], "knobs.overlap_cpu_step: True: this CPU trains in host "

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
-from fastml.plan import CPU_STEP_CHUNK, STAGING_SLOTS, Knobs, Training, master_streamed_groups, offloaded_groups
+from fastml.plan import (CPU_STEP_CHUNK, STAGING_SLOTS, Knobs, Training, master_streamed_groups, offloaded_groups,
+                         overlapped_groups)
 from fastml.executor.memory import cpu_adam
 from fastml.executor import native
 from fastml.executor.parallel.collectives import agree
@@ -72,8 +73,9 @@ class AdamW(torch.optim.Optimizer):
         if cpu_steps:
             cpu_adam.load()  # built now, before training starts, if this machine has not built it yet
         self.crosses_pcie = bool(cpu_steps or host_masters)
-        # knobs.overlap_cpu_step: one worker thread steps the CPU's groups in order (fastml's op releases the GIL)
-        self._worker = ThreadPoolExecutor(1, "fastml-cpu-step") if knobs.overlap_cpu_step and cpu_steps else None
+        # knobs.overlap_cpu_step: one worker thread steps these groups in order (fastml's op releases the GIL)
+        self.overlapped = overlapped_groups(knobs, num_layers)
+        self._worker = ThreadPoolExecutor(1, "fastml-cpu-step") if self.overlapped else None
         self._stepping: dict[str, Future] = {}  # group -> its pending background step
         if self._worker is not None and placement is not None:
             placement.wait_for_step, placement.finish_steps = self.wait_group, self.finish_steps
@@ -206,7 +208,9 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("this AdamW takes no closure: the training loop computes the loss before the step")
         self._finish_backward()
-        for group in self.param_groups:
+        # The groups stepped in the background go last: the others' steps (and gathers) are done by then, so the two
+        # threads never step at once (they share the staging buffers).
+        for group in sorted(self.param_groups, key=lambda group: group["layer"] in self.overlapped):
             cpu_work = []
             for decays in (True, False):
                 params = [p for p, d in zip(group["params"], group["decay"])
@@ -218,7 +222,8 @@ class AdamW(torch.optim.Optimizer):
                     cpu_work.append(self._cpu_step(group, params, weight_decay))
                 else:
                     self._step(group, params, weight_decay)
-            if self._worker is not None and cpu_work:  # (no shard gather to follow: the knob refuses sharded states)
+            if group["layer"] in self.overlapped:  # no gather to follow (`overlapped_groups`); submitted even with
+                # no piece of it here, so that every rank meets the others at its barrier
                 clipped = torch.cuda.current_stream(self.device).record_event() if self.device.type == "cuda" \
                     else None
                 self._stepping[group["layer"]] = self._worker.submit(self._in_background, group["layer"], cpu_work,
@@ -230,7 +235,7 @@ class AdamW(torch.optim.Optimizer):
                 if self.staging.stream is not None:  # the CPU step's weights, written back on the side stream
                     torch.cuda.current_stream().wait_stream(self.staging.stream)
                 self.parallel.gather_updated(group["layer"], self.placement.host_flat(group["layer"]))
-        if self.parallel is not None:
+        if self.parallel is not None and not self._stepping:
             self.placement.settle()  # knobs.share_host_weights: the other ranks' shards of the host copy stepped too
         if not self._stepping:
             self.wait()
@@ -244,13 +249,21 @@ class AdamW(torch.optim.Optimizer):
             with torch.no_grad():
                 for step in work:
                     step()
+            self._settle_in_background()
             return None
         stream = self.staging.stream_on(self.device)
         with torch.no_grad(), torch.cuda.device(self.device), torch.cuda.stream(stream):
             stream.wait_event(clipped)
             for step in work:
                 step()
+            self._settle_in_background()
             return stream.record_event()
+
+    def _settle_in_background(self) -> None:
+        """A group whose host copy the node's ranks share (sharded states): its step is done once every rank's is.
+        The worker is then the only thread at the node's barrier (the step's own `settle` waits for no group)."""
+        if self.parallel is not None:
+            self.placement.settle()
 
     def wait_group(self, layer: str) -> None:
         """Waits for the background step of group `layer`, if one is pending, and has the compute stream wait for
