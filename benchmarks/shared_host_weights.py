@@ -4,7 +4,8 @@ planned for 2 GPUs of 24 GiB (`fastml plan --gpus 2 --gpu-mem 24GiB`, bf16 matmu
 weights' host copy shared ("shared") and, with the same knobs otherwise, one copy a rank ("own"). Two ranks on one
 GPU share its compute and its PCIe link, so the measured step is slower than the prediction for two GPUs (up to
 twice); the host memory is the figure this compares: the node's ranks' proportional set sizes at the end of the run
-(shared pages once) against the plan's host total. Writes benchmarks/results/shared_host_weights-<gpu>.json.
+(shared pages once) against the plan's host total. "own" cannot overlap its CPU step with the next step as "shared"
+may (its updated shards are gathered as the step ends). Writes benchmarks/results/shared_host_weights-<gpu>.json.
 
     python benchmarks/shared_host_weights.py [--runs shared,own] [--steps 4]
 """
@@ -32,7 +33,8 @@ def plan_pair(workdir: Path) -> dict[str, Path]:
     shared = workdir / "shared.plan.json"
     subprocess.run(["fastml", "plan", *PLAN_ARGS, "--set", "knobs.share_host_weights=true", "-o", str(shared)],
                    check=True, stdout=subprocess.DEVNULL)
-    knobs = json.loads(shared.read_text())["knobs"] | {"share_host_weights": False}
+    # a copy a rank cannot overlap sharded steps: the updated shards are gathered as the step ends
+    knobs = json.loads(shared.read_text())["knobs"] | {"share_host_weights": False, "overlap_cpu_step": False}
     own = workdir / "own.plan.json"
     pins = [arg for name, value in knobs.items() if name != "grad_accum_steps"
             for arg in ("--set", f"knobs.{name}={json.dumps(value)}")]
