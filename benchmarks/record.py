@@ -33,10 +33,16 @@ def this_machine() -> str:
 
 
 def gpu_tag() -> str:
-    """A short name of this GPU for file names: 'h200' for 'NVIDIA H200'; 'cpu' without one (dry runs)."""
+    """A short name of this GPU for file names: its shipped profile's ('h200' for 'NVIDIA H200', 'h100-sxm' for
+    'NVIDIA H100 80GB HBM3'), else the name's last word; 'cpu' without one (dry runs)."""
     import torch
 
-    return torch.cuda.get_device_name().split()[-1].lower() if torch.cuda.is_available() else "cpu"
+    from fastml import hwprofiles
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    return hwprofiles.for_device_name(name) or name.split()[-1].lower()
 
 
 def _commit() -> str | None:

@@ -96,7 +96,9 @@ def summarize(runs: dict) -> dict:
         result["host_bytes_saved"] = {
             "measured": own["measured"]["node_host_memory_bytes"] - shared["measured"]["node_host_memory_bytes"],
             "predicted": own["predicted"]["node_host_memory_bytes"] - shared["predicted"]["node_host_memory_bytes"]}
-        result["same_losses"] = own["measured"]["losses"] == shared["measured"]["losses"]
+        # the same arithmetic: bit for bit on a CPU (tests/test_distributed.py); a GPU's atomics add in any order
+        result["loss_max_rel_diff"] = max(abs(a / b - 1) for a, b in zip(shared["measured"]["losses"],
+                                                                          own["measured"]["losses"]))
     return result
 
 

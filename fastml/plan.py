@@ -159,7 +159,7 @@ class Knobs:
     at least offload_weights): their weights live in host memory once a node, shared by its ranks' processes, instead
     of once a rank. Each rank's CPU step writes its shard of them in place, and a barrier between the node's ranks
     replaces the all-gather of the updated shards (executor/memory/shared.py). One node only; without streamed blocks
-    it does nothing. Taken only when pinned for now: the planner does not model it yet (issue 26)."""
+    it does nothing."""
     param_dtype: Literal["bf16", "fp32"] = "bf16"
     """The dtype of the weights in the model (and of their gradients)."""
     matmul_dtype: Literal["fp32", "bf16", "fp8"] = "bf16"
@@ -289,8 +289,8 @@ KNOBS: dict[str, KnobInfo] = {
     "stream_masters": KnobInfo("offload", (False, True), least_memory=True),
     **{name: KnobInfo("shard", (False, True), multi_gpu=True, least_memory=True) for name in ZERO_STAGES},
     "cache_weights_on_host": KnobInfo("shard", (False, True), multi_gpu=True, least_memory=False),
-    # pinned only until the planner models it (issue 26)
-    "share_host_weights": KnobInfo("shard", (False,), multi_gpu=True, least_memory=False),
+    # one host copy of the streamed weights a node: less host memory, no gather after the step
+    "share_host_weights": KnobInfo("shard", (False, True), multi_gpu=True, least_memory=True),
     "param_dtype": KnobInfo("precision", ("bf16",), least_memory="bf16"),
     # fp8 matmuls save time, not memory: their casts and scales come on top of the bf16 weights (planner/memory.py)
     "matmul_dtype": KnobInfo("precision", ("bf16", "fp8"), lower_precision=True, least_memory="bf16"),

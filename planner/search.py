@@ -118,7 +118,8 @@ def without_no_ops(spec: ModelSpec, values: dict, num_gpus: int) -> dict:
     offloaded bf16 master weights (there are none: the weights are the masters), a host cache of gathered
     weights when the weights are not sharded or every layer is streamed from the host anyway, fast fp8 accumulation
     without fp8 matmuls, cached fp8 weights without them or without a block whose weights stay on the GPU, an
-    overlapped CPU step without one, and streamed masters where no block streams them."""
+    overlapped CPU step without one, streamed masters where no block streams them, and shared host weights where
+    no streamed block is stepped by a sharded optimizer on the CPU (which they need)."""
     fixed = dict(values)
     for name in OFFLOAD_FRACTIONS:
         if round(fixed[name] * spec.num_layers) == 0:
@@ -128,7 +129,8 @@ def without_no_ops(spec: ModelSpec, values: dict, num_gpus: int) -> dict:
         fixed["cache_weights_on_host"] = False
     fixed["cache_fp8_weights"] &= fixed["matmul_dtype"] == "fp8"
     fixed["fp8_backward_fast_accum"] &= fixed["matmul_dtype"] == "fp8"
-    fixed["share_host_weights"] &= fixed["offload_weights"] > 0
+    fixed["share_host_weights"] &= (fixed["offload_weights"] > 0 and fixed["shard_optimizer"] and
+                                    not fixed["shard_weights"] and fixed["offload_optimizer"] >= fixed["offload_weights"])
     fixed["overlap_cpu_step"] &= fixed["offload_optimizer"] > 0 and (not fixed["shard_optimizer"] or
                                                                     fixed["share_host_weights"])
     knobs = Knobs(**{**{f.name: f.default for f in dataclasses.fields(Knobs)}, **fixed})

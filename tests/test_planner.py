@@ -13,7 +13,8 @@ from fastml.plan import TIME_COMPONENTS, Knobs, knob_names
 from fastml.planner.hardware import load_machine, parse_bytes
 from fastml.planner.costs import (ATTENTION_BACKWARD_FACTOR, _attention_s, costs, layer_flops, layer_work, nccl_s,
                                   optimizer_step_bytes, step_work)
-from fastml.planner.memory import layer_activation_bytes, memory, model_state_bytes
+from fastml.planner.memory import (layer_activation_bytes, memory, model_state_bytes, param_bytes,
+                                   shared_host_weight_params)
 from fastml.planner.planner import NoFeasiblePlan, _this_machine, eval_time_s, make_plan, replan
 from fastml.planner.request import DEFAULT_TRIALS, PlanRequest
 from fastml.planner.pins import pinned_space
@@ -65,13 +66,16 @@ def test_recompute_and_offload_move_memory_where_they_should():
 ])
 def test_headline_cases_are_feasible(model, hw, kwargs):
     """A plan is found (make_plan raises NoFeasiblePlan otherwise), and offload moves model states to the host
-    without losing any: GPU and host shares add up to the whole (ZeRO's counts, checked in the tests above)."""
+    without losing any: GPU and host shares add up to the whole (ZeRO's counts, checked in the tests above), weights
+    the node's ranks share in host memory counting for each of them."""
     planned = make_plan(model=model, hw=hw, trials=120, **kwargs)
     plan, p = planned.plan, planned.plan.predicted
     assert p.tokens_per_s > 0 and 0 < p.mfu < 1
     states = model_state_bytes(plan.model.num_params(), plan.knobs, plan.hardware.num_gpus)
+    ranks = plan.hardware.gpus_per_node
+    shared = shared_host_weight_params(plan.model, plan.knobs, plan.hardware.num_gpus) * param_bytes(plan.knobs)
     for category, total in states.items():
-        on_host = p.host_memory_bytes[category] / plan.hardware.gpus_per_node
+        on_host = (p.host_memory_bytes[category] + (ranks - 1) * shared * (category == "weights")) / ranks
         assert p.memory_bytes[category] + on_host >= total - 2, category
 
 
@@ -536,7 +540,7 @@ def test_fast_fp8_backward_accumulation_is_priced_at_the_forward_gemms_rate():
 def test_weights_a_nodes_ranks_share_in_host_memory_are_counted_once_and_not_gathered():
     """knobs.share_host_weights: the streamed blocks' host copy once a node, not once a rank, and the all-gather
     after the step only of the other groups' updated shards; refused without a sharded CPU step of streamed blocks;
-    searched only when pinned."""
+    searched with several GPUs, and left off by the search where it would be refused."""
     spec, machine = PRESETS["llama-3.1-8b"], load_machine("h200", num_gpus=4)
     own = Knobs(micro_batch_size=1, grad_accum_steps=4, shard_optimizer=True, offload_weights=0.5,
                 offload_optimizer=1.0, recompute=("block",))
@@ -555,7 +559,13 @@ def test_weights_a_nodes_ranks_share_in_host_memory_are_counted_once_and_not_gat
                   dict(shard_gradients=True, shard_weights=True)):
         with pytest.raises(UserError, match="knobs.share_host_weights: shares the host copy of streamed weights"):
             dataclasses.replace(shared, **wrong)
-    assert "share_host_weights" not in knob_space(Problem(spec, 2048, 2048 * 16, machine), lower_precision=True)
+    assert knob_space(Problem(spec, 2048, 2048 * 16, machine), lower_precision=False)["share_host_weights"] == \
+        (False, True)
+    from fastml.planner.search import without_no_ops
+    for wrong in (dict(shard_optimizer=False), dict(offload_optimizer=0.25), dict(offload_weights=0.0)):
+        values = without_no_ops(spec, dataclasses.asdict(dataclasses.replace(own, **wrong)) |
+                                {"share_host_weights": True}, 4)
+        assert not values["share_host_weights"]
     overlapped = dataclasses.replace(shared, overlap_cpu_step=True)  # the shared blocks' CPU steps: the others first
     assert simulate(spec, 2048, overlapped, machine).time_s["optimizer"] < \
         simulate(spec, 2048, shared, machine).time_s["optimizer"]
