@@ -84,7 +84,8 @@ def pinned_space(space: dict[str, tuple], fixed: dict, spec: ModelSpec) -> dict[
     """The search space with each knob of `fixed` (`checked_pins`) at its one value; where a pinned cache needs
     blocks whose weights stay on the GPU, offload_weights left below every block; where a pinned overlap needs a CPU
     step, offload_optimizer above none; where pinned streamed masters need a block to stream, the knobs that make one
-    above none."""
+    above none; where pinned shared host weights need streamed blocks the CPU steps, offload_weights above none and
+    at most offload_optimizer."""
     space = {**space, **{name: (value,) for name, value in fixed.items()}}
     # Knobs that must offload at least one block: a CPU step to overlap, a block to stream the masters of.
     needed = (("offload_optimizer",) if fixed.get("overlap_cpu_step") else ()) + \
@@ -92,6 +93,8 @@ def pinned_space(space: dict[str, tuple], fixed: dict, spec: ModelSpec) -> dict[
         (("offload_weights",) if fixed.get("share_host_weights") else ())
     for name in (n for n in dict.fromkeys(needed) if n in space):
         space[name] = tuple(f for f in space[name] if round(f * spec.num_layers) > 0)
+    if fixed.get("share_host_weights") and "offload_weights" in space:  # streamed blocks the CPU steps
+        space["offload_weights"] = tuple(f for f in space["offload_weights"] if f <= fixed["offload_optimizer"])
     if (fixed.get("cache_weights_on_host") or fixed.get("cache_fp8_weights")) and "offload_weights" in space:
         space["offload_weights"] = tuple(f for f in space["offload_weights"]
                                          if round(f * spec.num_layers) < spec.num_layers)
@@ -113,8 +116,9 @@ def _ties(name: str, value, fixed: dict) -> dict[str, object]:
         return {"matmul_dtype": "fp8"}
     if name == "overlap_cpu_step" and value and not fixed.get("share_host_weights"):  # sharded, the ranks gather
         return {"shard_optimizer": False}
-    if name == "share_host_weights" and value:  # every block stepped on the CPU covers whatever is streamed
-        return {"shard_optimizer": True, "shard_weights": False, "offload_optimizer": 1.0}
+    if name == "share_host_weights" and value:  # left free, every block stepped on the CPU covers what is streamed
+        return {"shard_optimizer": True, "shard_weights": False,
+                **({} if "offload_optimizer" in fixed else {"offload_optimizer": 1.0})}
     if name == "stream_masters" and value:
         return {"shard_optimizer": False, "master_dtype": "fp32", "param_dtype": "bf16"}
     if name == "offload_master" and value:  # bf16 masters are the weights themselves: no copy to move

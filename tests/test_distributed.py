@@ -161,6 +161,13 @@ def two_rank_plans() -> dict[str, Plan]:
     return plans
 
 
+def SHARED_FROM_CHECKPOINT(root: Path) -> Plan:  # noqa: N802: a plan, as the constants beside it
+    """Shared host weights loaded from the weights of the sharded run's checkpoint of step 2 (each rank its part)."""
+    p = plan(2, bf16=True, **ZERO[1], offload_weights=1.0, offload_optimizer=1.0, share_host_weights=True)
+    return dataclasses.replace(p, training=dataclasses.replace(p.training, init_from=str(
+        root / "ck" / "step-00000002")))
+
+
 NAN_PLAN = plan(2, steps=4)
 NAN_FAULTS = "nan-loss@2:1"
 SHARDED_CHECKPOINTS = plan(2, steps=4, **ZERO[2])
@@ -175,7 +182,8 @@ def two_ranks_dir(tmp_path_factory):
     job(path, two_rank_plans(), ranks=2, more=[
         {"plan": NAN_PLAN, "log": path / "nan.jsonl", "faults": NAN_FAULTS},
         {"plan": with_checkpoints(SHARDED_CHECKPOINTS, path / "ck"), "log": path / "sharded.jsonl"},
-        {"plan": validated, "log": path / "validated.jsonl"}])
+        {"plan": validated, "log": path / "validated.jsonl"},
+        {"plan": SHARED_FROM_CHECKPOINT(path), "log": path / "shared-from-checkpoint.jsonl"}])
     return path
 
 
@@ -251,6 +259,15 @@ def test_ranks_sharing_the_streamed_weights_host_copy_train_bit_for_bit_as_with_
     assert host_weights[1] == host_weights[0] - streamed_bytes + segment_bytes // 2
     record = load_record(two_ranks_dir / "zero1-shared-host-weights" / "record.json")
     assert record.measured.node_host_memory_bytes > 0
+
+
+def test_ranks_sharing_host_weights_start_from_a_checkpoints_weights_as_one_process(tmp_path, two_ranks_dir):
+    """training.init_from into the node's one host copy, each rank writing its part (executor/storage/checkpoints.py):
+    the losses of one process started from the same weights."""
+    got = losses(two_ranks_dir / "shared-from-checkpoint.jsonl")
+    alone = trained_alone(tmp_path, one_process(SHARED_FROM_CHECKPOINT(two_ranks_dir)), "alone")
+    assert got[0] == alone[0]
+    assert got == pytest.approx(alone, rel=1e-3)
 
 
 def test_ranks_sharing_host_weights_overlap_their_cpu_steps_with_the_next_step_bit_for_bit(two_ranks):
@@ -445,6 +462,7 @@ def test_a_killed_jobs_shared_memory_is_removed_by_the_next(one_rank_group):
 
 SHARED_PROBE = """
 import json, os, re, sys, torch, torch.distributed as dist
+from fastml.executor.memory import shared
 from fastml.executor.memory.shared import NodeShared
 from fastml.executor.parallel.world import World
 rank, size, num_bytes = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -461,7 +479,8 @@ for block in re.split(r"\\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").r
         for key in kb:
             kb[key] += int(re.search(rf"^{key}:\\s+(\\d+) kB", block, re.M)[1])
 node.barrier()  # all measured while all map it
-print(json.dumps({"total": total, "rss": kb["Rss"] * 1024, "pss": kb["Pss"] * 1024}))
+print(json.dumps({"total": total, "rss": kb["Rss"] * 1024, "pss": kb["Pss"] * 1024,
+                  "others": shared.others_share_bytes()}))
 """
 
 
@@ -485,6 +504,8 @@ def test_a_nodes_ranks_hold_one_copy_of_the_memory_they_share(tmp_path, ranks):
     page = os.sysconf("SC_PAGE_SIZE")
     assert all(num_bytes <= s["rss"] <= num_bytes + page for s in seen)  # the flags' page too
     assert num_bytes <= sum(s["pss"] for s in seen) <= num_bytes + ranks * page
+    segment = ranks * FLAG_LINE_BYTES + num_bytes  # the meter's count of the others' shares, in every rank's RSS
+    assert all(s["others"] == segment - segment // ranks for s in seen)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -38,10 +38,12 @@ SHARED_GPU_PLANS = {
     "zero3-streamed-shards": gpu_plan(micro=2, **ZERO[3], offload_weights=1.0, offload_residuals=0.5),
     "zero2-compiled": gpu_plan(micro=2, **ZERO[2], recompute=("block",), compile=True),
     "zero2-host-gradient-shards": gpu_plan(micro=1, **ZERO[2], offload_gradients=1.0, offload_optimizer=1.0),
-    # the streamed blocks' one host copy, pinned for both ranks' copy engines, each stepping its shard there on its
-    # worker thread into the next step (the other groups gathered first)
-    "zero1-shared-host-weights": gpu_plan(micro=2, **ZERO[1], offload_weights=0.5, offload_optimizer=1.0,
-                                          share_host_weights=True, overlap_cpu_step=True),
+    # the streamed blocks' one host copy, pinned for both ranks' copy engines, each stepping its shard there; then on
+    # its worker thread into the next step (the other groups gathered first)
+    "zero1-shared-host-weights": gpu_plan(micro=2, **ZERO[1], offload_weights=1.0, offload_optimizer=1.0,
+                                          share_host_weights=True),
+    "zero1-shared-host-weights-overlap": gpu_plan(micro=2, **ZERO[1], offload_weights=0.5, offload_optimizer=1.0,
+                                                  share_host_weights=True, overlap_cpu_step=True),
 }
 
 

@@ -574,6 +574,9 @@ def test_weights_a_nodes_ranks_share_in_host_memory_are_counted_once_and_not_gat
     both = make_plan(model="tiny", hw="h200", gpus=2, trials=10, overrides=[
         "knobs.share_host_weights=true", "knobs.overlap_cpu_step=true"]).plan.knobs
     assert both.share_host_weights and both.overlap_cpu_step and both.shard_optimizer and both.offload_weights > 0
+    part = make_plan(model="tiny", hw="h200", gpus=2, trials=10, overrides=[
+        "knobs.share_host_weights=true", "knobs.offload_optimizer=0.5"]).plan.knobs
+    assert part.share_host_weights and 0 < part.offload_weights <= part.offload_optimizer == 0.5
 
 
 def test_the_search_leaves_out_fp8_weight_caches_that_would_cache_nothing():

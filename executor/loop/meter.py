@@ -16,7 +16,7 @@ import torch
 
 from fastml import hwprofiles
 from fastml.plan import MEMORY_CATEGORIES, Plan
-from fastml.executor.memory.shared import sharers
+from fastml.executor.memory.shared import others_share_bytes, sharers
 from fastml.executor.parallel.collectives import agree
 from fastml.executor.model import fp8
 
@@ -193,14 +193,16 @@ def gpu_memory(listed: dict[str, int] | None, forward_kept: int | None, peak: in
 
 def host_memory(listed: dict[str, int] | None, peak_rss: int, on_gpu: bool) -> dict[str, int | None]:
     """Host memory by category, None where not measured: the bytes of the distinct host storages listed under each
-    category (pinned buffers included; of host memory the node's ranks share, this rank's share); workspace: the rest of the process's peak resident memory `peak_rss`
-    (torch, the CUDA context, data; and training a CPU, its activations and temporaries, which are not listed)."""
+    category (pinned buffers included; of host memory the node's ranks share, this rank's share); workspace: the
+    rest of the process's peak resident memory `peak_rss`, less the other ranks' shares of what they share (torch,
+    the CUDA context, data; and training a CPU, its activations and temporaries, which are not listed)."""
     measured = dict.fromkeys(MEMORY_CATEGORIES)
     if listed is not None:
         measured.update(listed)
         if not on_gpu:
             measured["activations"] = None
-        measured["workspace"] = max(0, peak_rss - sum(listed.values()))
+        # the other ranks' shares of the memory the node's ranks share are in this process's resident set too
+        measured["workspace"] = max(0, peak_rss - others_share_bytes() - sum(listed.values()))
     return measured
 
 

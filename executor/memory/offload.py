@@ -25,7 +25,7 @@ from torch import nn
 
 from fastml.plan import Plan, master_streamed_groups, offloaded_groups
 from fastml.executor.memory.pinned import pinned_empty
-from fastml.executor.memory.shared import NodeShared
+from fastml.executor.memory.shared import BARRIER_TIMEOUT_S, NodeShared
 from fastml.executor.memory.streams import Copier, CopyDone
 from fastml.executor.parallel.shard import Layout
 
@@ -49,11 +49,12 @@ class HostOffload:
     plan's offload knobs say (the module's docstring).
     `shapes`: each group's parameter shapes by name; `sharded`: the groups whose weights the sharding engine keeps
     (their streamed shards are its own); `grads_summed_elsewhere`: sharded gradients, whose host sums the sharding
-    engine keeps; `world`: the ranks of a job, with whom knobs.share_host_weights shares the host copies."""
+    engine keeps; `world`: the ranks of a job, with whom knobs.share_host_weights shares the host copies, waiting
+    at most `timeout_s` (the job's watchdog's) for one at their barrier."""
 
     def __init__(self, plan: Plan, shapes: dict[str, dict[str, torch.Size]], device: torch.device, copier: Copier,
                  dtype: torch.dtype, sharded: frozenset[str] = frozenset(), grads_summed_elsewhere: bool = False,
-                 world=None):
+                 world=None, timeout_s: float | None = None):
         knobs, num_layers = plan.knobs, plan.model.num_layers
         self.device, self.copier, self.shapes, self.dtype = device, copier, shapes, dtype
         self.streamed = offloaded_groups(knobs, "offload_weights", num_layers)
@@ -67,7 +68,7 @@ class HostOffload:
         make = None
         if knobs.share_host_weights and world is not None and world.distributed and self.host_weights:
             def make(numel: int) -> torch.Tensor:
-                self.node = NodeShared(world, numel * dtype.itemsize, copier.cuda)
+                self.node = NodeShared(world, numel * dtype.itemsize, copier.cuda, timeout_s or BARRIER_TIMEOUT_S)
                 return self.node.data.view(dtype)
         self.weights = _Flat(self._shapes(self.host_weights - self.master_streamed), dtype, copier.cuda, make)
         # Each master with storage of its own, as the optimizer's other masters: a checkpoint writes it as it is,

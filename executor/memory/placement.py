@@ -66,7 +66,9 @@ class Placement:
         self.sharded = parallel.sharded if parallel is not None else frozenset()
         self.offload = HostOffload(plan, shapes, device, copier, dtype, self.sharded,
                                    grads_summed_elsewhere=parallel is not None and parallel.every_micro_batch,
-                                   world=parallel.world if parallel is not None else None)
+                                   world=parallel.world if parallel is not None else None,
+                                   timeout_s=getattr(getattr(parallel, "comm", None), "watchdog", None) and
+                                   parallel.comm.watchdog.timeout_s)
         self.streamed = self.offload.streamed
         self.fetched = self.streamed | self.sharded  # groups whose weights come to the device only to compute
         self._fetched: dict[str, tuple[list[torch.Tensor], object]] = {}  # group -> device tensors, work

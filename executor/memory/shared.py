@@ -39,25 +39,27 @@ SHARED_PREFIX = "fastml-shared-"
 BARRIER_TIMEOUT_S = 600.0
 """How long a barrier waits for a rank that is alive but does not come (one that dies is seen at once)."""
 
-_SHARERS: dict[int, int] = {}
-"""The start of each mapped segment -> the ranks that map it (`sharers`)."""
+_SHARERS: dict[int, tuple[int, int]] = {}
+"""The start of each segment this process maps -> its bytes, and the ranks that map it (`sharers`)."""
 
 
 class NodeShared:
     """`num_bytes` of zeroed host memory (`data`) that every rank of this node maps, pinned where the ranks train on
     GPUs, and `barrier()` between them. Every rank of the node makes one, together (the module's docstring)."""
 
-    def __init__(self, world, num_bytes: int, cuda: bool, timeout_s: float = BARRIER_TIMEOUT_S):
+    def __init__(self, world, num_bytes: int, cuda: bool, timeout_s: float = BARRIER_TIMEOUT_S, reserve: bool = True):
+        """`reserve`: its pages reserved now (`_create_file`), for memory every page of which will be written; else
+        only those written are ever resident (a CPU's memcpy rows, of which a round writes what it moves)."""
         if world.num_nodes > 1:
             raise ValueError("shared host memory is one node's: a job of several nodes cannot share it")
         native.load()
         self.rank, self.size, self.timeout_s = world.local_rank, world.local_size, timeout_s
         flag_bytes = self.size * FLAG_LINE_BYTES
-        whole = _map(world, flag_bytes + num_bytes)
+        whole = _map(world, flag_bytes + num_bytes, reserve)
         if cuda:
             pin(whole)
         start = whole.untyped_storage().data_ptr()
-        _SHARERS[start] = self.size
+        _SHARERS[start] = whole.nbytes, self.size
         weakref.finalize(whole, _SHARERS.pop, start, None)
         self.whole = whole  # kept: the pinning and the registration last as long as it
         self.flags = whole[:flag_bytes].view(torch.int64)
@@ -73,10 +75,16 @@ class NodeShared:
 def sharers(tensor: torch.Tensor) -> int:
     """How many ranks map the host storage of `tensor`: those of its node where it is a shared segment, else 1 (the
     meter counts a rank's share of a segment, as the kernel's proportional set size does)."""
-    return _SHARERS.get(tensor.untyped_storage().data_ptr(), 1)
+    return _SHARERS.get(tensor.untyped_storage().data_ptr(), (0, 1))[1]
 
 
-def _map(world, num_bytes: int) -> torch.Tensor:
+def others_share_bytes() -> int:
+    """Of the segments this process maps, the bytes that are the other ranks' shares: in its resident set (which
+    holds every page it touched whole), not in its share of the node's memory."""
+    return sum(num_bytes - num_bytes // ranks for num_bytes, ranks in _SHARERS.values())
+
+
+def _map(world, num_bytes: int, reserve: bool = True) -> torch.Tensor:
     """The node's segment of `num_bytes` (uint8), mapped by this rank; made by rank 0 (the module's docstring)."""
     name = [f"{SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}" if world.main else None]
     if world.main:
@@ -85,7 +93,7 @@ def _map(world, num_bytes: int) -> torch.Tensor:
     path = SHARED_DIR / name[0]
     try:
         if world.main:
-            _create_file(path, num_bytes)
+            _create_file(path, num_bytes, reserve)
         dist.barrier()
         shared = torch.from_file(str(path), shared=True, size=num_bytes, dtype=torch.uint8)
         dist.barrier()
@@ -95,13 +103,15 @@ def _map(world, num_bytes: int) -> torch.Tensor:
     return shared
 
 
-def _create_file(path: Path, num_bytes: int) -> None:
-    """A new file of `num_bytes` zeros that only this user may open, its pages reserved now; an existing file or link
-    at `path` is an error."""
+def _create_file(path: Path, num_bytes: int, reserve: bool) -> None:
+    """A new file of `num_bytes` zeros that only this user may open, its pages reserved now where `reserve` (and the
+    system can: not macOS); an existing file or link at `path` is an error."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
+        os.ftruncate(fd, num_bytes)
         try:
-            os.posix_fallocate(fd, 0, num_bytes)
+            if reserve and hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, num_bytes)
         except OSError as e:
             raise RuntimeError(f"{path.parent} has no room for {num_bytes / 2**30:.2f} GiB of host memory shared by "
                                f"this node's ranks ({e.strerror}); a container needs a larger /dev/shm "
@@ -111,9 +121,10 @@ def _create_file(path: Path, num_bytes: int) -> None:
 
 
 def _remove_stale() -> None:
-    """Removes the segments' files of jobs whose rank 0 has died (killed between creating and removing one)."""
-    for path in SHARED_DIR.glob(f"{SHARED_PREFIX}*"):
-        match = re.fullmatch(rf"{SHARED_PREFIX}(\d+)-[0-9a-f]{{12}}", path.name)
+    """Removes the segments' files of jobs whose rank 0 has died (killed between creating and removing one), and
+    those of earlier fastml versions (fastml-memcpy-PID-TOKEN)."""
+    for path in SHARED_DIR.glob("fastml-*"):
+        match = re.fullmatch(r"fastml-(?:shared|memcpy)-(\d+)-[0-9a-f]{12}", path.name)
         if match and not is_running(int(match[1])):
             with contextlib.suppress(OSError):  # another user's (SHARED_DIR is sticky), or removed meanwhile
                 path.unlink()

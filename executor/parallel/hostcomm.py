@@ -43,8 +43,9 @@ class HostCollectives:
         self.world, self.device, self.watchdog = world, device, watchdog
         self.cuda = device.type == "cuda"
         slot_bytes = world.size * MEMCPY_ROW_BYTES
+        # reserved where pinned whole; on a CPU a round writes only what it moves (planner/memory.py counts that)
         self.shared = NodeShared(world, MEMCPY_SLOTS * slot_bytes, self.cuda,
-                                 watchdog.timeout_s if watchdog is not None else BARRIER_TIMEOUT_S)
+                                 watchdog.timeout_s if watchdog is not None else BARRIER_TIMEOUT_S, reserve=self.cuda)
         self.slots = [self.shared.data[k * slot_bytes:][:slot_bytes] for k in range(MEMCPY_SLOTS)]
         self.round = 0
         self.d2h = torch.cuda.Stream(device) if self.cuda else None
