@@ -377,6 +377,12 @@ def master_streamed_groups(knobs: Knobs, num_layers: int) -> frozenset[str]:
     return frozenset.intersection(*(offloaded_groups(knobs, name, num_layers) for name in STREAM_MASTERS_NEEDS))
 
 
+def shared_weight_groups(knobs: Knobs, num_layers: int) -> frozenset[str]:
+    """The blocks whose host copy of the weights the node's ranks share (knobs.share_host_weights): the streamed
+    ones."""
+    return offloaded_groups(knobs, "offload_weights", num_layers) if knobs.share_host_weights else frozenset()
+
+
 def overlapped_groups(knobs: Knobs, num_layers: int) -> frozenset[str]:
     """The groups whose CPU step runs into the next step (knobs.overlap_cpu_step): every group the CPU steps, or with
     sharded optimizer states the streamed blocks whose host copy the node's ranks share (the others' updated shards
@@ -386,8 +392,7 @@ def overlapped_groups(knobs: Knobs, num_layers: int) -> frozenset[str]:
     cpu_steps = offloaded_groups(knobs, "offload_optimizer", num_layers)
     if not knobs.shard_optimizer:
         return cpu_steps
-    return cpu_steps & offloaded_groups(knobs, "offload_weights", num_layers) if knobs.share_host_weights \
-        else frozenset()
+    return cpu_steps & shared_weight_groups(knobs, num_layers)
 
 
 def weights_sharded(knobs: Knobs, group: str) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from fastml.plan import (CPU_STEP_CHUNK, MEMCPY_ROW_BYTES, MEMCPY_SLOTS, MEMORY_CATEGORIES, REDUCTIONS_IN_FLIGHT,
                          STAGING_SLOTS, Knobs, block_group, fp8_cached_blocks, master_streamed_groups,
-                         offloaded_groups, weights_sharded)
+                         offloaded_groups, shared_weight_groups, weights_sharded)
 from fastml.hwprofiles.schema import Calibration
 from fastml.spec import ModelSpec
 
@@ -499,7 +499,7 @@ def shared_host_weight_params(spec: ModelSpec, knobs: Knobs, num_gpus: int) -> i
     streamed blocks'."""
     if not (knobs.share_host_weights and num_gpus > 1):
         return 0
-    return len(offloaded_groups(knobs, "offload_weights", spec.num_layers)) * spec.layer_params()
+    return len(shared_weight_groups(knobs, spec.num_layers)) * spec.layer_params()
 
 
 def rebuilt_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: str) -> int:

@@ -6,10 +6,10 @@ once down and once up, the two directions overlapping, and the GPU adds.
 The ranks share MEMCPY_SLOTS slots (fastml.plan), each a row of MEMCPY_ROW_BYTES per rank. A collective runs in
 rounds, one slot each, taking turns: every rank copies what the others need from its GPU into its row (device to
 host), waits for its copies, meets the others at a barrier (torch.ops.fastml.host_barrier, csrc/hostcomm.cpp: release
-and acquire atomics on flags in the same shared memory: executor/memory/shared.py), then copies what it needs from their rows to its GPU (host
-to device) and adds on the GPU. A reduce-scatter's row holds one cell per destination rank; rank r sums the cells
-addressed to it in rank order 0, 1, ..., so that the sums are those of one process adding micro-batches in that
-order (bitwise where the orders agree). Rank r's own contribution never leaves its GPU. An all-gather's row holds the
+and acquire atomics on flags in the same shared memory, executor/memory/shared.py), then copies what it needs from
+their rows to its GPU (host to device) and adds on the GPU. A reduce-scatter's row holds one cell per destination
+rank; rank r sums the cells addressed to it in rank order 0, 1, ..., so that the sums are those of one process adding
+micro-batches in that order (bitwise where the orders agree). Rank r's own contribution never leaves its GPU. An all-gather's row holds the
 rank's shard; an all-reduce is a reduce-scatter then an all-gather.
 
 Before a rank reaches the barrier of a round it has finished reading the slot it used the round before, so a slot is
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from fastml.plan import MEMCPY_ROW_BYTES, MEMCPY_SLOTS
 from fastml.executor.memory.shared import BARRIER_TIMEOUT_S, NodeShared
+
 
 class HostCollectives:
     """The memcpy collectives of one rank (see the module's docstring); every rank of the node makes one, together."""

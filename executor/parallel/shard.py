@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastml.plan import REDUCTIONS_IN_FLIGHT, Plan, offloaded_groups, weights_sharded
+from fastml.plan import REDUCTIONS_IN_FLIGHT, Plan, offloaded_groups, shared_weight_groups, weights_sharded
 from fastml.executor.memory.pinned import pinned_empty
 from fastml.executor.memory.streams import Copier, CopyDone
 
@@ -119,8 +119,7 @@ class DataParallel:
         # A streamed block's shard lives in host memory and comes up before each gather.
         self.host_shards_of_weights = self.sharded & offloaded_groups(knobs, "offload_weights", plan.model.num_layers)
         # knobs.share_host_weights: streamed blocks whose one host copy a node each rank updates its shard of in place
-        self.shared_on_host = offloaded_groups(knobs, "offload_weights", plan.model.num_layers) \
-            if knobs.share_host_weights else frozenset()
+        self.shared_on_host = shared_weight_groups(knobs, plan.model.num_layers)
         self.scatter = knobs.shard_optimizer
         self.every_micro_batch = knobs.shard_gradients
         # With sharded gradients, offload_gradients keeps these blocks' shards in host memory, summed there.
