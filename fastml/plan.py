@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastml.config import UserError, check_range, fail, from_dict, read_json, show, to_dict
-from fastml.spec import MAX_SEQ_LEN, ModelSpec
+from fastml.layout import Layout, layout_of, layout_problem
+from fastml.spec import MAX_SEQ_LEN, MAX_SIZES, ModelSpec
 from fastml.weights import check_same_model, spec_of_weights
 
 PLAN_VERSION = 1
@@ -195,6 +196,23 @@ class Knobs:
     lm_head_chunks: int = 1
     """The LM head and loss run over this many slices of the tokens, so the full logits never exist at once."""
     compile: bool = False
+    tensor_parallel: int = 1
+    """GPUs of a node that split each block's matmuls and attention heads, and the embedding and LM head by vocabulary
+    (Megatron-LM's column- and row-parallel linears: two all-reduces a block each way). The GPUs left after tensor
+    and pipeline parallelism are data parallel: ZeRO and the collectives' knobs act on them (fastml/layout.py).
+    Planned and priced; `fastml run` does not run it yet (issue 28)."""
+    sequence_parallel: bool = False
+    """With tensor_parallel: the norms and residual adds work on a slice of the sequence each, so the activations
+    outside the matmuls are split too (Korthikanti et al. 2022); the all-reduces become all-gathers and
+    reduce-scatters of the same bytes."""
+    pipeline_parallel: int = 1
+    """Pipeline stages: consecutive blocks on other GPUs, micro-batches passed between them
+    (`fastml.layout.stage_layers`). Planned and priced; `fastml run` does not run it yet (issue 28)."""
+    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
+    """The order each stage runs its micro-batches' passes in (`fastml.layout.pipeline_order`)."""
+    virtual_stages: int = 1
+    """interleaved_1f1b: chunks of blocks each pipeline rank holds (the bubble shrinks by as much, the sends between
+    stages grow by as much)."""
 
     @property
     def uses_fastml_adamw(self) -> bool:
@@ -227,6 +245,7 @@ class Knobs:
                                              "on the CPU: it needs knobs.offload_optimizer at least as high as "
                                              "knobs.offload_weights, and knobs.shard_optimizer without "
                                              "knobs.shard_weights")
+        self._check_layout()
         # ZeRO's stages build on each other (Rajbhandari et al. 2020, section 5): a GPU that keeps only a shard of
         # the gradients can step only that shard of the optimizer states, and one that keeps a shard of the weights
         # only reduces its shard of their gradients.
@@ -236,10 +255,42 @@ class Knobs:
                                       f"stage {ZERO_STAGES.index(needs) + 1}): set both")
 
 
+    def _check_layout(self) -> None:
+        """How the layout knobs go together, and with the others: what cannot compose, or does not yet (the
+        contract's refusals name which)."""
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            fail("knobs.sequence_parallel", "splits the sequence among tensor-parallel GPUs: it needs "
+                                            "knobs.tensor_parallel above 1")
+        interleaved = self.pipeline_schedule == "interleaved_1f1b"
+        if interleaved and (self.pipeline_parallel == 1 or self.virtual_stages == 1):
+            fail("knobs.pipeline_schedule", "interleaved_1f1b needs knobs.pipeline_parallel and knobs.virtual_stages "
+                                            "above 1")
+        if self.virtual_stages > 1 and not interleaved:
+            fail("knobs.virtual_stages", f"chunks per pipeline rank are interleaved 1F1B's: knobs.pipeline_schedule "
+                                         f"{self.pipeline_schedule!r} runs one")
+        if self.tensor_parallel * self.pipeline_parallel == 1:
+            return
+        if self.comm == "memcpy":
+            fail("knobs.comm", "the memcpy collectives serve one data-parallel group of a node's GPUs; with tensor or "
+                               "pipeline parallelism use 'nccl'")
+        if self.share_host_weights:
+            fail("knobs.share_host_weights", "shares the host weights of data-parallel ranks that hold the same "
+                                             "blocks; not with tensor or pipeline parallelism")
+        if self.pipeline_parallel > 1:
+            for name, why in (("shard_weights", "ZeRO-3 would gather every stage's weights again for each "
+                                                "micro-batch"),
+                              ("offload_weights", "not yet with pipeline stages"),
+                              ("offload_residuals", "not yet with pipeline stages")):
+                if getattr(self, name):
+                    fail(f"knobs.{name}", f"{why}: pipeline_parallel {self.pipeline_parallel} takes "
+                                          f"{'false' if name == 'shard_weights' else '0'}")
+
+
 def check_knob(name: str, value) -> None:
     """One knob's own bounds (how knobs go together is Knobs' to check)."""
     bounds = {"micro_batch_size": MAX_MICRO_BATCH_SIZE, "grad_accum_steps": MAX_GLOBAL_BATCH_TOKENS,
-              "lm_head_chunks": MAX_LM_HEAD_CHUNKS}
+              "lm_head_chunks": MAX_LM_HEAD_CHUNKS, "tensor_parallel": MAX_NUM_GPUS, "pipeline_parallel": MAX_NUM_GPUS,
+              "virtual_stages": MAX_SIZES["num_layers"]}
     if name in bounds:
         check_range(f"knobs.{name}", value, 1, bounds[name])
     elif name in OFFLOAD_FRACTIONS:
@@ -256,7 +307,7 @@ def check_knob(name: str, value) -> None:
 class KnobInfo:
     """What the planner and executor need to know of one knob."""
 
-    kind: Literal["batch", "recompute", "speed", "offload", "shard", "precision", "comm"]
+    kind: Literal["batch", "recompute", "speed", "offload", "shard", "precision", "comm", "layout"]
     choices: tuple = ()
     """The values the planner searches; () where it derives them from the problem (micro-batch, accumulation)."""
     lower_precision: bool = False
@@ -304,6 +355,12 @@ KNOBS: dict[str, KnobInfo] = {
     "master_dtype": KnobInfo("precision", ("fp32", "bf16_kahan"), lower_precision=True, least_memory="bf16_kahan"),
     # The memcpy collectives add a GPU staging row to their buffers in host memory (planner/memory.py).
     "comm": KnobInfo("comm", ("nccl", "memcpy"), multi_gpu=True, least_memory="nccl"),
+    # Tensor and pipeline parallelism: priced when pinned, not searched while the executor cannot run them (issue 28).
+    "tensor_parallel": KnobInfo("layout", (1,), multi_gpu=True, least_memory=1),
+    "sequence_parallel": KnobInfo("layout", (False,), multi_gpu=True, least_memory=False),
+    "pipeline_parallel": KnobInfo("layout", (1,), multi_gpu=True, least_memory=1),
+    "pipeline_schedule": KnobInfo("layout", ("1f1b",), multi_gpu=True, least_memory="1f1b"),
+    "virtual_stages": KnobInfo("layout", (1,), multi_gpu=True, least_memory=1),
 }
 
 
@@ -410,6 +467,16 @@ def fp8_cached_blocks(knobs: Knobs, num_layers: int, num_gpus: int) -> frozenset
     return frozenset(block_group(i) for i in range(num_layers)) - streamed
 
 
+def tensor_slice(spec: ModelSpec, tensor_parallel: int) -> ModelSpec:
+    """The model as one of `tensor_parallel` GPUs computes it: its share of the attention heads, of the FFN's width and
+    of the vocabulary (the embedding's and LM head's rows); the hidden size whole."""
+    if tensor_parallel == 1:
+        return spec
+    t = tensor_parallel
+    return dataclasses.replace(spec, num_heads=spec.num_heads // t, num_kv_heads=spec.num_kv_heads // t,
+                               ffn_hidden_size=spec.ffn_hidden_size // t, vocab_size=spec.vocab_size // t)
+
+
 FP8_GEMM_MULTIPLE = 16
 """cuBLASLt's fp8 GEMMs need every dimension a multiple of 16, the tokens of a micro-batch too (the weight gradient
 sums over them)."""
@@ -492,15 +559,31 @@ class Plan:
     def __post_init__(self) -> None:
         if self.version != PLAN_VERSION:
             fail("version", f"plan version {self.version} is not supported by this fastml (it reads {PLAN_VERSION})")
-        k, t = self.knobs, self.training
-        tokens = k.micro_batch_size * k.grad_accum_steps * t.seq_len * self.hardware.num_gpus
+        k, t, h, spec = self.knobs, self.training, self.hardware, self.model
+        knob, why = layout_problem(k.tensor_parallel, k.sequence_parallel, k.pipeline_parallel, k.virtual_stages,
+                                   k.pipeline_schedule, k.grad_accum_steps, spec.num_heads, spec.num_kv_heads,
+                                   spec.ffn_hidden_size, spec.vocab_size, spec.num_layers, t.seq_len, h.num_gpus,
+                                   h.gpus_per_node)
+        if knob:
+            fail(f"knobs.{knob}", why)
+        data = self.layout.data
+        tokens = k.micro_batch_size * k.grad_accum_steps * t.seq_len * data
         if tokens != t.global_batch_tokens:
+            ranks = (f"num_gpus {h.num_gpus}" if data == h.num_gpus else
+                     f"{data} data-parallel ranks (num_gpus {h.num_gpus} / tensor_parallel {k.tensor_parallel} / "
+                     f"pipeline_parallel {k.pipeline_parallel})")
             fail("training.global_batch_tokens",
                  f"{t.global_batch_tokens} must equal micro_batch_size {k.micro_batch_size} x grad_accum_steps "
-                 f"{k.grad_accum_steps} x seq_len {t.seq_len} x num_gpus {self.hardware.num_gpus} = {tokens}")
-        problem = fp8_shape_problem(self.model, k.micro_batch_size * t.seq_len) if k.matmul_dtype == "fp8" else ""
+                 f"{k.grad_accum_steps} x seq_len {t.seq_len} x {ranks} = {tokens}")
+        problem = fp8_shape_problem(tensor_slice(spec, k.tensor_parallel), k.micro_batch_size * t.seq_len) \
+            if k.matmul_dtype == "fp8" else ""
         if problem:
             fail("knobs.matmul_dtype", problem)
+
+    @property
+    def layout(self) -> Layout:
+        return layout_of(self.knobs.tensor_parallel, self.knobs.pipeline_parallel, self.knobs.virtual_stages,
+                         self.hardware.num_gpus)
 
     def to_json(self) -> str:
         return json.dumps(to_dict(self), indent=2) + "\n"

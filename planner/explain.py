@@ -10,7 +10,7 @@ from fastml.config import GIB, gib
 from fastml.plan import TIME_COMPONENTS, Knobs, Plan, describe_knobs
 from fastml.planner.search import (LEAN_MARGIN, Candidate, Problem, evaluate, make_knobs, micro_batch_choices,
                                    num_knobs_set)
-from fastml.planner.simulate import simulate
+from fastml.planner.parallel import is_layout, layout_of_knobs, layout_step, simulate_any
 
 LIMIT_SHARE = 0.02
 """A plan that loses less than this share of its step (waiting on PCIe or collectives, or to a faster setting that
@@ -76,7 +76,7 @@ def faster_but_too_big(problem: Problem, candidate: Candidate) -> Blocked | None
         other = evaluate(problem, make_knobs(problem, {**_values(knobs), **values}))
         if other.feasible:
             continue  # it fits, so the search weighed it and it was no faster
-        step_time_s = simulate(problem.spec, problem.seq_len, other.knobs, problem.machine).step_time_s
+        step_time_s = simulate_any(problem.spec, problem.seq_len, other.knobs, problem.machine).step_time_s
         if step_time_s < candidate.simulation.step_time_s:
             blocked.append(Blocked(change, step_time_s, other))
     return min(blocked, key=lambda b: b.step_time_s, default=None)
@@ -149,3 +149,40 @@ def duration(seconds: float) -> str:
 
 def _values(knobs: Knobs) -> dict:
     return {f.name: getattr(knobs, f.name) for f in dataclasses.fields(Knobs)}
+
+
+def layout_reason(problem: Problem, ranked: list[Candidate]) -> str:
+    """Why the chosen plan's layout won, against the fastest plan of the other kind the search found (tensor or
+    pipeline parallelism against data parallelism alone): their speeds, and what the layout's collectives and
+    pipeline bubble cost a step. "" where the search weighed no layouts or found only one kind."""
+    feasible = [c for c in ranked if c.feasible]
+    if not problem.layouts or not feasible:
+        return ""
+    chosen = feasible[0]
+    other = next((c for c in feasible if is_layout(c.knobs) != is_layout(chosen.knobs)), None)
+    if other is None:
+        return ""
+    layouts = [c for c in (chosen, other) if is_layout(c.knobs)]
+    step = layout_step(problem.spec, problem.seq_len, layouts[0].knobs, problem.machine)
+    ratio = other.simulation.step_time_s / chosen.simulation.step_time_s
+    parts = [f"its tensor-parallel collectives take {duration(step.tensor_parallel_s)}"] * \
+        bool(step.tensor_parallel_s) + \
+        [f"its pipeline bubble {duration(step.bubble_s)}"] * (layouts[0].knobs.pipeline_parallel > 1)
+    costs = f"{' and '.join(parts)} of a {duration(layouts[0].simulation.step_time_s)} step"
+    if is_layout(chosen.knobs):
+        waits = duration(other.simulation.time_s["exposed_comm"])
+        return (f"layout {describe_layout(chosen.knobs, problem.machine.num_gpus)}: {ratio:.2f}x the tokens/s of the "
+                f"fastest data-parallel plan found ({describe_knobs(other.knobs)}), which waits {waits} of its step on "
+                f"collectives; {costs}")
+    return (f"data parallel alone: {ratio:.2f}x the tokens/s of the fastest tensor- or pipeline-parallel layout "
+            f"found, {describe_layout(other.knobs, problem.machine.num_gpus)}: {costs}")
+
+
+def describe_layout(knobs: Knobs, num_gpus: int) -> str:
+    """E.g. "tensor 4 x pipeline 4 x data 8 (sequence parallel, interleaved_1f1b with 4 chunks a rank)"."""
+    layout = layout_of_knobs(knobs, num_gpus)
+    extras = ["sequence parallel"] if knobs.sequence_parallel else []
+    if layout.pipeline > 1:
+        extras.append(knobs.pipeline_schedule + (f" with {layout.virtual} chunks a rank" if layout.virtual > 1 else ""))
+    sizes = f"tensor {layout.tensor} x pipeline {layout.pipeline} x data {layout.data}"
+    return f"{sizes} ({', '.join(extras)})" if extras else sizes

@@ -88,7 +88,7 @@ def saved_bytes_per_token(spec: ModelSpec, knobs: Knobs, device: str) -> dict[st
 
     Measured against the executor's model with saved-tensor hooks in tests/test_planner_vs_model.py."""
     if "block" in knobs.recompute:
-        return {"block.input": spec.hidden_size * activation_bytes(knobs)}
+        return {"block.input": block_input_bytes(spec, knobs, 1)}
     saved = {name: n * activation_bytes(knobs) for name, n in _saved_activations(spec, knobs.recompute).items()}
     if "attention" not in knobs.recompute:
         saved["sdpa.lse"] = spec.num_heads * FP32_BYTES  # the log-sum-exp of each head's softmax
@@ -96,7 +96,15 @@ def saved_bytes_per_token(spec: ModelSpec, knobs: Knobs, device: str) -> dict[st
         saved |= _norm_statistics(spec, device)
     if knobs.matmul_dtype == "fp8":
         saved |= _fp8_saved(spec, knobs, saved)
+    if knobs.sequence_parallel:  # each tensor-parallel GPU keeps its slice of the sequence of what is hidden wide
+        saved |= {name: saved[name] / knobs.tensor_parallel for name in SEQUENCE_PARALLEL_SAVED if name in saved}
     return saved
+
+
+SEQUENCE_PARALLEL_SAVED = ("attn_norm.input", "attn_norm.rstd", "attn_norm.normalized", "qkv.input", "ffn_norm.input",
+                           "ffn_norm.rstd", "ffn_norm.normalized", "gate_up.input")
+"""What sequence parallelism splits among the tensor-parallel GPUs: the norms' tensors and the column-parallel
+matmuls' inputs, which it gathers again for the backward pass (Korthikanti et al. 2022, section 4.2.2)."""
 
 
 def _fp8_saved(spec: ModelSpec, knobs: Knobs, saved: dict[str, float]) -> dict[str, float]:
@@ -232,7 +240,8 @@ def head_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: st
 def block_input_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
     """A block's input, the residual stream: what block recompute keeps, and what offload_residuals moves to the
     host (every recompute choice keeps it, as the first norm's input)."""
-    return spec.hidden_size * activation_bytes(knobs) * tokens
+    whole = spec.hidden_size * activation_bytes(knobs) * tokens
+    return whole // knobs.tensor_parallel if knobs.sequence_parallel else whole
 
 
 def group_params(spec: ModelSpec) -> dict[str, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastml.config import fail, from_dict
+from fastml.layout import layout_problem
 from fastml.plan import KNOBS, STREAM_MASTERS_NEEDS, ZERO_STAGES, Knobs, fp8_shape_problem
 from fastml.spec import ModelSpec
 
@@ -76,7 +77,14 @@ def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, devi
         if fixed.get(name) and streams_all:
             fail(f"knobs.{name}", "caches the weights of blocks that stay on the GPU, and knobs.offload_weights "
                                   f"{fixed['offload_weights']} streams every block from the host")
-    from_dict(Knobs, fixed, "knobs")  # what else the plan's own rules refuse, before the search
+    knobs = from_dict(Knobs, fixed, "knobs")  # what else the plan's own rules refuse, before the search
+    # the layout on this model and hardware (a pipeline's micro-batches are checked with the batch: make_plan)
+    knob, why = layout_problem(knobs.tensor_parallel, knobs.sequence_parallel, knobs.pipeline_parallel,
+                               knobs.virtual_stages, knobs.pipeline_schedule, knobs.pipeline_parallel, spec.num_heads,
+                               spec.num_kv_heads, spec.ffn_hidden_size, spec.vocab_size, spec.num_layers, seq_len,
+                               device.num_gpus, -(-device.num_gpus // device.num_nodes))
+    if knob:
+        fail(f"knobs.{knob}", why)
     return fixed
 
 
@@ -87,6 +95,12 @@ def pinned_space(space: dict[str, tuple], fixed: dict, spec: ModelSpec) -> dict[
     above none; where pinned shared host weights need streamed blocks the CPU steps, offload_weights above none and
     at most offload_optimizer."""
     space = {**space, **{name: (value,) for name, value in fixed.items()}}
+    # a searched layout keeps to the pins it does not compose with (fastml.plan.Knobs)
+    if fixed.get("comm") == "memcpy" or fixed.get("share_host_weights"):
+        space |= {name: (1,) for name in ("tensor_parallel", "pipeline_parallel") if name in space}
+    if (fixed.get("shard_weights") or fixed.get("offload_weights") or fixed.get("offload_residuals")) and \
+            "pipeline_parallel" in space:
+        space["pipeline_parallel"] = (1,)
     # Knobs that must offload at least one block: a CPU step to overlap, a block to stream the masters of.
     needed = (("offload_optimizer",) if fixed.get("overlap_cpu_step") else ()) + \
         (STREAM_MASTERS_NEEDS if fixed.get("stream_masters") else ()) + \
@@ -127,6 +141,10 @@ def _ties(name: str, value, fixed: dict) -> dict[str, object]:
         return {"param_dtype": "bf16"}
     if name == "matmul_dtype":
         return {"param_dtype": "fp32" if value == "fp32" else "bf16"}
+    if name in ("tensor_parallel", "pipeline_parallel") and value > 1:  # what a layout does not compose with (Knobs)
+        return {"comm": "nccl", "share_host_weights": False} | ({"shard_weights": False, "offload_weights": 0.0,
+                                                                 "offload_residuals": 0.0}
+                                                                if name == "pipeline_parallel" else {})
     if name == "param_dtype" and value == "fp32":
         return {"matmul_dtype": "fp32"}
     return {}

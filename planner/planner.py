@@ -10,20 +10,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastml import hwprofiles
+from fastml.layout import interleaved_rounds
 from fastml.config import UserError, as_type, check_range, fail, from_dict, gib, to_dict
 from fastml.plan import (KNOBS, ZERO_STAGES, Hardware, Knobs, Plan, Predicted, Training, check_init_from, check_knob,
                          parse_assignment, with_overrides)
 from fastml.hwprofiles.between_gpus import peer_access
 from fastml.planner.calibrate import stale_calibration
 from fastml.planner.costs import costs
-from fastml.planner.explain import limit
+from fastml.planner.explain import layout_reason, limit
 from fastml.planner.hardware import Machine, check_cpu_options, load_machine, parse_bytes
 from fastml.planner.memory import Memory, memory
+from fastml.planner.parallel import view
 from fastml.hwprofiles.profile import measure_on_first_use, this_cpu_profile
 from fastml.planner.request import DEFAULT_MODEL, SEQUENCES_PER_STEP, PlanRequest
 from fastml.planner.pins import Device, checked_pins, pinned_space
 from fastml.planner.search import (HOST_USABLE_FRACTION, MAX_MICRO_BATCH, Candidate, Problem, evaluate, knob_space,
-                                   make_knobs, search, smallest_choice)
+                                   make_knobs, rank, search, smallest_choice)
 from fastml.spec import PRESETS, ModelSpec, resolve_model
 from fastml.weights import check_same_model, spec_of_weights
 
@@ -73,12 +75,10 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
     notes = [*target.notes, *(["--lower-precision: a CPU trains in fp32 (the executor's CPU path), so there is "
                                "nothing lower to search"] if cpu and r.lower_precision else [])]
     machine = target.machine_for(sequences_per_gpu)
-    problem = Problem(spec, seq_len, global_batch_tokens, machine)
+    problem = Problem(spec, seq_len, global_batch_tokens, machine, layouts=not here)
     attempts = [False] if cpu else [False, True] if r.lower_precision is None else [r.lower_precision]
     for lower in attempts:
-        space = pinned_space(knob_space(problem, lower_precision=lower), fixed, spec)
-        ranked = search(problem, space, r.trials, storage=_storage(r.study), on_trial=on_trial,
-                        study_name=_study_name(problem, here, lower))
+        ranked, space = _search(problem, fixed, lower, r, on_trial)
         feasible = [c for c in ranked if c.feasible]
         if feasible:
             plans = [_assemble(problem, c, r.steps, r.data, init_from) for c in feasible[:4]]
@@ -87,9 +87,48 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
                 plan = dataclasses.replace(plan, predicted=dataclasses.replace(
                     plan.predicted, eval_time_s=eval_time_s(problem, plan.knobs, plan.training.eval_tokens)))
             check_init_from(plan)  # against the model as --set left it
+            reason = layout_reason(problem, ranked)
             return Planned(plan, plans[1:], lower, limit(problem, feasible[0]),
-                           stale_calibration(machine.calibration, machine.profile), notes)
+                           stale_calibration(machine.calibration, machine.profile), notes + [reason] * bool(reason))
     raise NoFeasiblePlan(infeasible_message(problem, space))
+
+
+LAYOUT_KNOBS = ("tensor_parallel", "sequence_parallel", "pipeline_parallel", "pipeline_schedule", "virtual_stages")
+
+
+def _search(problem: Problem, fixed: dict, lower: bool, r: PlanRequest,
+            on_trial) -> tuple[list[Candidate], dict[str, tuple]]:
+    """The search's candidates, ranked, and its space. Where it weighs layouts and none is pinned, the data-parallel plans are
+    searched apart too: the two kinds' fastest plans differ in most knobs (recompute, offload and ZeRO that a layout
+    no longer needs), which one search's trials would seldom both reach."""
+    def space_of(p: Problem) -> dict[str, tuple]:
+        return whole_rounds(pinned_space(knob_space(p, lower_precision=lower), fixed, p.spec), p)
+
+    def searched(p: Problem, suffix: str) -> list[Candidate]:
+        return search(p, space_of(p), r.trials, storage=_storage(r.study), on_trial=on_trial,
+                      study_name=_study_name(p, r.hw is None, lower) + suffix)
+    ranked = searched(problem, "")
+    if problem.layouts and not set(fixed) & set(LAYOUT_KNOBS):
+        flat = searched(dataclasses.replace(problem, layouts=False), "-data-parallel")
+        ranked = rank(problem, list({c.knobs: c for c in ranked + flat}.values()))
+    return ranked, space_of(problem)
+
+
+def whole_rounds(space: dict[str, tuple], problem: Problem) -> dict[str, tuple]:
+    """The micro-batch sizes whose micro-batches a pinned interleaved 1F1B runs in whole rounds (fastml.layout)."""
+    if space.get("pipeline_schedule") != ("interleaved_1f1b",):
+        return space
+    pipeline = space["pipeline_parallel"][0]
+    sequences = problem.sequences_per_gpu * space["tensor_parallel"][0] * pipeline
+
+    def whole(micro: int) -> bool:
+        micro_batches = sequences // micro
+        return micro_batches % interleaved_rounds(pipeline, micro_batches) == 0
+    sizes = tuple(m for m in space["micro_batch_size"] if whole(m))
+    if not sizes:
+        fail("knobs.pipeline_schedule", f"interleaved 1F1B runs whole rounds of micro-batches, and no micro-batch size "
+                                        f"of the {sequences} sequences of a data-parallel rank makes them")
+    return space | {"micro_batch_size": sizes}
 
 
 def requested_model(r: PlanRequest) -> tuple[ModelSpec, str]:
@@ -203,11 +242,13 @@ def eval_time_s(problem: Problem, knobs: Knobs, eval_tokens: int) -> float:
     executor/loop/evaluate.py rounds), at the step's price of a forward pass (the blocks', and a third of the head's
     forward and backward). The planner does not read the data (fastml/ is all it shares with the executor): a
     validation split smaller than eval_tokens evaluates fewer. What a streamed or sharded plan's forward pass waits on
-    copies and gathers is not counted."""
-    c = costs(problem.spec, problem.seq_len, knobs, problem.machine)
-    per_round = knobs.micro_batch_size * problem.seq_len * problem.machine.num_gpus
+    copies and gathers is not counted; nor, with tensor or pipeline parallelism, their collectives and the pipeline's
+    filling (a GPU's blocks are priced as its slice of the model: planner/parallel.py `view`)."""
+    spec, machine = view(problem.spec, knobs, problem.machine)
+    c = costs(spec, problem.seq_len, knobs, machine)
+    per_round = knobs.micro_batch_size * problem.seq_len * machine.num_gpus
     micro_batches = max(1, eval_tokens // per_round)
-    return micro_batches * (problem.spec.num_layers * c.layer_forward + c.head_forward_backward / 3)
+    return micro_batches * (spec.num_layers * c.layer_forward + c.head_forward_backward / 3)
 
 
 def infeasible_message(problem: Problem, space: dict) -> str:

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 from fastml.plan import (KNOBS, OFFLOAD_FRACTIONS, ZERO_STAGES, Knobs, fp8_cached_blocks, fp8_shape_problem,
                          master_streamed_groups)
+from fastml.layout import interleaved_rounds, layout_problem
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import Memory, has_fp32_masters, memory
-from fastml.planner.simulate import Simulation, simulate
+from fastml.planner.memory import Memory, has_fp32_masters
+from fastml.planner.parallel import memory_any, simulate_any
+from fastml.planner.simulate import Simulation
 from fastml.spec import ModelSpec
 
 MAX_MICRO_BATCH = 64
@@ -50,6 +52,9 @@ class Problem:
     seq_len: int
     global_batch_tokens: int
     machine: Machine
+    layouts: bool = False
+    """Search tensor and pipeline parallelism too (`layout_choices`): plans for other hardware, which `fastml run`
+    does not train until its executor runs them (issue 28)."""
 
     @property
     def sequences_per_gpu(self) -> int:
@@ -82,7 +87,28 @@ def knob_space(problem: Problem, lower_precision: bool) -> dict[str, tuple]:
             problem.machine.num_gpus > 1 or not info.multi_gpu) and not on_host_already
         if searched:
             space[name] = choices
+    if problem.layouts and problem.machine.num_gpus > 1:
+        space |= {name: choices for name, choices in layout_choices(problem).items() if len(choices) > 1}
     return space
+
+
+LAYOUT_SIZES = (1, 2, 4, 8, 16, 32, 64)
+VIRTUAL_STAGES = (1, 2, 4)
+
+
+def layout_choices(problem: Problem) -> dict[str, tuple]:
+    """Tensor-parallel sizes that split this model within a node, pipeline sizes that divide the GPUs, sequence
+    parallelism, and chunks per pipeline rank (interleaved 1F1B where above 1; `without_no_ops` fixes a choice that
+    does not go together)."""
+    spec, machine = problem.spec, problem.machine
+
+    def fits(tensor: int, pipeline: int) -> bool:
+        return not layout_problem(tensor, False, pipeline, 1, "1f1b", 1, spec.num_heads, spec.num_kv_heads,
+                                  spec.ffn_hidden_size, spec.vocab_size, spec.num_layers, problem.seq_len,
+                                  machine.num_gpus, machine.gpus_per_node)[0]
+    tensor = tuple(t for t in LAYOUT_SIZES if fits(t, 1))
+    return {"tensor_parallel": tensor, "pipeline_parallel": tuple(p for p in LAYOUT_SIZES if fits(1, p)),
+            "sequence_parallel": (False, True) if len(tensor) > 1 else (False,), "virtual_stages": VIRTUAL_STAGES}
 
 
 def micro_batch_choices(problem: Problem) -> tuple[int, ...]:
@@ -99,8 +125,32 @@ def space_size(space: dict[str, tuple]) -> int:
 def make_knobs(problem: Problem, choice: dict) -> Knobs:
     defaults = {f.name: f.default for f in dataclasses.fields(Knobs)}
     values = with_zero_stages({**defaults, **choice})
-    values["grad_accum_steps"] = problem.sequences_per_gpu // values["micro_batch_size"]
-    return Knobs(**without_no_ops(problem.spec, values, problem.machine.num_gpus))
+    return Knobs(**without_no_ops(problem.spec, with_layout(problem, values), problem.machine.num_gpus))
+
+
+def with_layout(problem: Problem, values: dict) -> dict:
+    """A drawn layout made one that goes together: the pipeline shortened until tensor x pipeline divides the GPUs;
+    chunks per rank (interleaved 1F1B) only with a pipeline, at most a block each, and a whole number of rounds of
+    micro-batches; sequence parallelism only with tensor parallelism; and the knobs a layout does not compose with
+    at their defaults (fastml.plan.Knobs: the memcpy collectives and shared host weights, and with a pipeline, ZeRO-3
+    and streamed weights or inputs). With the grad_accum_steps of the data-parallel rank's sequences."""
+    fixed = dict(values)
+    tensor, pipeline, virtual = fixed["tensor_parallel"], fixed["pipeline_parallel"], fixed["virtual_stages"]
+    while problem.machine.num_gpus % (tensor * pipeline):
+        pipeline //= 2
+    micro_batches = problem.sequences_per_gpu * tensor * pipeline // fixed["micro_batch_size"]
+    if (pipeline == 1 or fixed["pipeline_schedule"] == "gpipe" or pipeline * virtual > problem.spec.num_layers or
+            micro_batches % interleaved_rounds(pipeline, micro_batches)):
+        virtual = 1
+    if fixed["pipeline_schedule"] == "interleaved_1f1b" or virtual > 1:
+        fixed["pipeline_schedule"] = "interleaved_1f1b" if virtual > 1 else "1f1b"
+    fixed |= {"pipeline_parallel": pipeline, "virtual_stages": virtual, "grad_accum_steps": micro_batches}
+    fixed["sequence_parallel"] &= tensor > 1
+    if tensor * pipeline > 1:
+        fixed |= {"comm": "nccl", "share_host_weights": False}
+    if pipeline > 1:
+        fixed |= {"shard_weights": False, "offload_weights": 0.0, "offload_residuals": 0.0}
+    return fixed
 
 
 def with_zero_stages(values: dict) -> dict:
@@ -145,15 +195,14 @@ def without_no_ops(spec: ModelSpec, values: dict, num_gpus: int) -> dict:
 
 def evaluate(problem: Problem, knobs: Knobs) -> Candidate:
     """Memory first; only knobs that fit are simulated."""
-    m = memory(problem.spec, problem.seq_len, knobs, problem.machine.num_gpus, problem.machine.gpus_per_node,
-               problem.machine.device, problem.machine.calibration)
+    m = memory_any(problem.spec, problem.seq_len, knobs, problem.machine)
     gpu_over = m.gpu_peak - problem.gpu_budget()
     host_over = m.host_total - problem.host_budget()
     if problem.machine.shares_host_memory:  # a CPU: every process's device bytes and the host's fill one pool
         gpu_over = host_over = problem.machine.gpus_per_node * m.gpu_peak + m.host_total - problem.host_budget()
     sim = None
     if gpu_over <= 0 and host_over <= 0:
-        sim = simulate(problem.spec, problem.seq_len, knobs, problem.machine)
+        sim = simulate_any(problem.spec, problem.seq_len, knobs, problem.machine)
     return Candidate(knobs=knobs, memory=m, simulation=sim, gpu_over_bytes=gpu_over, host_over_bytes=host_over)
 
 
@@ -172,7 +221,7 @@ def evaluate_choice(problem: Problem, choice: dict) -> Candidate:
     if not values["overlap_cpu_step"]:  # nothing to overlap
         return candidate
     overlapped = Knobs(**values)
-    sim = simulate(problem.spec, problem.seq_len, overlapped, problem.machine)
+    sim = simulate_any(problem.spec, problem.seq_len, overlapped, problem.machine)
     if sim.step_time_s >= candidate.simulation.step_time_s:
         return candidate
     return dataclasses.replace(candidate, knobs=overlapped, simulation=sim)

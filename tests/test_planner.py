@@ -664,9 +664,17 @@ def other_value(name: str, chosen):
     """A value of knob `name` other than the one the search `chosen` unpinned (so that a pin can be seen kept)."""
     from fastml.plan import KNOBS
 
-    choices = (1, 2, 4, 8, 16) if name == "micro_batch_size" else (False, True) if isinstance(chosen, bool) else \
+    choices = (1, 2, 4, 8, 16) if name in ("micro_batch_size", "tensor_parallel", "pipeline_parallel",
+                                           "virtual_stages") else \
+        (False, True) if isinstance(chosen, bool) else ("1f1b", "gpipe") if name == "pipeline_schedule" else \
         KNOBS[name].choices
     return next(v for v in choices if v != chosen)
+
+
+PARTNER_PINS = {"sequence_parallel": ["knobs.tensor_parallel=2"],
+                "virtual_stages": ["knobs.pipeline_parallel=2", "knobs.pipeline_schedule=interleaved_1f1b"]}
+"""What a layout knob is refused without (fastml.plan.Knobs): sequence parallelism splits among tensor-parallel GPUs,
+chunks a rank are interleaved 1F1B's."""
 
 
 @pytest.mark.parametrize("name", [n for n in __import__("fastml.plan").plan.KNOBS
@@ -679,7 +687,8 @@ def test_every_knob_pin_is_kept(name, unpinned_tiny_on_two_h200s):
     grad_accum_steps follows from the batch (pinning it is refused); param_dtype has one value on a GPU."""
     value = other_value(name, getattr(unpinned_tiny_on_two_h200s, name))
     pin = ",".join(value) or "" if isinstance(value, tuple) else json.dumps(value)
-    knobs = make_plan(model="tiny", hw="h200", gpus=2, trials=20, overrides=[f"knobs.{name}={pin}"]).plan.knobs
+    overrides = [f"knobs.{name}={pin}", *PARTNER_PINS.get(name, [])]
+    knobs = make_plan(model="tiny", hw="h200", gpus=2, trials=20, overrides=overrides).plan.knobs
     assert getattr(knobs, name) == value
 
 

@@ -41,6 +41,15 @@ class TrainingStopped(Exception):
         self.exit_code = exit_code
 
 
+def check_runs_layout(plan: Plan) -> None:
+    """This executor trains data parallel (with ZeRO and offload) only: the planner prices tensor and pipeline
+    parallelism, whose executor is not built yet (issue 28)."""
+    for name in ("tensor_parallel", "pipeline_parallel"):
+        if getattr(plan.knobs, name) > 1:
+            fail(f"knobs.{name}", f"{getattr(plan.knobs, name)}: fastml plans it but does not run it yet; make a plan "
+                                  f"with knobs.{name}=1 to train")
+
+
 DEFAULT_TIMEOUT_S = 600
 """How long the ranks of a job wait for each other before it is stopped (`--timeout`); a first step that compiles
 the model can take minutes."""
@@ -75,6 +84,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
 
     Rank 0 prints its report (what is in effect, the closing tables, where the record went) on stdout and its
     progress, notes and warnings on stderr; `console` receives both instead."""
+    check_runs_layout(plan)
     world = launched()
     main = world is None or world.main
     run_dir = Path(run_dir) if run_dir is not None and main else None  # rank 0's alone

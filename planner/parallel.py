@@ -1,0 +1,196 @@
+"""Tensor and pipeline parallelism priced on top of the one-GPU model: a GPU of a layout trains its slice of the model
+(`view`: its share of the heads, FFN width and vocabulary, the blocks of its pipeline stages) as a data-parallel rank
+among the GPUs that hold the same slice, which the simulator and memory model already price; this module adds what
+the layout itself costs. Tensor parallelism's all-reduces run between a block's matmuls, on the compute stream's
+critical path (Megatron-LM's column- and row-parallel linears: two a block forward, two backward; Shoeybi et al. 2019,
+section 3). The pipeline's step is its ranks' passes as planner/pipeline.py schedules them; the time it waits beyond
+its busiest rank's work is its bubble. A stage in 1F1B keeps as many micro-batches' activations as it has passes in
+flight (Narayanan et al. 2021, section 2.2: the first stage the most).
+
+What this leaves out: the view prices one rank with the most blocks and the head, where the head may sit on a stage
+with fewer blocks (the pipeline's busiest rank is then priced right, the view's data-parallel work on top as if
+there); the point-to-point sends overlap nothing but are priced on their link; tensor parallelism's collectives are
+NCCL's on the node's links (knobs.comm is refused with a layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fastml.layout import Layout, stage_layers
+from fastml.plan import Knobs, tensor_slice
+from fastml.spec import ModelSpec
+from fastml.planner.costs import Costs, costs, link_bytes_per_s
+from fastml.planner.hardware import Machine
+from fastml.planner.memory import Memory, activation_bytes, layer_activation_bytes, memory
+from fastml.planner.pipeline import PipelineRun, run_pipeline
+from fastml.planner.simulate import Simulation, simulate
+
+LOSS_STATISTICS = 3
+"""The vocabulary-parallel cross-entropy's all-reduces of a float per token: the logits' maximum, the sum of their
+exponentials and the target's logit (Megatron-LM's parallel cross-entropy)."""
+
+
+def layout_of_knobs(knobs: Knobs, num_gpus: int) -> Layout:
+    tensor, pipeline = knobs.tensor_parallel, knobs.pipeline_parallel
+    return Layout(tensor, pipeline, num_gpus // (tensor * pipeline), knobs.virtual_stages)
+
+
+def is_layout(knobs: Knobs) -> bool:
+    return knobs.tensor_parallel * knobs.pipeline_parallel > 1
+
+
+def rank_layers(spec: ModelSpec, layout: Layout) -> list[int]:
+    """Blocks per pipeline rank: the layers of its virtual stages."""
+    per_stage = stage_layers(spec.num_layers, layout.stages)
+    return [sum(per_stage[rank::layout.pipeline]) for rank in range(layout.pipeline)]
+
+
+def view(spec: ModelSpec, knobs: Knobs, machine: Machine) -> tuple[ModelSpec, Machine]:
+    """The model and machine one GPU of the layout trains as a data-parallel rank: its tensor slice of the blocks of
+    its busiest pipeline rank, with one vocabulary matrix where there are stages (the embedding on the first, the
+    head on the last); the data-parallel group's GPUs as the machine, sharing the node's NIC, PCIe root and CPU
+    with the node's other groups."""
+    layout = layout_of_knobs(knobs, machine.num_gpus)
+    sliced = tensor_slice(spec, layout.tensor)
+    if layout.pipeline > 1:
+        sliced = dataclasses.replace(sliced, num_layers=max(rank_layers(spec, layout)), tied_embeddings=True)
+    physical = machine.gpus_per_node
+    per_node = layout.data_group_per_node(physical)
+    share = per_node / physical
+    node = dataclasses.replace(machine.node, gpus_per_node=per_node,
+                               nic_bytes_per_s=machine.node.nic_bytes_per_s * share,
+                               h2d_all_gpus_bytes_per_s=machine.node.h2d_all_gpus_bytes_per_s * share,
+                               cpu_adam_params_per_s=machine.node.cpu_adam_params_per_s * share)
+    return sliced, dataclasses.replace(machine, num_gpus=layout.data, node=node)
+
+
+@dataclass(frozen=True)
+class TensorParallelCosts:
+    """Seconds of tensor parallelism's collectives per micro-batch: per block pass, and the embedding's and head's."""
+
+    forward: float
+    backward: float
+    recompute: float
+    head: float
+
+
+def tensor_parallel_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> TensorParallelCosts:
+    t = knobs.tensor_parallel
+    if t == 1:
+        return TensorParallelCosts(0.0, 0.0, 0.0, 0.0)
+    hidden = knobs.micro_batch_size * seq_len * spec.hidden_size * activation_bytes(knobs)
+    # Sequence parallelism swaps each all-reduce for a reduce-scatter and an all-gather: the bytes of one, twice the
+    # launches (Korthikanti et al. 2022, section 4.2.2).
+    calls = 2 if knobs.sequence_parallel else 1
+    bandwidth = min(machine.bus_bytes_per_s["all_reduce"], link_bytes_per_s(machine))
+
+    def all_reduce(num_bytes: float) -> float:
+        return (calls * machine.collective_latency_s + 2 * num_bytes * (t - 1) / t / bandwidth) * \
+            machine.calibration.transfer
+
+    block = 2 * all_reduce(hidden)  # after attention's and the FFN's row-parallel matmul; their inputs' gradients
+    recomputed = 2 if "block" in knobs.recompute else int("ffn" in knobs.recompute)
+    statistics = LOSS_STATISTICS * knobs.micro_batch_size * seq_len * 4
+    # the embedding's output and the head's input gradient, and the loss's statistics
+    head = 2 * all_reduce(hidden) + LOSS_STATISTICS * all_reduce(statistics / LOSS_STATISTICS)
+    return TensorParallelCosts(block, block, recomputed * all_reduce(hidden), head)
+
+
+def p2p_s(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> float:
+    """A micro-batch's activations (or their gradient) to the next stage: each tensor-parallel rank sends its
+    1/tensor_parallel of them, gathered again on the other side (Narayanan et al. 2021, section 4.1), over the NIC
+    where stages sit on other nodes, else the links between the node's GPUs."""
+    layout = layout_of_knobs(knobs, machine.num_gpus)
+    num_bytes = knobs.micro_batch_size * seq_len * spec.hidden_size * activation_bytes(knobs) / layout.tensor
+    if layout.pipeline_crosses_nodes(machine.gpus_per_node):
+        bandwidth = machine.node.nic_bytes_per_s / machine.gpus_per_node
+    else:
+        bandwidth = link_bytes_per_s(machine)
+    return (machine.collective_latency_s + num_bytes / bandwidth) * machine.calibration.transfer
+
+
+def pipeline_run(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine, c: Costs,
+                 tp: TensorParallelCosts) -> PipelineRun:
+    """The step's passes over the pipeline's ranks: each stage's blocks at the view's price per block (its weight
+    casts and recompute with the backward pass), the head and loss with the last stage's forward pass."""
+    layout = layout_of_knobs(knobs, machine.num_gpus)
+    per_stage = stage_layers(spec.num_layers, layout.stages)
+    forward = c.layer_forward + c.layer_weight_cast_forward + tp.forward
+    backward = c.layer_backward + c.layer_recompute + c.layer_weight_cast_backward + tp.backward + tp.recompute
+    forward_s = [n * forward for n in per_stage]
+    backward_s = [n * backward for n in per_stage]
+    forward_s[-1] += c.head_forward_backward + tp.head
+    return run_pipeline(knobs.pipeline_schedule, layout.pipeline, knobs.grad_accum_steps, layout.virtual,
+                        forward_s, backward_s, p2p_s(spec, seq_len, knobs, machine) if layout.pipeline > 1 else 0.0)
+
+
+def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Memory:
+    """One GPU's memory (`memory`, of the view) with the activations of the micro-batches its pipeline rank holds at
+    once beyond the one the view counts."""
+    sliced, dp = view(spec, knobs, machine)
+    m = memory(sliced, seq_len, knobs, dp.num_gpus, machine.gpus_per_node, machine.device, machine.calibration)
+    if knobs.pipeline_parallel == 1:
+        return m
+    layout = layout_of_knobs(knobs, machine.num_gpus)
+    order_run = pipeline_run(spec, seq_len, knobs, machine, costs(sliced, seq_len, knobs, dp),
+                             TensorParallelCosts(0.0, 0.0, 0.0, 0.0))
+    chunk_layers = max(rank_layers(spec, layout)) / layout.virtual
+    tokens = knobs.micro_batch_size * seq_len
+    extra = int(max(0, max(order_run.in_flight) - layout.virtual) * chunk_layers *
+                layer_activation_bytes(sliced, knobs, tokens, machine.device))
+    return dataclasses.replace(m, gpu_peak=m.gpu_peak + extra,
+                               gpu=m.gpu | {"activations": m.gpu["activations"] + extra},
+                               peak_phase=m.peak_phase | {"activations": m.peak_phase["activations"] + extra})
+
+
+@dataclass(frozen=True)
+class LayoutStep:
+    view: Simulation
+    """The view's simulated step (`view`)."""
+    tensor_parallel_s: float
+    """Tensor parallelism's collectives in the step of the pipeline's busiest rank."""
+    bubble_s: float
+    """The time that rank waits in the pipeline's step."""
+    computed_less_s: float
+    """What that rank computes less than the view prices: blocks of the view's rank it does not hold, or the head."""
+
+
+def layout_step(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> LayoutStep:
+    sliced, dp = view(spec, knobs, machine)
+    c = costs(sliced, seq_len, knobs, dp)
+    tp = tensor_parallel_costs(spec, seq_len, knobs, machine)
+    run = pipeline_run(spec, seq_len, knobs, machine, c, tp)
+    layout = layout_of_knobs(knobs, machine.num_gpus)
+    m, busiest = knobs.grad_accum_steps, max(range(layout.pipeline), key=lambda r: run.busy_s[r])
+    layers, has_head = rank_layers(spec, layout)[busiest], busiest == layout.pipeline - 1
+    per_layer = c.layer_forward + c.layer_weight_cast_forward + c.layer_backward + c.layer_recompute + \
+        c.layer_weight_cast_backward
+    return LayoutStep(simulate(sliced, seq_len, knobs, dp),
+                      m * (layers * (tp.forward + tp.backward + tp.recompute) + has_head * tp.head),
+                      max(0.0, run.step_s - run.busy_s[busiest]),
+                      m * ((sliced.num_layers - layers) * per_layer + (not has_head) * c.head_forward_backward))
+
+
+def layout_simulation(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Simulation:
+    """The view's simulated step, its blocks' and head's passes replaced by the pipeline's (`layout_step`): tensor
+    parallelism's collectives charged to exposed communication, the bubble to "other" (the compute stream waits),
+    and what the busiest rank computes less than the view taken off compute."""
+    step = layout_step(spec, seq_len, knobs, machine)
+    time_s = dict(step.view.time_s)
+    time_s["exposed_comm"] += step.tensor_parallel_s
+    time_s["other"] += step.bubble_s
+    time_s["compute"] = max(0.0, time_s["compute"] - step.computed_less_s)
+    return dataclasses.replace(step.view, step_time_s=sum(time_s.values()), time_s=time_s)
+
+
+def simulate_any(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Simulation:
+    """The step of any plan: a layout's (`layout_simulation`) or a data-parallel one's (`simulate`)."""
+    return layout_simulation(spec, seq_len, knobs, machine) if is_layout(knobs) else \
+        simulate(spec, seq_len, knobs, machine)
+
+
+def memory_any(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Memory:
+    return layout_memory(spec, seq_len, knobs, machine) if is_layout(knobs) else \
+        memory(spec, seq_len, knobs, machine.num_gpus, machine.gpus_per_node, machine.device, machine.calibration)

@@ -1,0 +1,85 @@
+"""A pipeline's step as its ranks run it: each rank's passes in the contract's order (fastml.layout.pipeline_order),
+each pass waiting for the one before it on its rank and for its input from the neighbouring stage (a forward pass for
+the stage before's output, a backward pass for the stage after's gradient), the send between ranks taking `p2p_s`.
+
+Closed forms hold only for equal stages and free sends (the bubble of GPipe and 1F1B is (p-1)/(m+p-1) of the step,
+interleaved 1F1B's (p-1)/v of a micro-batch's passes more; Narayanan et al. 2021, section 2.2); scheduling the passes
+themselves also prices uneven stages, the sends, and a rank that runs ahead of the one after it. tests/test_layout.py
+checks the closed forms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastml.layout import Action, pipeline_order
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    step_s: float
+    """From the first forward pass to the last backward pass of the step, on any rank."""
+    busy_s: tuple[float, ...]
+    """Per pipeline rank, the seconds it computes."""
+    in_flight: tuple[int, ...]
+    """Per pipeline rank, the most micro-batch chunks whose forward pass it has run and backward pass not yet: the
+    activations it holds at once, in chunks (a stage's blocks, a rank's share of them when interleaved)."""
+
+    def bubble_s(self, rank: int) -> float:
+        """The time rank `rank` waits within the step."""
+        return self.step_s - self.busy_s[rank]
+
+
+def run_pipeline(schedule: str, pipeline: int, micro_batches: int, virtual: int, forward_s: list[float],
+                 backward_s: list[float], p2p_s: float) -> PipelineRun:
+    """The step of `pipeline` ranks, each virtual stage s's forward and backward pass taking forward_s[s] and
+    backward_s[s] (the last stage's forward pass with the loss)."""
+    order = pipeline_order(schedule, pipeline, micro_batches, virtual)
+    stages = pipeline * virtual
+    done: dict[Action, float] = {}
+    rank_free = [0.0] * pipeline
+    position = [0] * pipeline
+    remaining = sum(map(len, order))
+    while remaining:
+        progressed = False
+        for rank in range(pipeline):
+            while position[rank] < len(order[rank]):
+                action = order[rank][position[rank]]
+                ready = _input_ready(action, stages, pipeline, done, p2p_s)
+                if ready is None:
+                    break
+                start = max(rank_free[rank], ready)
+                seconds = (forward_s if action.kind == "F" else backward_s)[action.stage]
+                done[action] = rank_free[rank] = start + seconds
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError(f"the {schedule} order deadlocks: rank passes wait on each other")
+    busy = [sum((forward_s if a.kind == "F" else backward_s)[a.stage] for a in actions) for actions in order]
+    return PipelineRun(max(rank_free), tuple(busy), tuple(map(_most_in_flight, order)))
+
+
+def _input_ready(action: Action, stages: int, pipeline: int, done: dict[Action, float],
+                 p2p_s: float) -> float | None:
+    """When the pass's input is on its rank, or None where the pass it waits for has not run yet."""
+    if action.kind == "F":
+        source = Action("F", action.micro_batch, action.stage - 1) if action.stage > 0 else None
+    elif action.stage == stages - 1:  # the loss's gradient, made by this stage's own forward pass
+        source = Action("F", action.micro_batch, action.stage)
+    else:
+        source = Action("B", action.micro_batch, action.stage + 1)
+    if source is None:
+        return 0.0
+    if source not in done:
+        return None
+    same_rank = source.stage % pipeline == action.stage % pipeline
+    return done[source] + (0.0 if same_rank else p2p_s)
+
+
+def _most_in_flight(actions: list[Action]) -> int:
+    held = most = 0
+    for action in actions:
+        held += 1 if action.kind == "F" else -1
+        most = max(most, held)
+    return most

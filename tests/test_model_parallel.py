@@ -1,0 +1,179 @@
+"""Tensor and pipeline parallelism as the contract states them (fastml/layout.py) and the planner prices them
+(planner/pipeline.py, planner/parallel.py); the executor refuses them until it runs them (issue 28)."""
+
+import dataclasses
+
+import pytest
+
+from fastml.config import UserError
+from fastml.layout import Action, Layout, interleaved_rounds, pipeline_order, stage_layers
+from fastml.plan import Hardware, Knobs, Plan, Training
+from fastml.planner.hardware import load_machine
+from fastml.planner.memory import layer_activation_bytes
+from fastml.planner.parallel import layout_memory, rank_layers, tensor_parallel_costs, view
+from fastml.planner.pipeline import run_pipeline
+from fastml.planner.planner import make_plan
+from fastml.spec import PRESETS
+
+
+def test_interleaved_order_is_torchs():
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    if not hasattr(schedules.ScheduleInterleaved1F1B, "_calculate_single_rank_operations"):
+        pytest.skip("this torch has no ScheduleInterleaved1F1B._calculate_single_rank_operations to compare with")
+    for p in (2, 3, 4):
+        for m in range(1, 13):
+            for v in (2, 3):
+                rounds = interleaved_rounds(p, m)
+                if m % rounds:
+                    continue
+                s = object.__new__(schedules.ScheduleInterleaved1F1B)  # its order alone, without a process group
+                s.pp_group_size, s.n_local_stages, s._n_microbatches = p, v, m
+                s.number_of_rounds, s.microbatches_per_round = rounds, m // rounds
+                for rank, ours in enumerate(pipeline_order("interleaved_1f1b", p, m, v)):
+                    theirs = [Action("F" if a.computation_type.name == "FORWARD" else "B", a.microbatch_index,
+                                     a.stage_index)
+                              for a in s._calculate_single_rank_operations(rank) if a is not None]
+                    assert ours == theirs, (p, m, v, rank)
+
+
+@pytest.mark.parametrize("p, m", [(1, 3), (2, 1), (4, 8), (4, 3), (3, 7)])
+def test_1f1b_order_is_torchs_execution(p, m):
+    """Schedule1F1B runs min(m, p - rank) forward passes, then a backward and a forward pass in turn, then the
+    backward passes left (torch.distributed.pipelining's _step_microbatches)."""
+    for rank, ours in enumerate(pipeline_order("1f1b", p, m)):
+        warmup = min(m, p - rank)
+        expected = [("F", j) for j in range(warmup)]
+        for j in range(m - warmup):
+            expected += [("B", j), ("F", warmup + j)]
+        expected += [("B", j) for j in range(m - warmup, m)]
+        assert [(a.kind, a.micro_batch) for a in ours] == expected
+        assert {a.stage for a in ours} == {rank}
+
+
+@pytest.mark.parametrize("schedule, p, m, v", [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1),
+                                               ("interleaved_1f1b", 4, 8, 2), ("interleaved_1f1b", 2, 4, 4)])
+def test_equal_stages_and_free_sends_give_the_closed_form_bubble(schedule, p, m, v):
+    """Narayanan et al. 2021, section 2.2: (p - 1) forward and backward passes of a stage, of a v-th of the blocks
+    each when interleaved."""
+    f, b = 1.0, 2.0
+    run = run_pipeline(schedule, p, m, v, [f / v] * (p * v), [b / v] * (p * v), 0.0)
+    assert run.busy_s == pytest.approx([m * (f + b)] * p)
+    assert run.step_s == pytest.approx(m * (f + b) + (p - 1) * (f + b) / v)
+
+
+def test_1f1b_keeps_fewer_micro_batches_in_flight_than_gpipe():
+    assert run_pipeline("gpipe", 4, 8, 1, [1.0] * 4, [2.0] * 4, 0.0).in_flight == (8, 8, 8, 8)
+    assert run_pipeline("1f1b", 4, 8, 1, [1.0] * 4, [2.0] * 4, 0.0).in_flight == (4, 3, 2, 1)
+    assert run_pipeline("1f1b", 4, 2, 1, [1.0] * 4, [2.0] * 4, 0.0).in_flight == (2, 2, 2, 1)
+
+
+def test_sends_and_uneven_stages_lengthen_the_step():
+    even = run_pipeline("1f1b", 4, 8, 1, [1.0] * 4, [2.0] * 4, 0.0).step_s
+    assert run_pipeline("1f1b", 4, 8, 1, [1.0] * 4, [2.0] * 4, 0.1).step_s > even
+    assert run_pipeline("1f1b", 4, 8, 1, [1.0, 1.0, 1.5, 1.0], [2.0, 2.0, 3.0, 2.0], 0.0).step_s > even
+
+
+def test_stages_split_the_blocks():
+    assert stage_layers(10, 4) == (2, 3, 3, 2)
+    assert sum(stage_layers(80, 16)) == 80
+    assert rank_layers(PRESETS["tiny"], Layout(tensor=1, pipeline=2, data=1, virtual=2)) == [2, 2]
+
+
+H100S = load_machine("h100-sxm", 8, 2)
+SPEC = PRESETS["llama-3.1-8b"]
+
+
+def test_without_a_layout_the_view_is_the_plan_itself():
+    assert view(SPEC, Knobs(), H100S) == (SPEC, H100S)
+
+
+def test_the_view_is_a_slice_of_the_model_on_the_data_parallel_group():
+    knobs = Knobs(micro_batch_size=1, grad_accum_steps=8, tensor_parallel=4, pipeline_parallel=2)
+    spec, machine = view(SPEC, knobs, H100S)
+    assert (spec.num_heads, spec.num_kv_heads, spec.ffn_hidden_size, spec.vocab_size) == (8, 2, 3584, 32064)
+    assert spec.num_layers == 16 and spec.hidden_size == SPEC.hidden_size
+    assert machine.num_gpus == 2 and machine.gpus_per_node == 2
+    assert machine.node.nic_bytes_per_s == pytest.approx(H100S.node.nic_bytes_per_s / 4)
+
+
+def test_tensor_parallel_collectives():
+    knobs = Knobs(micro_batch_size=2, grad_accum_steps=8, tensor_parallel=4, recompute=("block",))
+    tp = tensor_parallel_costs(SPEC, 2048, knobs, H100S)
+    assert tp.forward == tp.backward == tp.recompute > 0 and tp.head > tp.forward / 2
+    with_sp = tensor_parallel_costs(SPEC, 2048, dataclasses.replace(knobs, sequence_parallel=True), H100S)
+    assert with_sp.forward == pytest.approx(tp.forward + 2 * H100S.collective_latency_s *  # a launch more each
+                                            H100S.calibration.transfer)
+    assert tensor_parallel_costs(SPEC, 2048, dataclasses.replace(knobs, tensor_parallel=1), H100S).forward == 0
+
+
+def test_sequence_parallel_splits_the_activations():
+    knobs = Knobs(micro_batch_size=1, grad_accum_steps=8, tensor_parallel=4)
+    split = dataclasses.replace(knobs, sequence_parallel=True)
+    assert layer_activation_bytes(SPEC, split, 2048, "cuda") < layer_activation_bytes(SPEC, knobs, 2048, "cuda")
+    block = dataclasses.replace(split, recompute=("block",))
+    assert layer_activation_bytes(SPEC, block, 2048, "cuda") * 4 == \
+        layer_activation_bytes(SPEC, dataclasses.replace(block, sequence_parallel=False, tensor_parallel=1), 2048,
+                               "cuda")
+
+
+def test_the_first_stage_holds_a_micro_batch_per_stage():
+    knobs = Knobs(micro_batch_size=1, grad_accum_steps=8, pipeline_parallel=4, recompute=("block",))
+    spec, _ = view(SPEC, knobs, H100S)
+    gpipe = layout_memory(SPEC, 2048, dataclasses.replace(knobs, pipeline_schedule="gpipe"), H100S)
+    one_f_one_b = layout_memory(SPEC, 2048, knobs, H100S)
+    per_micro_batch = spec.num_layers * layer_activation_bytes(spec, knobs, 2048, "cuda")
+    assert gpipe.gpu_peak - one_f_one_b.gpu_peak == pytest.approx((8 - 4) * per_micro_batch, abs=1)
+
+
+def plan_with(num_gpus: int = 4, **knobs) -> Plan:
+    values = {"micro_batch_size": 1, "grad_accum_steps": 1} | knobs
+    layout = values.get("tensor_parallel", 1) * values.get("pipeline_parallel", 1)
+    return Plan(model=PRESETS["tiny"], hardware=Hardware(num_gpus=num_gpus, gpus_per_node=num_gpus),
+                training=Training(seq_len=64, global_batch_tokens=64 * values["grad_accum_steps"] * num_gpus //
+                                  layout), knobs=Knobs(**values))
+
+
+@pytest.mark.parametrize("knobs, field", [
+    ({"tensor_parallel": 3}, "knobs.tensor_parallel"),
+    ({"tensor_parallel": 8}, "knobs.tensor_parallel"),
+    ({"sequence_parallel": True}, "knobs.sequence_parallel"),
+    ({"pipeline_parallel": 2, "virtual_stages": 2}, "knobs.virtual_stages"),
+    ({"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b"}, "knobs.pipeline_schedule"),
+    ({"pipeline_parallel": 8}, "knobs.pipeline_parallel"),
+    ({"tensor_parallel": 2, "comm": "memcpy"}, "knobs.comm"),
+    ({"pipeline_parallel": 2, "shard_optimizer": True, "shard_gradients": True, "shard_weights": True},
+     "knobs.shard_weights"),
+])
+def test_a_layout_that_cannot_be_laid_names_its_knob(knobs, field):
+    with pytest.raises(UserError, match=field.replace(".", r"\.")):
+        plan_with(**knobs)
+
+
+def test_the_batch_is_counted_over_the_data_parallel_ranks():
+    plan = plan_with(tensor_parallel=2, pipeline_parallel=2, grad_accum_steps=4)
+    assert plan.layout.data == 1 and plan.training.global_batch_tokens == 4 * 64
+    with pytest.raises(UserError, match=r"training\.global_batch_tokens: .* 1 data-parallel ranks"):
+        dataclasses.replace(plan, training=dataclasses.replace(plan.training, global_batch_tokens=4 * 64 * 4))
+
+
+def test_fastml_run_refuses_a_layout_it_cannot_run_yet():
+    from fastml.executor.loop.train import train
+
+    with pytest.raises(UserError, match=r"knobs\.tensor_parallel: 2: fastml plans it but does not run it yet"):
+        train(plan_with(tensor_parallel=2), steps=1)
+
+
+def test_a_pinned_layout_that_does_not_divide_the_model_is_refused_before_the_search():
+    with pytest.raises(UserError, match=r"knobs\.tensor_parallel: 3 must divide the model's num_heads"):
+        make_plan(model="llama-3.1-8b", hw="h100-sxm", gpus=8, overrides=("knobs.tensor_parallel=3",), trials=5)
+
+
+def test_the_planner_weighs_layouts_for_other_hardware():
+    """A 70B on 16 nodes of 8 H100s at a million tokens a step (8 sequences a GPU) is predicted faster with tensor and
+    pipeline parallelism, and the plan says why; an 8B on one node stays data parallel."""
+    big = make_plan(model="llama-3.1-70b", hw="h100-sxm", gpus=8, nodes=16, global_batch_tokens=2**20, trials=40)
+    assert big.plan.knobs.tensor_parallel * big.plan.knobs.pipeline_parallel > 1
+    assert any(note.startswith("layout tensor") and "data-parallel plan" in note for note in big.notes)
+    small = make_plan(model="llama-3.1-8b", hw="h100-sxm", gpus=8, trials=40)
+    assert small.plan.knobs.tensor_parallel == small.plan.knobs.pipeline_parallel == 1
+    assert any(note.startswith("data parallel alone") for note in small.notes)
