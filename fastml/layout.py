@@ -63,8 +63,8 @@ def layout_problem(tensor: int, sequence_parallel: bool, pipeline: int, virtual:
                        ("vocab_size", vocab)):
         if size % tensor:
             return "tensor_parallel", f"{tensor} must divide the model's {name} {size} (each GPU computes a slice)"
-    if tensor > gpus_per_node:
-        return "tensor_parallel", (f"{tensor} is more than the {gpus_per_node} GPUs of a node: its collectives run "
+    if gpus_per_node % tensor:
+        return "tensor_parallel", (f"{tensor} must divide the {gpus_per_node} GPUs of a node: its collectives run "
                                    f"twice a block and belong on the links inside a node")
     if sequence_parallel and seq_len % tensor:
         return "sequence_parallel", f"slices the sequence: tensor_parallel {tensor} must divide seq_len {seq_len}"

@@ -200,7 +200,8 @@ class Knobs:
     """GPUs of a node that split each block's matmuls and attention heads, and the embedding and LM head by vocabulary
     (Megatron-LM's column- and row-parallel linears: two all-reduces a block each way). The GPUs left after tensor
     and pipeline parallelism are data parallel: ZeRO and the collectives' knobs act on them (fastml/layout.py).
-    Planned and priced; `fastml run` does not run it yet (issue 28)."""
+    `fastml run` runs it (executor/parallel/tensor.py), but not yet with compile, fp8, or sharded optimizer states
+    with gradients in host memory or with checkpoints (issue 28)."""
     sequence_parallel: bool = False
     """With tensor_parallel: the norms and residual adds work on a slice of the sequence each, so the activations
     outside the matmuls are split too (Korthikanti et al. 2022); the all-reduces become all-gathers and
@@ -355,7 +356,8 @@ KNOBS: dict[str, KnobInfo] = {
     "master_dtype": KnobInfo("precision", ("fp32", "bf16_kahan"), lower_precision=True, least_memory="bf16_kahan"),
     # The memcpy collectives add a GPU staging row to their buffers in host memory (planner/memory.py).
     "comm": KnobInfo("comm", ("nccl", "memcpy"), multi_gpu=True, least_memory="nccl"),
-    # Tensor and pipeline parallelism: priced when pinned, not searched while the executor cannot run them (issue 28).
+    # Tensor and pipeline parallelism: priced when pinned, searched for other hardware only (`fastml plan --hw`): the
+    # executor runs tensor parallelism but not yet with every knob, nor pipeline parallelism (issue 28).
     "tensor_parallel": KnobInfo("layout", (1,), multi_gpu=True, least_memory=1),
     "sequence_parallel": KnobInfo("layout", (False,), multi_gpu=True, least_memory=False),
     "pipeline_parallel": KnobInfo("layout", (1,), multi_gpu=True, least_memory=1),

@@ -149,7 +149,7 @@ def test_the_lm_loss_makes_only_the_gradients_asked_for():
 def test_the_lm_loss_refuses_a_second_backward_pass():
     """Its backward pass scales the gradients it kept in place: a second one would scale them again."""
     h, w = torch.randn(8, 4, requires_grad=True), torch.randn(11, 4, requires_grad=True)
-    loss = LinearCrossEntropy.apply(h, w, torch.randint(0, 11, (8,)), 2)
+    loss = LinearCrossEntropy.apply(h, w, torch.randint(0, 11, (8,)), 2, None)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="differentiated twice"):
         loss.backward()

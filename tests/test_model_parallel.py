@@ -1,5 +1,5 @@
 """Tensor and pipeline parallelism as the contract states them (fastml/layout.py) and the planner prices them
-(planner/pipeline.py, planner/parallel.py); the executor refuses them until it runs them (issue 28)."""
+(planner/pipeline.py, planner/parallel.py); the executor refuses pipeline parallelism until it runs it (issue 28)."""
 
 import dataclasses
 
@@ -159,8 +159,8 @@ def test_the_batch_is_counted_over_the_data_parallel_ranks():
 def test_fastml_run_refuses_a_layout_it_cannot_run_yet():
     from fastml.executor.loop.train import train
 
-    with pytest.raises(UserError, match=r"knobs\.tensor_parallel: 2: fastml plans it but does not run it yet"):
-        train(plan_with(tensor_parallel=2), steps=1)
+    with pytest.raises(UserError, match=r"knobs\.pipeline_parallel: 2: fastml plans it but does not run it yet"):
+        train(plan_with(pipeline_parallel=2), steps=1)
 
 
 def test_a_pinned_layout_that_does_not_divide_the_model_is_refused_before_the_search():

@@ -15,6 +15,7 @@ from fastml.executor.model import fp8, fused
 from fastml.executor.model.apply import apply_plan, check_recompute_intact
 from fastml.executor.model.transformer import Transformer, build_model, layer_groups, materialize
 from fastml.executor.parallel.shard import DataParallel
+from fastml.executor.parallel.tensor import TensorParallel
 from fastml.executor.parallel.world import SINGLE, World
 
 
@@ -23,22 +24,24 @@ def uses_cuda_ops(knobs: Knobs) -> bool:
     return knobs.matmul_dtype == "fp8" or knobs.uses_fastml_adamw
 
 
-def build_training_model(plan: Plan, device: torch.device, world: World = SINGLE, comm=None) -> Transformer:
+def build_training_model(plan: Plan, device: torch.device, world: World = SINGLE, comm=None,
+                         tp: TensorParallel | None = None) -> Transformer:
     """Meta model, plan applied, then materialized on `device` in the plan's parameter dtype (the matmuls compute in
     that dtype too, fp32 with fp32 parameters and bf16 with bf16, but the blocks' fp8 linears), streamed blocks'
     weights straight into host memory, sharded ones straight into this rank's shard. Its placement is
-    `model.placement`, and in a world of several ranks that holds the sharding engine (`placement.parallel`, over the
-    collectives `comm`)."""
+    `model.placement`, and with several data-parallel ranks that holds the sharding engine (`placement.parallel`, over
+    the collectives `comm`). Under tensor parallelism (`tp`) the model is this rank's slice, and all of this applies
+    to the slice."""
     if plan.knobs.matmul_dtype == "fp8":
         fp8.check_fp8(device)
     fused.require_triton(device)
     if device.type == "cuda" and uses_cuda_ops(plan.knobs):
         native.load_cuda()  # built now, before training starts (and before compile traces the ops)
-    model = apply_plan(build_model(plan.model), plan.knobs, world.size)
+    model = apply_plan(build_model(plan.model, tp), plan.knobs, world.size)
     dtype = DTYPES[plan.knobs.param_dtype]
     shapes = {group: {name: p.shape for name, p in named} for group, named in layer_groups(model).items()}
     copier = Copier(device)
-    parallel = DataParallel(plan, world, device, comm, shapes, dtype, copier) if world.distributed else None
+    parallel = DataParallel(plan, world.data, device, comm, shapes, dtype, copier) if world.data.distributed else None
     placement = Placement(plan, shapes, device, copier, dtype, parallel)
     materialize(model, device, dtype, seed=plan.training.seed,
                 keep=placement.keep if placement.places_parameters else None)

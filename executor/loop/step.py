@@ -35,13 +35,14 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
     step whose loss or gradient norm is not finite leaves the weights and optimizer state as they were ("skipped").
     A `meter` (meter.py) measures memory by category as the step goes.
 
-    With several ranks each micro-batch's loss is divided by the micro-batches of all ranks, so that the gradients
-    summed over the ranks (shard.py) are those of one process taking every micro-batch; the ranks then agree on the
-    loss (their mean), on the gradient norm (optim.py) and so on skipping the step, and on whether any of them was
-    asked to stop (`stop_requested`, the record's "stop")."""
+    With several data-parallel ranks each micro-batch's loss is divided by the micro-batches of all, so that the
+    gradients summed over the ranks (shard.py) are those of one process taking every micro-batch; the ranks then
+    agree on the loss (their mean), on the gradient norm (optim.py) and so on skipping the step, and on whether any
+    of them was asked to stop (`stop_requested`, the record's "stop"). The ranks of a tensor-parallel group take the
+    same micro-batches and compute the same loss."""
     knobs = plan.knobs
     placement = optimizer.placement
-    micro_batches = knobs.grad_accum_steps * world.size
+    micro_batches = knobs.grad_accum_steps * world.data.size
     if fp8.cached_linears(model):  # the cast reads every weight: the last step's CPU work (overlapped) first ends
         optimizer.finish_steps()
     fp8.refresh_weight_caches(model)  # the weights as the last step left them, cast to fp8 once for this one
@@ -65,7 +66,7 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
     mine = torch.stack(losses).tolist()  # one wait for the device, after the whole step's work is queued
     stop = stop_requested()
     rows = agree([*mine, float(stop)]) if world.distributed else [[*mine, float(stop)]]
-    loss_value = _step_loss(rows, micro_batches)
+    loss_value = _step_loss(rows[::world.tensor], micro_batches)  # a tensor-parallel group's ranks share its loss
     stop = any(row[-1] for row in rows)
     clip = plan.training.grad_clip
     grad_norm = optimizer.clip_grad_norm_(clip if clip > 0 else float("inf"))

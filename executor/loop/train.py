@@ -30,7 +30,8 @@ from fastml.executor.loop.meter import Meter, memory_tensors, node_host_memory_b
 from fastml.executor.loop.signals import StopSignals, stopped_message
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.step import train_step
-from fastml.executor.parallel.world import SINGLE, Watchdog, World, check_world, join, launched
+from fastml.executor.parallel.tensor import TensorParallel
+from fastml.executor.parallel.world import SINGLE, Watchdog, World, check_world, groups, join, launched
 
 
 class TrainingStopped(Exception):
@@ -42,12 +43,24 @@ class TrainingStopped(Exception):
 
 
 def check_runs_layout(plan: Plan) -> None:
-    """This executor trains data parallel (with ZeRO and offload) only: the planner prices tensor and pipeline
-    parallelism, whose executor is not built yet (issue 28)."""
-    for name in ("tensor_parallel", "pipeline_parallel"):
-        if getattr(plan.knobs, name) > 1:
-            fail(f"knobs.{name}", f"{getattr(plan.knobs, name)}: fastml plans it but does not run it yet; make a plan "
-                                  f"with knobs.{name}=1 to train")
+    """What of the layouts the planner prices this executor does not run yet (issue 28): pipeline parallelism, and
+    tensor parallelism with the knobs not yet tried with it."""
+    k = plan.knobs
+    if k.pipeline_parallel > 1:
+        fail("knobs.pipeline_parallel", f"{k.pipeline_parallel}: fastml plans it but does not run it yet; make a plan "
+                                        f"with knobs.pipeline_parallel=1 to train")
+    if k.tensor_parallel == 1:
+        return
+    untried = [("knobs.compile", k.compile, "compiled blocks"),
+               ("knobs.matmul_dtype", k.matmul_dtype == "fp8", "fp8 matmuls"),
+               ("knobs.offload_gradients", bool(k.offload_gradients) and k.shard_optimizer,
+                "gradient shards in host memory"),
+               ("training.checkpoint_dir", bool(plan.training.checkpoint_dir) and k.shard_optimizer,
+                "checkpoints of sharded optimizer states")]
+    for field, used, what in untried:
+        if used:
+            fail(field, f"{what} with knobs.tensor_parallel {k.tensor_parallel}: not run by fastml's executor yet "
+                        f"(issue 28); plan without one of them")
 
 
 DEFAULT_TIMEOUT_S = 600
@@ -119,7 +132,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         summary = train_in_workers(plan, console or Console(stderr=True), run_dir=run_dir, **options)
         outputs.write_summary(summary, summary_json)
         return summary
-    world = world or SINGLE
+    world = dataclasses.replace(world or SINGLE, tensor=plan.knobs.tensor_parallel)
     check_world(plan, world)
     err = console or Console(stderr=True, quiet=not world.main)
     # On one terminal the report goes through the console that draws the progress line, which keeps them apart.
@@ -131,10 +144,14 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     apply_memory_cap(plan, device, out)
     join(plan, world, device, timeout_s, CHECKPOINT_S)
     with Watchdog(world, timeout_s) as watchdog:
-        comm = make_collectives(plan.knobs.comm, world, device, watchdog) if world.distributed else None
+        tensor_group, data_group = groups(world)
+        tp = TensorParallel(plan.model, world.tensor, world.rank % world.tensor, tensor_group,
+                            plan.knobs.sequence_parallel)
+        comm = make_collectives(plan.knobs.comm, world.data, device, watchdog, data_group) \
+            if world.data.distributed else None
         try:
             trace = run_dir / TRACE_FILE if run_dir is not None and world.main and trace_step else None
-            summary = _train(plan, world, device, comm, watchdog, out, err, trace=trace, **options)
+            summary = _train(plan, world, tp, device, comm, watchdog, out, err, trace=trace, **options)
         finally:
             if comm is not None:
                 comm.close()
@@ -145,7 +162,8 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     return summary
 
 
-def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watchdog, out: Console, err: Console, *,
+def _train(plan: Plan, world: World, tp: TensorParallel, device: torch.device, comm, watchdog: Watchdog,
+           out: Console, err: Console, *,
            log_json, show_progress: bool, resume: bool, keep_checkpoints: int, max_nonfinite_steps: int,
            strict: bool, start_over: bool, timeout_s: float, trace_step: int | None, trace: Path | None,
            checkpoint_interval: int | None, tensorboard: str | None, wandb: str | None, sample_every: int | None,
@@ -158,9 +176,9 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
     data = open_training_data(plan.training.data, plan.training.seq_len, plan.model.vocab_size)  # before the weights
     if isinstance(data, BlendedData):
         out.print(display.blend_text(plan.training.data, data.shares), highlight=False)
-    validation = Validation.open(plan, world, say=lambda message: err.print(message, markup=False))
+    validation = Validation.open(plan, world.data, say=lambda message: err.print(message, markup=False))
     sampler = Sampler(plan, sample_every, sample_prompt) if sample_every and world.main else None
-    model, optimizer = _model_and_optimizer(plan, device, world, comm, run)
+    model, optimizer = _model_and_optimizer(plan, device, world, tp, comm, run)
     checkpoint, position = run.restore(model, optimizer)
     if position.step >= plan.training.steps:
         out.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
@@ -168,9 +186,10 @@ def _train(plan: Plan, world: World, device: torch.device, comm, watchdog: Watch
     micro = plan.knobs.micro_batch_size
     # Every valid micro-batch (times the ranks) divides the sequences of a step, so it divides what a checkpoint has
     # consumed, at any number of ranks.
-    batches = data.batches(micro, plan.training.seed, start=position.sequences // (micro * world.size),
-                           rank=world.rank, world_size=world.size)
-    sequences_per_step = micro * plan.knobs.grad_accum_steps * world.size
+    ranks = world.data  # a tensor-parallel group's ranks take the same sequences
+    batches = data.batches(micro, plan.training.seed, start=position.sequences // (micro * ranks.size),
+                           rank=ranks.rank, world_size=ranks.size)
+    sequences_per_step = micro * plan.knobs.grad_accum_steps * ranks.size
     meter = Meter(plan, device, tensors_by_category=lambda: memory_tensors(model, optimizer))
     hooks = faults.step_hooks()
     with outputs.log_file(log_json if world.main else None, position.step if resume else None) as log, \
@@ -233,10 +252,10 @@ CHECKPOINT_S = 3600
 """How much longer than --timeout the ranks may wait for each other while a checkpoint is written."""
 
 
-def _model_and_optimizer(plan: Plan, device: torch.device, world: World, comm,
+def _model_and_optimizer(plan: Plan, device: torch.device, world: World, tp: TensorParallel, comm,
                          run: checkpoints.Run) -> tuple[torch.nn.Module, AdamW]:
     checkpoints.seed_rng(plan.training.seed, world.rank)
-    model = build_training_model(plan, device, world, comm)
+    model = build_training_model(plan, device, world, comm, tp)
     run.start(model)  # the weights a new run starts from, before the optimizer copies them into its masters
     return model, AdamW(model, plan.training, plan.knobs, model.placement)
 

@@ -47,6 +47,9 @@ class AdamW(torch.optim.Optimizer):
     Sharded (shard_optimizer over several ranks, shard.py): a rank keeps state for, and steps, only its shard of
     each group's flat vector, a part of a parameter (a `Piece`) where the shard boundary cuts one; it reads its
     shard of the summed gradients, and the updated shard is then gathered into every rank's weights.
+
+    Under tensor parallelism (the model's `tp`) the parameters are this rank's slices, stepped as any others; only the
+    gradient norm looks across the group (`_tensor_parallel_norm`).
     """
 
     def __init__(self, model: nn.Module, training: Training, knobs: Knobs = Knobs(), placement=None):
@@ -66,6 +69,9 @@ class AdamW(torch.optim.Optimizer):
         self.clip_coef: torch.Tensor | None = None
         self.seed = training.seed
         self.index = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
+        self.tp = getattr(model, "tp", None)
+        self.whole = {p for group in self.param_groups for name, p in zip(group["param_names"], group["params"])
+                      if self.tp is not None and self.tp.active and self.tp.replicated(name)}
         self.pieces = {p: piece for group in self.param_groups for p, piece in self._pieces(group).items()}
         largest = max((self.pieces[p].end - self.pieces[p].start for g in self.param_groups if g["on_cpu"]
                        for p in g["params"] if p in self.pieces), default=0)
@@ -183,7 +189,9 @@ class AdamW(torch.optim.Optimizer):
         if self.placement is not None:
             norms.update(self.placement.grad_norms)
         ordered = [norms[p] for group in self.param_groups for p in group["params"] if p in norms]
-        if self.parallel is not None and self.parallel.scatter:
+        if self.whole:
+            total = self._tensor_parallel_norm(norms)
+        elif self.parallel is not None and self.parallel.scatter:
             total = self._sharded_norm(ordered + list(self.parallel.shard_norms.values()))
         elif not ordered:
             self.clip_coef = None
@@ -194,6 +202,21 @@ class AdamW(torch.optim.Optimizer):
         if grads:
             torch._foreach_mul_(list(grads.values()), self.clip_coef.to(self.device))
         return total.item()
+
+    def _tensor_parallel_norm(self, norms: dict[nn.Parameter, torch.Tensor]) -> torch.Tensor:
+        """The norm over the ranks of a tensor-parallel group, each holding slices of most parameters and the whole of
+        a few (the norms, their gradients the same on every rank): the squares of the slices add up, and a whole
+        parameter's count once, a share from each rank. Sharded, every rank's squares add up; otherwise those of
+        the first data-parallel rank's group (the others hold the same gradients)."""
+        ordered = [norms[p] for group in self.param_groups for p in group["params"] if p in norms]
+        shares = [1 / self.tp.size if p in self.whole else 1.0 for group in self.param_groups
+                  for p in group["params"] if p in norms]
+        squares = torch.stack([n.to(ordered[0].device).float() for n in ordered]) ** 2 if ordered else None
+        local = (squares * torch.tensor(shares, device=squares.device)).sum().item() if ordered else 0.0
+        rows = [row[0] for row in agree([local])]
+        scattered = self.parallel is not None and self.parallel.scatter
+        return torch.tensor(sum(rows if scattered else rows[:self.tp.size]), dtype=torch.float32,
+                            device=self.device).sqrt()
 
     def _sharded_norm(self, norms: list[torch.Tensor]) -> torch.Tensor:
         """The norm of every rank's shard norms, from each rank's norm of its own."""

@@ -3,6 +3,10 @@
 It covers Llama 2/3, Mistral, Qwen2 (qkv bias, tied embeddings) and Qwen3 (qk-norm). It knows nothing of plans:
 functions in `apply.py` wrap its parts for recompute and compilation. The q/k/v projections are one matmul, and so
 are gate and up: fewer, larger GEMMs. Build it on the meta device, then `materialize` it.
+
+Under tensor parallelism (parallel/tensor.py) each rank builds the same model with its share of the heads, of the
+FFN's width and of the vocabulary, and the blocks call the group's collectives where a slice meets the whole; without
+it those calls return what they are given.
 """
 
 from __future__ import annotations
@@ -15,18 +19,23 @@ from torch import nn
 
 from fastml.executor.model import fused
 from fastml.executor.model.loss import lm_loss_sum
-from fastml.plan import layer_of
+from fastml.executor.parallel.tensor import TensorParallel
+from fastml.plan import layer_of, tensor_slice
 from fastml.spec import ModelSpec, RopeScaling
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """`tp` where each rank of a tensor-parallel group normalizes part of the activations (a slice of the sequence,
+    its own heads): the weight's gradient is summed over the group."""
+
+    def __init__(self, dim: int, eps: float, tp: TensorParallel | None = None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.tp = eps, tp
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        weight = self.weight if self.tp is None else self.tp.shared_weight(self.weight)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -49,44 +58,61 @@ class RotaryAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """`spec`: the model as this rank computes it, its heads alone under tensor parallelism (`tp`)."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel):
         super().__init__()
-        self.spec = spec
+        self.spec, self.tp = spec, tp
         self.qkv = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
-        self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps) if spec.qk_norm else None
+        norm_tp = tp if tp.active else None
+        self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps, norm_tp) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps, norm_tp) if spec.qk_norm else None
         self.core = RotaryAttention()
         self.out = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         s = self.spec
-        q, k, v = self.qkv(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
+        q, k, v = self.qkv(self.tp.enter(x)).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
         q = q.unflatten(-1, (s.num_heads, s.head_dim))  # (B, T, Hq, D)
         k = k.unflatten(-1, (s.num_kv_heads, s.head_dim))  # (B, T, Hkv, D)
         v = v.unflatten(-1, (s.num_kv_heads, s.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.out(self.core(q, k, v, cos, sin))
+        return self.tp.leave(self.out(self.core(q, k, v, cos, sin)))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         self.gate_up = nn.Linear(spec.hidden_size, 2 * spec.ffn_hidden_size, bias=False)
         self.act = SwiGLU()
         self.down = nn.Linear(spec.ffn_hidden_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.gate_up(x)))
+        return self.tp.leave(self.down(self.act(self.gate_up(self.tp.enter(x)))))
+
+
+class Embedding(nn.Embedding):
+    """Under tensor parallelism, this rank's rows of the vocabulary, the lookups summed over the group (a module all
+    the same, so that what hooks the embedding, the placement's fetch of sharded weights, sees it run)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
+        super().__init__(vocab_size, hidden_size)
+        self.tp = tp
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tp.embed(tokens, self.weight) if self.tp.active else super().forward(tokens)
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel):
         super().__init__()
-        self.attn_norm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.attn = Attention(spec)
-        self.ffn_norm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.ffn = FeedForward(spec)
+        norm_tp = tp if tp.sequence else None  # each rank normalizes its slice of the sequence
+        self.attn_norm = RMSNorm(spec.hidden_size, spec.norm_eps, norm_tp)
+        self.attn = Attention(spec, tp)
+        self.ffn_norm = RMSNorm(spec.hidden_size, spec.norm_eps, norm_tp)
+        self.ffn = FeedForward(spec, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -94,14 +120,18 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    """`spec`: the whole model; `tp`: this rank's place in a tensor-parallel group, which decides its slice."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None):
         super().__init__()
         self.spec = spec
-        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.tp = tp = tp or TensorParallel(spec)
+        mine = tensor_slice(spec, tp.size)
+        self.embed = Embedding(mine.vocab_size, spec.hidden_size, tp)
+        self.blocks = nn.ModuleList(Block(mine, tp) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps, tp if tp.sequence else None)
         # A tied LM head reads the embedding matrix; there is no second parameter to keep in sync.
-        self.lm_head = None if spec.tied_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = None if spec.tied_embeddings else nn.Linear(spec.hidden_size, mine.vocab_size, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -113,17 +143,19 @@ class Transformer(nn.Module):
         cos, sin = rotary_tables(self.spec, tokens.shape[1], x.device, x.dtype)
         for block in self.blocks:
             x = block(x, cos, sin)
-        return self.norm(x)
+        return self.tp.enter(self.norm(x))  # whole on every rank, for the LM head's slices of the vocabulary
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.linear(self(tokens), self.lm_head_weight)  # (B, T, V)
+        """(B, T, V), or under tensor parallelism this rank's slice of the vocabulary."""
+        return F.linear(self(tokens), self.lm_head_weight)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, num_chunks: int = 1) -> torch.Tensor:
         """Mean next-token cross-entropy. The LM head and loss run over `num_chunks` slices of the tokens, their
         gradients made as they go (loss.py), so the (tokens x vocab) logits exist a slice at a time."""
         hidden = self(tokens).flatten(0, 1)  # (B*T, h)
         targets = targets.flatten()
-        return lm_loss_sum(hidden, self.lm_head_weight, targets, num_chunks) / targets.numel()
+        tp = self.tp if self.tp.active else None
+        return lm_loss_sum(hidden, self.lm_head_weight, targets, num_chunks, tp) / targets.numel()
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -182,26 +214,30 @@ def layer_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
     return groups
 
 
-def build_model(spec: ModelSpec) -> Transformer:
-    """The model with its parameters on the meta device: shapes only, no memory."""
+def build_model(spec: ModelSpec, tp: TensorParallel | None = None) -> Transformer:
+    """The model with its parameters on the meta device: shapes only, no memory; this rank's slice of it under
+    tensor parallelism."""
     with torch.device("meta"):
-        return Transformer(spec)
+        return Transformer(spec, tp)
 
 
 def materialize(model: Transformer, device: torch.device | str, dtype: torch.dtype, seed: int = 0,
                 keep=None) -> Transformer:
     """Allocates a meta model's parameters on `device` in `dtype` and initializes them from `seed`. With `keep`,
     parameter by parameter: `keep(name, p)` returns where each initialized parameter lives from then on (host
-    memory for offloaded ones), so that a model larger than the GPU never sits on it whole."""
+    memory for offloaded ones), so that a model larger than the GPU never sits on it whole. Under tensor parallelism
+    each parameter is initialized whole, as one process would, and cut to this rank's slice."""
     model.to(dtype)  # still on meta: costs nothing, and memory is allocated once, in the final dtype
     generator = torch.Generator(device=device).manual_seed(seed)
-    if keep is None:
+    if keep is None and not model.tp.active:
         model.to_empty(device=device)
         model.init_weights(generator)
         return model
     model.to_empty(device="cpu")  # dense, so that `.data` may take tensors of any device; no page is touched
     for name, p in model.named_parameters():
-        p.data = torch.empty_like(p, device=device)
-        model.init_parameter(name, p, generator)
-        p.data = keep(name, p)
+        whole = torch.empty(model.tp.whole_shape(name, p.shape), dtype=p.dtype, device=device)
+        model.init_parameter(name, whole, generator)
+        p.data = model.tp.split(name, whole)
+        if keep is not None:
+            p.data = keep(name, p)
     return model

@@ -21,11 +21,11 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class TorchCollectives:
-    """torch.distributed's collectives on the default process group (NCCL for GPU tensors, gloo for CPU ones)."""
+    """torch.distributed's collectives on the default process group (NCCL for GPU tensors, gloo for CPU ones), or on
+    `group` (the data-parallel ranks, under tensor parallelism)."""
 
-    def __init__(self, world, watchdog=None):
-        self.world = world
-        self.watchdog = watchdog
+    def __init__(self, world, watchdog=None, group=None):
+        self.world, self.watchdog, self.group = world, watchdog, group
 
     def _tick(self) -> None:
         if self.watchdog is not None:
@@ -34,18 +34,18 @@ class TorchCollectives:
     def all_reduce(self, tensor: torch.Tensor):
         """Sums `tensor` over the ranks, in place."""
         self._tick()
-        return dist.all_reduce(tensor, async_op=True)
+        return dist.all_reduce(tensor, group=self.group, async_op=True)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor):
         """`out` (S elements) becomes the sum over the ranks of their `full[rank*S:(rank+1)*S]` (W*S elements)."""
         self._tick()
-        return _reduce_scatter(out, full, async_op=True)
+        return _reduce_scatter(out, full, group=self.group, async_op=True)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor):
         """`out` (W*S elements) becomes every rank's `shard` (S elements) in rank order; `shard` may be this rank's
         part of `out`."""
         self._tick()
-        return _all_gather(out, shard, async_op=True)
+        return _all_gather(out, shard, group=self.group, async_op=True)
 
     def close(self) -> None:
         pass
@@ -62,9 +62,10 @@ def agree(values: list[float]) -> list[list[float]]:
     return [row.tolist() for row in rows]
 
 
-def make_collectives(comm: str, world, device: torch.device, watchdog=None):
+def make_collectives(comm: str, world, device: torch.device, watchdog=None, group=None):
+    """The data-parallel collectives among `world`'s ranks (those of `group`, where not all of the job's)."""
     if comm == "memcpy":
         from fastml.executor.parallel.hostcomm import HostCollectives
 
         return HostCollectives(world, device, watchdog)
-    return TorchCollectives(world, watchdog)
+    return TorchCollectives(world, watchdog, group)

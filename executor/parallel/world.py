@@ -33,6 +33,17 @@ class World:
     """This process's index on its node: its GPU's index."""
     local_size: int = 1
     node: int = 0
+    tensor: int = 1
+    """Ranks of a tensor-parallel group: neighbours, so rank r is tensor-parallel rank r % tensor of data-parallel
+    rank r // tensor (fastml/layout.py)."""
+
+    @property
+    def data(self) -> World:
+        """The data-parallel ranks this one trains with, those of its tensor-parallel rank: what data parallelism,
+        ZeRO and the order of the data see."""
+        t = self.tensor
+        return self if t == 1 else World(rank=self.rank // t, size=self.size // t, local_rank=self.local_rank // t,
+                                         local_size=self.local_size // t, node=self.node)
 
     @property
     def num_nodes(self) -> int:
@@ -88,6 +99,17 @@ def join(plan: Plan, world: World, device: torch.device, timeout_s: float, check
     # Longer than the watchdog's timeout (which names the rank the others wait for: the backends' own do not), and
     # than it allows a checkpoint, whose ranks wait for rank 0's files in a collective.
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s + checkpoint_s + 60))
+
+
+def groups(world: World) -> tuple[object, object]:
+    """(this rank's tensor-parallel group, its data-parallel group), None for a group of one. Every rank makes every
+    group, in the same order, as torch.distributed requires."""
+    t, d = world.tensor, world.size // world.tensor
+    if t == 1:
+        return None, None
+    tensor = [dist.new_group(list(range(i * t, (i + 1) * t))) for i in range(d)]
+    data = [dist.new_group(list(range(r, world.size, t))) for r in range(t)] if d > 1 else [None] * t
+    return tensor[world.rank // t], data[world.rank % t]
 
 
 def _units(plan: Plan) -> str:

@@ -65,9 +65,10 @@ FREE_FIELDS = frozenset(
     # Other hardware runs the same math (it breaks bit-exactness, as any other machine does), and so do more or
     # fewer GPUs: each step takes the same sequences (the global batch is fixed), summed in another order.
     + [f"hardware.{f.name}" for f in dataclasses.fields(Hardware)]
-    # Where tensors live, what is recomputed, compiled or chunked, and how collectives run change no value.
+    # Where tensors live, what is recomputed, compiled or chunked, how collectives run and how the model is laid out
+    # over the GPUs change no value (checkpoints hold whole tensors, cut again for the layout that resumes them).
     + [f"knobs.{name}" for name, info in KNOBS.items() if info.kind in ("recompute", "speed", "offload", "shard",
-                                                                         "comm")]
+                                                                         "comm", "layout")]
     # The same sequences in the same order, cut into other micro-batches: the global batch is fixed, so the ranks
     # have consumed whole steps of micro_batch_size x grad_accum_steps x num_gpus sequences, which any new
     # micro-batch size times number of GPUs (a divisor of that product) divides as well.
@@ -122,7 +123,7 @@ class Run:
         with _checkpoint_weights(path, self.plan.model) as read:
             _load_model(model, read)
         with _SavedOptimizer(path) as saved_optimizer:
-            optimizer.load_state(saved_optimizer.read)
+            optimizer.load_state(_slices_of(saved_optimizer.read, model))
         _restore_rng(path, self.world.rank, self.plan.training.seed)
         ranks = f", written by {saved.world_size} ranks" if saved.world_size != self.world.size else ""
         if saved.world_size < self.world.size:
@@ -147,7 +148,9 @@ class Run:
         parallel = getattr(optimizer, "parallel", None)
         sharded = parallel is not None and parallel.scatter
         optimizer_file = f"optimizer-{self.world.rank:05d}.safetensors" if sharded else OPTIMIZER_FILE
-        optimizer_files = {optimizer_file: optimizer.state_tensors()} if self.world.main or sharded else {}
+        optimizer_files = {optimizer_file: _whole_optimizer_state(optimizer, model, self.world)} \
+            if self.world.data.main or sharded else {}
+        optimizer_files = optimizer_files if self.world.main or sharded else {}
         rank_files = {**optimizer_files, _rng_file(self.world.rank): _rng_tensors()}
         metadata = {optimizer_file: {"ranges": json.dumps(optimizer.state_ranges())}} if sharded else None
         after_each_file = lambda: faults.kill_if_due("kill-mid-checkpoint", position.step)  # noqa: E731
@@ -405,14 +408,16 @@ def _model_state(model: Transformer, world: World) -> dict[str, torch.Tensor]:
     embedding's, never streamed): a block whose masters are streamed points at them, fp32, between uses, and is
     saved rounded, as its weights are (the optimizer's state holds the masters)."""
     dtype = model.embed.weight.dtype
-    state = {name: t.to(dtype) for name, t in model.state_dict().items()} if world.main else {}
+    state = {name: t.to(dtype) for name, t in model.state_dict().items()} if world.data.main else {}
     parallel = model.placement.parallel if hasattr(model, "placement") else None
     for group in parallel.layouts if parallel is not None else ():  # in model order, the same on every rank
         if group in parallel.sharded:
             gathered = parallel.full_weights(group)
-            if world.main:
+            if world.data.main:
                 state.update({name: t.cpu() for name, t in gathered.items()})
-    return state
+    if model.tp.active and world.data.main:  # the first data-parallel rank's group makes its slices whole
+        state = {name: model.tp.join(name, t).cpu() for name, t in state.items()}  # one whole tensor at a time
+    return state if world.main else {}
 
 
 @torch.no_grad()
@@ -425,6 +430,9 @@ def _load_model(model: Transformer, read: Callable[[str], torch.Tensor]) -> None
     sharded = parallel.sharded if parallel is not None else frozenset()
     shared = placement.offload.host_weights if placement is not None and placement.offload.node else frozenset()
     dtype = model.embed.weight.dtype  # the model's: a block whose masters are streamed points at them, fp32
+    if model.tp.active:  # the checkpoint's whole tensors, cut to this rank's slices
+        whole = read
+        read = lambda name: model.tp.split(name, whole(name))  # noqa: E731
     for name, tensor in model.state_dict().items():
         group = layer_of(name)
         if group in sharded:
@@ -435,6 +443,34 @@ def _load_model(model: Transformer, read: Callable[[str], torch.Tensor]) -> None
             tensor.copy_(read(name).to(dtype))  # rounded as the weights are, whatever keeps them
     if placement is not None:
         placement.settle()
+
+
+def _whole_optimizer_state(optimizer, model: Transformer, world: World) -> dict[str, torch.Tensor]:
+    """The optimizer's state tensors (optim.AdamW.state_tensors), those of slices made whole over the tensor-parallel
+    group (a collective over it)."""
+    tensors = optimizer.state_tensors()
+    if not model.tp.active:
+        return tensors
+    return {key: value if key.startswith("step/") else model.tp.join(key.split("/", 1)[1], value).cpu()
+            for key, value in tensors.items()}  # in host memory as each is made: the device holds one at a time
+
+
+def _slices_of(read, model: Transformer):
+    """`read` (key, start, end) of a checkpoint's optimizer state as this rank's tensor-parallel slices see it: the
+    whole tensor read, cut to this rank's slice, and elements [start, end) of that taken."""
+    tp = model.tp
+    if not tp.active:
+        return read
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+
+    def read_slice(key: str, start: int, end: int) -> torch.Tensor | None:
+        kind, name = key.split("/", 1)
+        if kind == "step" or tp.replicated(name):
+            return read(key, start, end)
+        shape = tp.whole_shape(name, shapes[name])
+        whole = read(key, 0, math.prod(shape))
+        return None if whole is None else tp.split(name, whole.view(shape)).reshape(-1)[start:end]
+    return read_slice
 
 
 def load_for_inference(path: str | Path, device: torch.device, dtype: torch.dtype) -> Transformer:

@@ -1,0 +1,139 @@
+"""Tensor parallelism (with and without sequence parallelism) on CPU processes over gloo: jobs of 2 ranks (TP 2) and
+of 4 (TP 2 x DP 2, ZeRO 0 and 3), each trained a few steps and compared with one process taking every micro-batch;
+checkpoints resumed at another layout; the slices of fused weights.
+
+Tolerances: a row-parallel linear sums its two halves' partial products after the fact, and the cross-entropy adds
+its vocabulary's halves, where one process adds the same terms in one GEMM: fp32 results differ in the last bits of
+each such sum, as the data-parallel ranks' gradient sums do (tests/test_distributed.py), so losses and gradient norms
+agree to rel 1e-5 in fp32 over these few steps. The first step's loss is before any update, from the same weights:
+it differs by those sums alone, rel 1e-6.
+"""
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+from fastml.plan import Hardware, Knobs, Plan, Training
+from fastml.executor.loop.train import train
+from fastml.executor.parallel.tensor import TensorParallel
+from small_model import EVAL_TOKENS, SMALL
+from test_distributed import FP32, SEQ_LEN, SEQUENCES, ZERO, job, records, with_checkpoints
+
+pytestmark = pytest.mark.slow
+
+QWEN_LIKE = dataclasses.replace(SMALL, qkv_bias=True, qk_norm=True, tied_embeddings=True)
+"""Every parameter a split rule covers: qkv bias, q/k norms over a rank's heads, an LM head tied to the embedding."""
+
+
+def layout_plan(ranks: int, tensor: int, steps: int = 3, model=SMALL, **knobs) -> Plan:
+    """The small model, SEQUENCES sequences a step in micro-batches of 2, over `ranks` CPU processes in tensor-parallel
+    groups of `tensor`."""
+    micro, data = 2, ranks // (tensor * knobs.get("pipeline_parallel", 1))
+    return Plan(model=model, training=Training(seq_len=SEQ_LEN, global_batch_tokens=SEQ_LEN * SEQUENCES, steps=steps,
+                                               eval_tokens=EVAL_TOKENS),
+                hardware=Hardware(device="cpu", num_gpus=ranks, gpus_per_node=ranks),
+                knobs=Knobs(micro_batch_size=micro, grad_accum_steps=SEQUENCES // (micro * data), tensor_parallel=tensor,
+                            **FP32, **knobs))
+
+
+def alone(p: Plan) -> Plan:
+    """The same steps in one process: every micro-batch of every data-parallel rank, one after another."""
+    k = p.knobs
+    knobs = {name: getattr(k, name) for name in ("recompute", "offload_weights", "offload_optimizer")}
+    return layout_plan(1, 1, p.training.steps, p.model, **knobs)
+
+
+PLANS = {
+    "tp2": layout_plan(2, 2),
+    "tp2-sp": layout_plan(2, 2, sequence_parallel=True),
+    "tp2-qwen": layout_plan(2, 2, model=QWEN_LIKE),
+    "tp2-sp-qwen": layout_plan(2, 2, model=QWEN_LIKE, sequence_parallel=True),
+    "tp2-sp-recompute": layout_plan(2, 2, sequence_parallel=True, recompute=("block",)),
+    "tp2-streamed-cpu-step": layout_plan(2, 2, offload_weights=1.0, offload_optimizer=1.0),
+}
+FOUR_RANK_PLANS = {
+    "tp2-dp2": layout_plan(4, 2),
+    "tp2-dp2-zero3": layout_plan(4, 2, **ZERO[3]),
+    "tp2-dp2-zero3-sp": layout_plan(4, 2, sequence_parallel=True, **ZERO[3]),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Every plan above, by its jobs (one of 2 ranks, one of 4), and checkpoints: a TP 2 run saved at step 2 of 4."""
+    path = tmp_path_factory.mktemp("tensor-parallel")
+    saved = with_checkpoints(layout_plan(2, 2, steps=4, sequence_parallel=True), path / "ck-tp2")
+    job(path, PLANS, ranks=2, more=[{"plan": saved, "log": path / "saved.jsonl"}])
+    job(path, FOUR_RANK_PLANS, ranks=4)
+    return path
+
+
+@pytest.mark.parametrize("name", [*PLANS, *FOUR_RANK_PLANS])
+def test_tensor_parallel_trains_as_one_process(tmp_path, trained, name):
+    p = {**PLANS, **FOUR_RANK_PLANS}[name]
+    log = tmp_path / "alone.jsonl"
+    train(alone(p), log_json=log, show_progress=False)
+    got, want = records(trained / f"{name}.jsonl"), records(log)
+    assert got[0]["loss"] == pytest.approx(want[0]["loss"], rel=1e-6)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-5)
+
+
+def test_a_tensor_parallel_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, trained):
+    """The checkpoint holds whole tensors: one process resumes it at step 2 and takes the steps the TP 2 run took."""
+    step2 = trained / "ck-tp2" / "step-00000002"
+    ck = tmp_path / "ck"
+    shutil.copytree(step2, ck / step2.name)
+    resumed = with_checkpoints(alone(layout_plan(2, 2, steps=4)), ck)
+    log = tmp_path / "resumed.jsonl"
+    train(resumed, log_json=log, show_progress=False, resume=True)
+    uninterrupted = records(trained / "saved.jsonl")
+    got = records(log)
+    assert [r["step"] for r in got] == [3, 4]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in uninterrupted[2:]], rel=1e-5)
+
+
+def test_one_process_checkpoint_resumes_at_tensor_parallel_2(tmp_path):
+    """And the other way: a one-process run's checkpoint of step 2, resumed by a TP 2 job."""
+    ck = tmp_path / "ck"
+    whole = with_checkpoints(alone(layout_plan(2, 2, steps=4)), ck)
+    train(whole, log_json=tmp_path / "whole.jsonl", show_progress=False)
+    shutil.rmtree(ck / "step-00000004")
+    split = with_checkpoints(layout_plan(2, 2, steps=4, sequence_parallel=True), ck)
+    job(tmp_path, {}, ranks=2, more=[{"plan": split, "log": tmp_path / "split.jsonl", "resume": True}])
+    got = records(tmp_path / "split.jsonl")
+    assert [r["step"] for r in got] == [3, 4]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in records(tmp_path / "whole.jsonl")[2:]],
+                                                     rel=1e-5)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_holds_its_own_rows_of_every_part_of_a_fused_weight(rank):
+    """Rank r's slice of qkv is its q heads, then its k heads, then its v heads; of gate_up its gate rows, then its up
+    rows (a plain cut of the fused tensor would give one rank all of gate and the other all of up)."""
+    s, tp = QWEN_LIKE, TensorParallel(QWEN_LIKE, 2, rank)
+    q, kv, f = s.q_size // 2, s.kv_size // 2, s.ffn_hidden_size // 2
+    qkv = torch.arange(s.q_size + 2 * s.kv_size, dtype=torch.float32)[:, None].expand(-1, 3)
+    rows = [*range(rank * q, (rank + 1) * q), *(s.q_size + i for i in range(rank * kv, (rank + 1) * kv)),
+            *(s.q_size + s.kv_size + i for i in range(rank * kv, (rank + 1) * kv))]
+    assert tp.split("blocks.1.attn.qkv.weight", qkv)[:, 0].tolist() == rows
+    assert tp.split("blocks.1.attn.qkv.bias", qkv[:, 0]).tolist() == rows
+    gate_up = torch.arange(2 * s.ffn_hidden_size, dtype=torch.float32)[:, None]
+    assert tp.split("blocks.0.ffn.gate_up.weight", gate_up)[:, 0].tolist() == \
+        [*range(rank * f, (rank + 1) * f), *(s.ffn_hidden_size + i for i in range(rank * f, (rank + 1) * f))]
+    down = torch.arange(s.ffn_hidden_size, dtype=torch.float32)[None, :]
+    assert tp.split("blocks.0.ffn.down.weight", down)[0].tolist() == list(range(rank * f, (rank + 1) * f))
+    norm = torch.ones(s.hidden_size)
+    assert tp.split("blocks.0.attn_norm.weight", norm) is norm and tp.replicated("blocks.0.attn.q_norm.weight")
+
+
+def test_what_tensor_parallelism_does_not_run_yet_is_refused_by_name():
+    from fastml.config import UserError
+    from fastml.executor.loop.train import check_runs_layout
+
+    for knobs, field in [(dict(compile=True), "knobs.compile"), (dict(pipeline_parallel=2), "knobs.pipeline_parallel")]:
+        tensor = 1 if "pipeline_parallel" in knobs else 2
+        with pytest.raises(UserError, match=field):
+            check_runs_layout(layout_plan(4, tensor, **knobs))
