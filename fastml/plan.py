@@ -200,8 +200,8 @@ class Knobs:
     """GPUs of a node that split each block's matmuls and attention heads, and the embedding and LM head by vocabulary
     (Megatron-LM's column- and row-parallel linears: two all-reduces a block each way). The GPUs left after tensor
     and pipeline parallelism are data parallel: ZeRO and the collectives' knobs act on them (fastml/layout.py).
-    `fastml run` runs it (executor/parallel/tensor.py), but not yet with compile, fp8, or sharded optimizer states
-    with gradients in host memory or with checkpoints (issue 28)."""
+    `fastml run` runs it (executor/parallel/tensor.py), but not yet with fp8, or with sharded optimizer states and
+    gradients in host memory or checkpoints (issue 28)."""
     sequence_parallel: bool = False
     """With tensor_parallel: the norms and residual adds work on a slice of the sequence each, so the activations
     outside the matmuls are split too (Korthikanti et al. 2022); the all-reduces become all-gathers and

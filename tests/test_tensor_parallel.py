@@ -35,7 +35,7 @@ def layout_plan(ranks: int, tensor: int, steps: int = 3, model=SMALL, **knobs) -
                                                eval_tokens=EVAL_TOKENS),
                 hardware=Hardware(device="cpu", num_gpus=ranks, gpus_per_node=ranks),
                 knobs=Knobs(micro_batch_size=micro, grad_accum_steps=SEQUENCES // (micro * data), tensor_parallel=tensor,
-                            **FP32, **knobs))
+                            **{**FP32, **knobs}))
 
 
 def alone(p: Plan) -> Plan:
@@ -53,6 +53,7 @@ PLANS = {
     "tp2-sp-recompute": layout_plan(2, 2, sequence_parallel=True, recompute=("block",)),
     "tp2-streamed-cpu-step": layout_plan(2, 2, offload_weights=1.0, offload_optimizer=1.0),
 }
+COMPILED = layout_plan(2, 2, sequence_parallel=True, compile=True)
 FOUR_RANK_PLANS = {
     "tp2-dp2": layout_plan(4, 2),
     "tp2-dp2-zero3": layout_plan(4, 2, **ZERO[3]),
@@ -65,7 +66,8 @@ def trained(tmp_path_factory):
     """Every plan above, by its jobs (one of 2 ranks, one of 4), and checkpoints: a TP 2 run saved at step 2 of 4."""
     path = tmp_path_factory.mktemp("tensor-parallel")
     saved = with_checkpoints(layout_plan(2, 2, steps=4, sequence_parallel=True), path / "ck-tp2")
-    job(path, PLANS, ranks=2, more=[{"plan": saved, "log": path / "saved.jsonl"}])
+    job(path, PLANS, ranks=2, more=[{"plan": saved, "log": path / "saved.jsonl"},
+                                    {"plan": COMPILED, "log": path / "compiled.jsonl"}])
     job(path, FOUR_RANK_PLANS, ranks=4)
     return path
 
@@ -79,6 +81,13 @@ def test_tensor_parallel_trains_as_one_process(tmp_path, trained, name):
     assert got[0]["loss"] == pytest.approx(want[0]["loss"], rel=1e-6)
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5)
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-5)
+
+
+def test_compiled_blocks_run_the_collectives_as_the_eager_ones_do(trained):
+    """dynamo traces the blocks with their collectives inside (graph breaks allowed): the same training as eager."""
+    eager, compiled = records(trained / "tp2-sp.jsonl"), records(trained / "compiled.jsonl")
+    assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-5)
+    assert [r["grad_norm"] for r in compiled] == pytest.approx([r["grad_norm"] for r in eager], rel=1e-5)
 
 
 def test_a_tensor_parallel_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, trained):
@@ -133,7 +142,8 @@ def test_what_tensor_parallelism_does_not_run_yet_is_refused_by_name():
     from fastml.config import UserError
     from fastml.executor.loop.train import check_runs_layout
 
-    for knobs, field in [(dict(compile=True), "knobs.compile"), (dict(pipeline_parallel=2), "knobs.pipeline_parallel")]:
+    for knobs, field in [(dict(matmul_dtype="fp8"), "knobs.matmul_dtype"),
+                         (dict(pipeline_parallel=2), "knobs.pipeline_parallel")]:
         tensor = 1 if "pipeline_parallel" in knobs else 2
         with pytest.raises(UserError, match=field):
             check_runs_layout(layout_plan(4, tensor, **knobs))

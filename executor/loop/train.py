@@ -51,8 +51,7 @@ def check_runs_layout(plan: Plan) -> None:
                                         f"with knobs.pipeline_parallel=1 to train")
     if k.tensor_parallel == 1:
         return
-    untried = [("knobs.compile", k.compile, "compiled blocks"),
-               ("knobs.matmul_dtype", k.matmul_dtype == "fp8", "fp8 matmuls"),
+    untried = [("knobs.matmul_dtype", k.matmul_dtype == "fp8", "fp8 matmuls"),
                ("knobs.offload_gradients", bool(k.offload_gradients) and k.shard_optimizer,
                 "gradient shards in host memory"),
                ("training.checkpoint_dir", bool(plan.training.checkpoint_dir) and k.shard_optimizer,
