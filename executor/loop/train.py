@@ -31,7 +31,7 @@ from fastml.executor.loop.signals import StopSignals, stopped_message
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.step import train_step
 from fastml.executor.parallel.tensor import TensorParallel
-from fastml.executor.parallel.world import SINGLE, Watchdog, World, check_world, groups, join, launched
+from fastml.executor.parallel.world import SINGLE, Watchdog, World, check_world, groups, join, launched, release
 
 
 class TrainingStopped(Exception):
@@ -154,6 +154,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         finally:
             if comm is not None:
                 comm.close()
+            release(tensor_group, data_group)
     if world.main:
         outputs.write_summary(summary, summary_json)
         if run_dir is not None and summary.get("steps"):

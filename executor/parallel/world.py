@@ -8,7 +8,6 @@ process's place in its environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SI
 from __future__ import annotations
 
 import datetime
-import functools
 import os
 import socket
 import threading
@@ -103,19 +102,22 @@ def join(plan: Plan, world: World, device: torch.device, timeout_s: float, check
 
 
 def groups(world: World) -> tuple[object, object]:
-    """(this rank's tensor-parallel group, its data-parallel group), None for a group of one."""
-    if world.tensor == 1:
+    """(this rank's tensor-parallel group, its data-parallel group), None for a group of one; `release` them when the
+    run ends. Every rank makes every group, in the same order, as torch.distributed requires."""
+    t, d = world.tensor, world.size // world.tensor
+    if t == 1:
         return None, None
-    return _groups(dist.group.WORLD, world.size, world.tensor, world.rank)
-
-
-@functools.cache  # once a process group: a process that trains several plans in turn reuses them (every rank alike)
-def _groups(default_group, size: int, t: int, rank: int) -> tuple[object, object]:
-    # Every rank makes every group, in the same order, as torch.distributed requires.
-    d = size // t
     tensor = [dist.new_group(list(range(i * t, (i + 1) * t))) for i in range(d)]
-    data = [dist.new_group(list(range(r, size, t))) for r in range(t)] if d > 1 else [None] * t
-    return tensor[rank // t], data[rank % t]
+    data = [dist.new_group(list(range(r, world.size, t))) for r in range(t)] if d > 1 else [None] * t
+    return tensor[world.rank // t], data[world.rank % t]
+
+
+def release(*made) -> None:
+    """Ends the groups `groups` made (a process that trains several plans makes them again for each); left to the
+    interpreter's exit, their teardown aborted a process now and then."""
+    for group in made:
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 def _units(plan: Plan) -> str:
