@@ -1,6 +1,6 @@
 """How a plan lays the model out over its GPUs: tensor parallelism inside a block, pipeline stages across the blocks,
 and data parallelism over what is left, with the order each pipeline rank runs its micro-batches in. Part of the
-contract: the planner prices this order and the executor will run it (issue 28).
+contract: the planner prices this order and the executor runs it (executor/parallel/pipeline.py).
 
 The GPUs of a job are numbered tensor-parallel rank fastest, then data-parallel, then pipeline stage (Megatron-LM's
 order): a tensor-parallel group is the neighbouring GPUs of one node, and pipeline stages are the farthest apart, their

@@ -200,15 +200,15 @@ class Knobs:
     """GPUs of a node that split each block's matmuls and attention heads, and the embedding and LM head by vocabulary
     (Megatron-LM's column- and row-parallel linears: two all-reduces a block each way). The GPUs left after tensor
     and pipeline parallelism are data parallel: ZeRO and the collectives' knobs act on them (fastml/layout.py).
-    `fastml run` runs it (executor/parallel/tensor.py), but not yet with fp8, or with sharded optimizer states and
-    gradients in host memory or checkpoints (issue 28)."""
+    `fastml run` runs it (executor/parallel/tensor.py), but not yet with fp8 (issue 28)."""
     sequence_parallel: bool = False
     """With tensor_parallel: the norms and residual adds work on a slice of the sequence each, so the activations
     outside the matmuls are split too (Korthikanti et al. 2022); the all-reduces become all-gathers and
     reduce-scatters of the same bytes."""
     pipeline_parallel: int = 1
     """Pipeline stages: consecutive blocks on other GPUs, micro-batches passed between them
-    (`fastml.layout.stage_layers`). Planned and priced; `fastml run` does not run it yet (issue 28)."""
+    (`fastml.layout.stage_layers`). `fastml run` runs it (executor/parallel/pipeline.py), but not yet with fp8 or
+    gradients in host memory (issue 28)."""
     pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
     """The order each stage runs its micro-batches' passes in (`fastml.layout.pipeline_order`)."""
     virtual_stages: int = 1
@@ -357,7 +357,7 @@ KNOBS: dict[str, KnobInfo] = {
     # The memcpy collectives add a GPU staging row to their buffers in host memory (planner/memory.py).
     "comm": KnobInfo("comm", ("nccl", "memcpy"), multi_gpu=True, least_memory="nccl"),
     # Tensor and pipeline parallelism: priced when pinned, searched for other hardware only (`fastml plan --hw`): the
-    # executor runs tensor parallelism but not yet with every knob, nor pipeline parallelism (issue 28).
+    # executor runs them, but not yet with every knob, and not yet on GPUs (issue 28).
     "tensor_parallel": KnobInfo("layout", (1,), multi_gpu=True, least_memory=1),
     "sequence_parallel": KnobInfo("layout", (False,), multi_gpu=True, least_memory=False),
     "pipeline_parallel": KnobInfo("layout", (1,), multi_gpu=True, least_memory=1),

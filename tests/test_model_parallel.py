@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from fastml.config import UserError
+from fastml.executor.loop.train import check_runs_layout, train
 from fastml.layout import Action, Layout, interleaved_rounds, pipeline_order, stage_layers
 from fastml.plan import Hardware, Knobs, Plan, Training
 from fastml.planner.hardware import load_machine
@@ -157,10 +158,9 @@ def test_the_batch_is_counted_over_the_data_parallel_ranks():
 
 
 def test_fastml_run_refuses_a_layout_it_cannot_run_yet():
-    from fastml.executor.loop.train import train
-
-    with pytest.raises(UserError, match=r"knobs\.pipeline_parallel: 2: fastml plans it but does not run it yet"):
-        train(plan_with(pipeline_parallel=2), steps=1)
+    with pytest.raises(UserError, match=r"knobs\.offload_gradients: gradients in host memory with "
+                                        r"knobs\.pipeline_parallel 2: not run by fastml's executor yet"):
+        train(plan_with(pipeline_parallel=2, offload_gradients=1.0), steps=1)
 
 
 def test_a_pinned_layout_that_does_not_divide_the_model_is_refused_before_the_search():
@@ -173,6 +173,7 @@ def test_the_planner_weighs_layouts_for_other_hardware():
     pipeline parallelism, and the plan says why; an 8B on one node stays data parallel."""
     big = make_plan(model="llama-3.1-70b", hw="h100-sxm", gpus=8, nodes=16, global_batch_tokens=2**20, trials=40)
     assert big.plan.knobs.tensor_parallel * big.plan.knobs.pipeline_parallel > 1
+    check_runs_layout(big.plan)  # a layout the executor runs, with knobs it runs with it
     assert any(note.startswith("layout tensor") and "data-parallel plan" in note for note in big.notes)
     small = make_plan(model="llama-3.1-8b", hw="h100-sxm", gpus=8, trials=40)
     assert small.plan.knobs.tensor_parallel == small.plan.knobs.pipeline_parallel == 1

@@ -1,6 +1,7 @@
 """Tensor parallelism (with and without sequence parallelism) on CPU processes over gloo: jobs of 2 ranks (TP 2) and
-of 4 (TP 2 x DP 2, ZeRO 0 and 3), each trained a few steps and compared with one process taking every micro-batch;
-checkpoints resumed at another layout; the slices of fused weights.
+of 4 (TP 2 x DP 2, ZeRO 0, 2 with gradient shards in host memory, and 3), each trained a few steps and compared with
+one process taking every micro-batch; checkpoints (whole tensors, and ZeRO's shards of slices) resumed at another
+layout; the slices of fused weights.
 
 Tolerances: a row-parallel linear sums its two halves' partial products after the fact, and the cross-entropy adds
 its vocabulary's halves, where one process adds the same terms in one GEMM: fp32 results differ in the last bits of
@@ -34,8 +35,8 @@ def layout_plan(ranks: int, tensor: int, steps: int = 3, model=SMALL, **knobs) -
     return Plan(model=model, training=Training(seq_len=SEQ_LEN, global_batch_tokens=SEQ_LEN * SEQUENCES, steps=steps,
                                                eval_tokens=EVAL_TOKENS),
                 hardware=Hardware(device="cpu", num_gpus=ranks, gpus_per_node=ranks),
-                knobs=Knobs(micro_batch_size=micro, grad_accum_steps=SEQUENCES // (micro * data), tensor_parallel=tensor,
-                            **{**FP32, **knobs}))
+                knobs=Knobs(micro_batch_size=micro, grad_accum_steps=SEQUENCES // (micro * data),
+                            tensor_parallel=tensor, **{**FP32, **knobs}))
 
 
 def alone(p: Plan) -> Plan:
@@ -58,17 +59,20 @@ FOUR_RANK_PLANS = {
     "tp2-dp2": layout_plan(4, 2),
     "tp2-dp2-zero3": layout_plan(4, 2, **ZERO[3]),
     "tp2-dp2-zero3-sp": layout_plan(4, 2, sequence_parallel=True, **ZERO[3]),
+    "tp2-dp2-zero2-host-grads": layout_plan(4, 2, model=QWEN_LIKE, offload_gradients=1.0, **ZERO[2]),
 }
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Every plan above, by its jobs (one of 2 ranks, one of 4), and checkpoints: a TP 2 run saved at step 2 of 4."""
+    """Every plan above, by its jobs (one of 2 ranks, one of 4), and checkpoints: a TP 2 run and a TP 2 x DP 2 ZeRO-2
+    run saved at step 2 of 4."""
     path = tmp_path_factory.mktemp("tensor-parallel")
     saved = with_checkpoints(layout_plan(2, 2, steps=4, sequence_parallel=True), path / "ck-tp2")
     job(path, PLANS, ranks=2, more=[{"plan": saved, "log": path / "saved.jsonl"},
                                     {"plan": COMPILED, "log": path / "compiled.jsonl"}])
-    job(path, FOUR_RANK_PLANS, ranks=4)
+    saved_zero = with_checkpoints(layout_plan(4, 2, steps=4, sequence_parallel=True, **ZERO[2]), path / "ck-zero")
+    job(path, FOUR_RANK_PLANS, ranks=4, more=[{"plan": saved_zero, "log": path / "saved-zero.jsonl"}])
     return path
 
 
@@ -102,6 +106,21 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_on_the_same_curve(t
     got = records(log)
     assert [r["step"] for r in got] == [3, 4]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in uninterrupted[2:]], rel=1e-5)
+
+
+def test_a_tensor_parallel_zero_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, trained):
+    """Each rank of a TP 2 x DP 2 ZeRO-2 run writes its shard of its slices' optimizer state; read back whole, one
+    process resumes at step 2 and takes the steps the four ranks took."""
+    step2 = trained / "ck-zero" / "step-00000002"
+    ck = tmp_path / "ck"
+    shutil.copytree(step2, ck / step2.name)
+    resumed = with_checkpoints(alone(layout_plan(4, 2, steps=4)), ck)
+    log = tmp_path / "resumed.jsonl"
+    train(resumed, log_json=log, show_progress=False, resume=True)
+    got = records(log)
+    assert [r["step"] for r in got] == [3, 4]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in records(trained / "saved-zero.jsonl")[2:]],
+                                                     rel=1e-5)
 
 
 def test_one_process_checkpoint_resumes_at_tensor_parallel_2(tmp_path):
@@ -142,8 +161,5 @@ def test_what_tensor_parallelism_does_not_run_yet_is_refused_by_name():
     from fastml.config import UserError
     from fastml.executor.loop.train import check_runs_layout
 
-    for knobs, field in [(dict(matmul_dtype="fp8"), "knobs.matmul_dtype"),
-                         (dict(pipeline_parallel=2), "knobs.pipeline_parallel")]:
-        tensor = 1 if "pipeline_parallel" in knobs else 2
-        with pytest.raises(UserError, match=field):
-            check_runs_layout(layout_plan(4, tensor, **knobs))
+    with pytest.raises(UserError, match="knobs.matmul_dtype"):
+        check_runs_layout(layout_plan(4, 2, matmul_dtype="fp8"))

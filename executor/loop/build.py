@@ -15,6 +15,7 @@ from fastml.executor.model import fp8, fused
 from fastml.executor.model.apply import apply_plan, check_recompute_intact
 from fastml.executor.model.transformer import Transformer, build_model, layer_groups, materialize
 from fastml.executor.parallel.shard import DataParallel
+from fastml.executor.parallel.pipeline import PipelineParallel
 from fastml.executor.parallel.tensor import TensorParallel
 from fastml.executor.parallel.world import SINGLE, World
 
@@ -25,19 +26,19 @@ def uses_cuda_ops(knobs: Knobs) -> bool:
 
 
 def build_training_model(plan: Plan, device: torch.device, world: World = SINGLE, comm=None,
-                         tp: TensorParallel | None = None) -> Transformer:
+                         tp: TensorParallel | None = None, pp: PipelineParallel | None = None) -> Transformer:
     """Meta model, plan applied, then materialized on `device` in the plan's parameter dtype (the matmuls compute in
     that dtype too, fp32 with fp32 parameters and bf16 with bf16, but the blocks' fp8 linears), streamed blocks'
     weights straight into host memory, sharded ones straight into this rank's shard. Its placement is
     `model.placement`, and with several data-parallel ranks that holds the sharding engine (`placement.parallel`, over
-    the collectives `comm`). Under tensor parallelism (`tp`) the model is this rank's slice, and all of this applies
-    to the slice."""
+    the collectives `comm`). Under tensor parallelism (`tp`) the model is this rank's slice, under pipeline
+    parallelism (`pp`) its stages' blocks, and all of this applies to what it holds."""
     if plan.knobs.matmul_dtype == "fp8":
         fp8.check_fp8(device)
     fused.require_triton(device)
     if device.type == "cuda" and uses_cuda_ops(plan.knobs):
         native.load_cuda()  # built now, before training starts (and before compile traces the ops)
-    model = apply_plan(build_model(plan.model, tp), plan.knobs, world.size)
+    model = apply_plan(build_model(plan.model, tp, pp), plan.knobs, world.size)
     dtype = DTYPES[plan.knobs.param_dtype]
     shapes = {group: {name: p.shape for name, p in named} for group, named in layer_groups(model).items()}
     copier = Copier(device)

@@ -51,12 +51,16 @@ class Validation:
         """The mean loss per token over the sequences of every rank (a model built by executor/loop/build.py)."""
         model.placement.finish_steps()  # the last step's CPU work, where it overlaps the next step, first ends
         fp8.refresh_weight_caches(model)  # the fp8 copies of the weights as the last optimizer step left them
+        on_device = [(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True))
+                     for inputs, targets in self.batches]
         with torch.no_grad():
-            losses = [model.loss(inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True),
-                                 self.chunks) for inputs, targets in self.batches]
+            if model.pp.active:  # the last stage's losses; the stages before it have none
+                losses = model.pp.forward_losses(model, on_device, self.chunks)
+            else:
+                losses = [model.loss(inputs, targets, self.chunks) for inputs, targets in on_device]
             model.placement.end_evaluation()
-        tokens = [targets.numel() for _, targets in self.batches]
-        mine = sum(loss * n for loss, n in zip(torch.stack(losses).double().tolist(), tokens))  # one wait
+        tokens = [targets.numel() for _, targets in self.batches][:len(losses)]
+        mine = sum(loss * n for loss, n in zip(torch.stack(losses).double().tolist() if losses else [], tokens))
         rows = agree([mine, float(sum(tokens))])
         loss = sum(row[0] for row in rows) / sum(row[1] for row in rows)
         return loss if math.isfinite(loss) else None  # JSON has no NaN: logged as null, as a step's loss is

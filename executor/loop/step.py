@@ -39,14 +39,41 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
     gradients summed over the ranks (shard.py) are those of one process taking every micro-batch; the ranks then
     agree on the loss (their mean), on the gradient norm (optim.py) and so on skipping the step, and on whether any
     of them was asked to stop (`stop_requested`, the record's "stop"). The ranks of a tensor-parallel group take the
-    same micro-batches and compute the same loss."""
+    same micro-batches and compute the same loss; under pipeline parallelism the last stage computes it."""
     knobs = plan.knobs
-    placement = optimizer.placement
     micro_batches = knobs.grad_accum_steps * world.data.size
     if fp8.cached_linears(model):  # the cast reads every weight: the last step's CPU work (overlapped) first ends
         optimizer.finish_steps()
     fp8.refresh_weight_caches(model)  # the weights as the last step left them, cast to fp8 once for this one
-    losses = []
+    if model.pp.active:
+        losses = _pipeline_passes(model, optimizer, batches, plan, step, device, hooks, meter, micro_batches)
+    else:
+        losses = _passes(model, optimizer, batches, plan, step, device, hooks, meter, micro_batches)
+    if meter is not None:
+        meter.sample_states()  # every gradient is complete, no optimizer temporary exists yet
+    # One wait for the device, after the whole step's work is queued; a pipeline stage before the last has no loss.
+    mine = torch.stack(losses).tolist() if losses else [0.0] * knobs.grad_accum_steps
+    stop = stop_requested()
+    rows = agree([*mine, float(stop)]) if world.distributed else [[*mine, float(stop)]]
+    loss_value = _step_loss([rows[rank] for rank in world.loss_ranks], micro_batches)
+    stop = any(row[-1] for row in rows)
+    clip = plan.training.grad_clip
+    grad_norm = optimizer.clip_grad_norm_(clip if clip > 0 else float("inf"))
+    skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
+    lr = lr_at(step, plan.training)
+    if not skipped:
+        optimizer.set_lr(lr)
+        optimizer.step()
+    optimizer.zero_grad()
+    # JSON has no NaN or infinity: a non-finite figure is logged as null.
+    return {"step": step + 1, "loss": loss_value if math.isfinite(loss_value) else None, "lr": lr,
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "skipped": skipped, "stop": stop}
+
+
+def _passes(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: int, device: torch.device,
+            hooks: StepHooks, meter, micro_batches: int) -> list[torch.Tensor]:
+    """The forward and backward pass of each of this rank's micro-batches in turn; their losses."""
+    knobs, placement, losses = plan.knobs, optimizer.placement, []
     for micro in range(knobs.grad_accum_steps):
         if placement is not None:
             placement.begin_micro_batch(micro, last=micro == knobs.grad_accum_steps - 1)
@@ -61,24 +88,30 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
         losses.append(loss.detach())
         if micro == 0:
             hooks.after_first_backward(step + 1)
-    if meter is not None:
-        meter.sample_states()  # every gradient is complete, no optimizer temporary exists yet
-    mine = torch.stack(losses).tolist()  # one wait for the device, after the whole step's work is queued
-    stop = stop_requested()
-    rows = agree([*mine, float(stop)]) if world.distributed else [[*mine, float(stop)]]
-    loss_value = _step_loss(rows[::world.tensor], micro_batches)  # a tensor-parallel group's ranks share its loss
-    stop = any(row[-1] for row in rows)
-    clip = plan.training.grad_clip
-    grad_norm = optimizer.clip_grad_norm_(clip if clip > 0 else float("inf"))
-    skipped = not (math.isfinite(loss_value) and math.isfinite(grad_norm))
-    lr = lr_at(step, plan.training)
-    if not skipped:
-        optimizer.set_lr(lr)
-        optimizer.step()
-    optimizer.zero_grad()
-    # JSON has no NaN or infinity: a non-finite figure is logged as null.
-    return {"step": step + 1, "loss": loss_value if math.isfinite(loss_value) else None, "lr": lr,
-            "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "skipped": skipped, "stop": stop}
+    return losses
+
+
+def _pipeline_passes(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: int, device: torch.device,
+                     hooks: StepHooks, meter, micro_batches: int) -> list[torch.Tensor]:
+    """This pipeline rank's passes over the step's micro-batches, in its schedule's order (parallel/pipeline.py);
+    the losses where it holds the last stage. Every stage reads the micro-batches: the first embeds their tokens,
+    the last takes their targets. Then the tied embedding's two gradients are summed."""
+    knobs, placement = plan.knobs, optimizer.placement
+    count = knobs.grad_accum_steps
+    on_device = [tuple(t.to(device, non_blocking=True) for t in next(batches)) for _ in range(count)]
+
+    def before_pass(micro: int) -> None:
+        if placement is not None:  # the sharding engine reduces a group's gradients in its last micro-batch's pass
+            placement.begin_micro_batch(micro, last=micro == count - 1)
+
+    losses = model.pp.train_passes(model, on_device, knobs.lm_head_chunks, micro_batches,
+                                   on_loss=lambda loss: hooks.after_loss(step + 1, loss),
+                                   before_backward=optimizer.finish_steps,
+                                   after_backward=lambda: hooks.after_first_backward(step + 1),
+                                   before_pass=before_pass)
+    if model.spec.tied_embeddings and model.embed is not None:
+        model.pp.sum_tied_gradients(optimizer.gradient(model.embed.weight))
+    return losses
 
 
 def _step_loss(rows: list[list[float]], micro_batches: int) -> float:

@@ -30,6 +30,7 @@ from fastml.executor.loop.meter import Meter, memory_tensors, node_host_memory_b
 from fastml.executor.loop.signals import StopSignals, stopped_message
 from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.step import train_step
+from fastml.executor.parallel.pipeline import PipelineParallel
 from fastml.executor.parallel.tensor import TensorParallel
 from fastml.executor.parallel.world import SINGLE, Watchdog, World, check_world, groups, join, launched, release
 
@@ -43,23 +44,20 @@ class TrainingStopped(Exception):
 
 
 def check_runs_layout(plan: Plan) -> None:
-    """What of the layouts the planner prices this executor does not run yet (issue 28): pipeline parallelism, and
-    tensor parallelism with the knobs not yet tried with it."""
+    """What of the layouts the planner prices this executor does not run yet (issue 28): tensor and pipeline
+    parallelism with the knobs not yet tried with them."""
     k = plan.knobs
+    untried = []
+    if k.tensor_parallel > 1:
+        untried += [("knobs.matmul_dtype", k.matmul_dtype == "fp8", "fp8 matmuls", "tensor_parallel")]
     if k.pipeline_parallel > 1:
-        fail("knobs.pipeline_parallel", f"{k.pipeline_parallel}: fastml plans it but does not run it yet; make a plan "
-                                        f"with knobs.pipeline_parallel=1 to train")
-    if k.tensor_parallel == 1:
-        return
-    untried = [("knobs.matmul_dtype", k.matmul_dtype == "fp8", "fp8 matmuls"),
-               ("knobs.offload_gradients", bool(k.offload_gradients) and k.shard_optimizer,
-                "gradient shards in host memory"),
-               ("training.checkpoint_dir", bool(plan.training.checkpoint_dir) and k.shard_optimizer,
-                "checkpoints of sharded optimizer states")]
-    for field, used, what in untried:
+        untried += [("knobs.matmul_dtype", k.matmul_dtype == "fp8", "fp8 matmuls", "pipeline_parallel"),
+                    ("knobs.offload_gradients", bool(k.offload_gradients), "gradients in host memory",
+                     "pipeline_parallel")]
+    for field, used, what, knob in untried:
         if used:
-            fail(field, f"{what} with knobs.tensor_parallel {k.tensor_parallel}: not run by fastml's executor yet "
-                        f"(issue 28); plan without one of them")
+            fail(field, f"{what} with knobs.{knob} {getattr(k, knob)}: not run by fastml's executor yet (issue 28); "
+                        f"plan without one of them")
 
 
 DEFAULT_TIMEOUT_S = 600
@@ -131,7 +129,8 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         summary = train_in_workers(plan, console or Console(stderr=True), run_dir=run_dir, **options)
         outputs.write_summary(summary, summary_json)
         return summary
-    world = dataclasses.replace(world or SINGLE, tensor=plan.knobs.tensor_parallel)
+    world = dataclasses.replace(world or SINGLE, tensor=plan.knobs.tensor_parallel,
+                                pipeline=plan.knobs.pipeline_parallel)
     check_world(plan, world)
     err = console or Console(stderr=True, quiet=not world.main)
     # On one terminal the report goes through the console that draws the progress line, which keeps them apart.
@@ -146,11 +145,15 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         tensor_group, data_group = groups(world)
         tp = TensorParallel(plan.model, world.tensor, world.rank % world.tensor, tensor_group,
                             plan.knobs.sequence_parallel)
+        k = plan.knobs
+        pp = PipelineParallel(plan.model.num_layers, world.pipeline, world.rank // world.stride, k.virtual_stages,
+                              k.pipeline_schedule, world.stride, world.rank % world.stride)
+        pp.connect(device)
         comm = make_collectives(plan.knobs.comm, world.data, device, watchdog, data_group) \
             if world.data.distributed else None
         try:
             trace = run_dir / TRACE_FILE if run_dir is not None and world.main and trace_step else None
-            summary = _train(plan, world, tp, device, comm, watchdog, out, err, trace=trace, **options)
+            summary = _train(plan, world, tp, pp, device, comm, watchdog, out, err, trace=trace, **options)
         finally:
             if comm is not None:
                 comm.close()
@@ -162,8 +165,8 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
     return summary
 
 
-def _train(plan: Plan, world: World, tp: TensorParallel, device: torch.device, comm, watchdog: Watchdog,
-           out: Console, err: Console, *,
+def _train(plan: Plan, world: World, tp: TensorParallel, pp: PipelineParallel, device: torch.device, comm,
+           watchdog: Watchdog, out: Console, err: Console, *,
            log_json, show_progress: bool, resume: bool, keep_checkpoints: int, max_nonfinite_steps: int,
            strict: bool, start_over: bool, timeout_s: float, trace_step: int | None, trace: Path | None,
            checkpoint_interval: int | None, tensorboard: str | None, wandb: str | None, sample_every: int | None,
@@ -178,7 +181,7 @@ def _train(plan: Plan, world: World, tp: TensorParallel, device: torch.device, c
         out.print(display.blend_text(plan.training.data, data.shares), highlight=False)
     validation = Validation.open(plan, world.data, say=lambda message: err.print(message, markup=False))
     sampler = Sampler(plan, sample_every, sample_prompt) if sample_every and world.main else None
-    model, optimizer = _model_and_optimizer(plan, device, world, tp, comm, run)
+    model, optimizer = _model_and_optimizer(plan, device, world, tp, pp, comm, run)
     checkpoint, position = run.restore(model, optimizer)
     if position.step >= plan.training.steps:
         out.print(f"already at step {position.step} of {plan.training.steps}: nothing to train")
@@ -252,10 +255,10 @@ CHECKPOINT_S = 3600
 """How much longer than --timeout the ranks may wait for each other while a checkpoint is written."""
 
 
-def _model_and_optimizer(plan: Plan, device: torch.device, world: World, tp: TensorParallel, comm,
-                         run: checkpoints.Run) -> tuple[torch.nn.Module, AdamW]:
+def _model_and_optimizer(plan: Plan, device: torch.device, world: World, tp: TensorParallel, pp: PipelineParallel,
+                         comm, run: checkpoints.Run) -> tuple[torch.nn.Module, AdamW]:
     checkpoints.seed_rng(plan.training.seed, world.rank)
-    model = build_training_model(plan, device, world, comm, tp)
+    model = build_training_model(plan, device, world, comm, tp, pp)
     run.start(model)  # the weights a new run starts from, before the optimizer copies them into its masters
     return model, AdamW(model, plan.training, plan.knobs, model.placement)
 

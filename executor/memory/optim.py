@@ -18,6 +18,7 @@ from fastml.executor.parallel.collectives import agree
 from fastml.executor.memory.pinned import pinned_empty
 from fastml.executor.parallel.shard import Layout, Piece
 from fastml.executor.model.transformer import layer_groups
+from fastml.executor.parallel.world import World
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EPS = 1e-8  # torch.optim.AdamW's default
@@ -48,8 +49,8 @@ class AdamW(torch.optim.Optimizer):
     each group's flat vector, a part of a parameter (a `Piece`) where the shard boundary cuts one; it reads its
     shard of the summed gradients, and the updated shard is then gathered into every rank's weights.
 
-    Under tensor parallelism (the model's `tp`) the parameters are this rank's slices, stepped as any others; only the
-    gradient norm looks across the group (`_tensor_parallel_norm`).
+    Under tensor parallelism (the model's `tp`) the parameters are this rank's slices, and under pipeline parallelism
+    (`pp`) those of its stages, stepped as any others; only the gradient norm looks across the ranks (`_layout_norm`).
     """
 
     def __init__(self, model: nn.Module, training: Training, knobs: Knobs = Knobs(), placement=None):
@@ -69,9 +70,8 @@ class AdamW(torch.optim.Optimizer):
         self.clip_coef: torch.Tensor | None = None
         self.seed = training.seed
         self.index = {p: i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
-        self.tp = getattr(model, "tp", None)
-        self.whole = {p for group in self.param_groups for name, p in zip(group["param_names"], group["params"])
-                      if self.tp is not None and self.tp.active and self.tp.replicated(name)}
+        self.tp, self.pp = getattr(model, "tp", None), getattr(model, "pp", None)
+        self.layout_shares = self._layout_shares()
         self.pieces = {p: piece for group in self.param_groups for p, piece in self._pieces(group).items()}
         largest = max((self.pieces[p].end - self.pieces[p].start for g in self.param_groups if g["on_cpu"]
                        for p in g["params"] if p in self.pieces), default=0)
@@ -171,6 +171,13 @@ class AdamW(torch.optim.Optimizer):
         host = self.placement.host_grad(p) if self.placement is not None else None
         return (host, True) if host is not None else (p.grad, False)
 
+    def gradient(self, p: nn.Parameter) -> torch.Tensor | None:
+        """What the step reads of `p`'s gradient on this rank, once the backward passes are complete (None where this
+        rank steps no part of it): the gradient, or its piece of a sharded group's gradient shard."""
+        self._finish_backward()
+        group = next(group for group in self.param_groups if any(q is p for q in group["params"]))
+        return self._grad(group, p)[0] if p in self.pieces else None
+
     def _finish_backward(self) -> None:
         if self.placement is not None:
             self.placement.finish_backward()
@@ -189,8 +196,8 @@ class AdamW(torch.optim.Optimizer):
         if self.placement is not None:
             norms.update(self.placement.grad_norms)
         ordered = [norms[p] for group in self.param_groups for p in group["params"] if p in norms]
-        if self.whole:
-            total = self._tensor_parallel_norm(norms)
+        if self.layout_shares is not None:
+            total = self._layout_norm(norms)
         elif self.parallel is not None and self.parallel.scatter:
             total = self._sharded_norm(ordered + list(self.parallel.shard_norms.values()))
         elif not ordered:
@@ -203,20 +210,47 @@ class AdamW(torch.optim.Optimizer):
             torch._foreach_mul_(list(grads.values()), self.clip_coef.to(self.device))
         return total.item()
 
-    def _tensor_parallel_norm(self, norms: dict[nn.Parameter, torch.Tensor]) -> torch.Tensor:
-        """The norm over the ranks of a tensor-parallel group, each holding slices of most parameters and the whole of
-        a few (the norms, their gradients the same on every rank): the squares of the slices add up, and a whole
-        parameter's count once, a share from each rank. Sharded, every rank's squares add up; otherwise those of
-        the first data-parallel rank's group (the others hold the same gradients)."""
+    def _layout_shares(self) -> dict[nn.Parameter, float] | None:
+        """Under tensor or pipeline parallelism, the share of each parameter's squared gradient norm this rank counts:
+        a tensor-parallel group's ranks hold slices of most parameters (each counts its own) and the whole of a few,
+        the norms, whose gradients are the same on every rank (each counts 1 / size); the last pipeline stage holds a
+        copy of an embedding tied to its LM head, counted by the first (0 here). None otherwise."""
+        tp, pp = self.tp, self.pp
+        if not (tp is not None and tp.active or pp is not None and pp.active):
+            return None
+        named = [(name, p) for group in self.param_groups for name, p in zip(group["param_names"], group["params"])]
+        return {p: 0.0 if pp.active and not pp.first and name == "embed.weight" else
+                1 / tp.size if tp.replicated(name) else 1.0 for name, p in named}
+
+    def _layout_norm(self, norms: dict[nn.Parameter, torch.Tensor]) -> torch.Tensor:
+        """The norm over every rank's share (`_layout_shares`) of the gradients: sharded, every rank's squares add up;
+        otherwise those of the first data-parallel rank's groups (the others hold the same gradients)."""
         ordered = [norms[p] for group in self.param_groups for p in group["params"] if p in norms]
-        shares = [1 / self.tp.size if p in self.whole else 1.0 for group in self.param_groups
-                  for p in group["params"] if p in norms]
+        shares = [self.layout_shares[p] for group in self.param_groups for p in group["params"] if p in norms]
         squares = torch.stack([n.to(ordered[0].device).float() for n in ordered]) ** 2 if ordered else None
         local = (squares * torch.tensor(shares, device=squares.device)).sum().item() if ordered else 0.0
-        rows = [row[0] for row in agree([local])]
         scattered = self.parallel is not None and self.parallel.scatter
-        return torch.tensor(sum(rows if scattered else rows[:self.tp.size]), dtype=torch.float32,
-                            device=self.device).sqrt()
+        if scattered:
+            local += self._host_shares_squared()
+        rows = [row[0] for row in agree([local])]
+        world = World(size=len(rows), tensor=self.tp.size, pipeline=self.pp.size)
+        counted = [row for rank, row in enumerate(rows) if scattered or world.holds_data_rank_0(rank)]
+        return torch.tensor(sum(counted), dtype=torch.float32, device=self.device).sqrt()
+
+    def _host_shares_squared(self) -> float:
+        """This rank's share of the squared norm of its gradient shards in host memory: each shard's squared norm
+        (taken on the device, `parallel.shard_norms`), less the part of it a parameter with a share below 1 does not
+        count (read on the host: the norms' weights, a few elements)."""
+        total = 0.0
+        for group in self.param_groups:
+            norm = self.parallel.shard_norms.get(group["layer"])
+            if norm is None:
+                continue
+            total += norm.item() ** 2
+            for p in group["params"]:
+                if p in self.pieces and self.layout_shares[p] != 1.0:
+                    total -= (1 - self.layout_shares[p]) * self._grad(group, p)[0].float().square().sum().item()
+        return total
 
     def _sharded_norm(self, norms: list[torch.Tensor]) -> torch.Tensor:
         """The norm of every rank's shard norms, from each rank's norm of its own."""

@@ -122,7 +122,7 @@ class Placement:
             for p in self.params[group]:
                 p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
         if self.fetched | self.offload.grads_out | self.offload.residuals_out:
-            for index, block in enumerate(model.blocks):
+            for index, block in model.held_blocks():
                 block.register_forward_pre_hook(self._before_block(index))
                 block.register_forward_hook(self._after_block(index), always_call=True)
         if self.overlapped:
@@ -139,10 +139,12 @@ class Placement:
         """knobs.overlap_cpu_step: each group's weights are read only once its step is done. A streamed block's are
         read by their fetch (`_fetch_weights`), one block ahead; the others' by the module that computes with
         them: the embedding's lookup, the block, the final norm and LM head."""
-        users = {"embed": model.embed, "head": model.norm,
-                 **{block_group(i): block for i, block in enumerate(model.blocks)}}
+        # A later pipeline stage holds the embedding for its tied LM head alone (model/transformer.py).
+        embed_user = model.embed if model.pp.first or model.embed is None else model.norm
+        users = {"embed": embed_user, "head": model.norm,
+                 **{block_group(i): block for i, block in model.held_blocks()}}
         for group, module in users.items():
-            if group not in self.fetched:
+            if group not in self.fetched and module is not None:
                 module.register_forward_pre_hook(_eager(lambda module, args, group=group: self.wait_for_step(group)))
 
     # --- the step's phases, called by the loop and the optimizer ----------------------------------------------------

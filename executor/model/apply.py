@@ -46,7 +46,7 @@ def apply_recompute(model: Transformer, parts: tuple[str, ...], *, compiled: boo
     `block` covers everything else, so with it the finer parts are redundant and skipped. `compiled`: the blocks
     will be compiled (apply_compile), so the checkpoints are traced into their graphs."""
     parts = ("block",) if "block" in parts else parts
-    for block in model.blocks:
+    for _, block in model.held_blocks():
         for part in parts:
             for module in recompute_targets(block, part):
                 _checkpoint_forward(module, compiled)
@@ -96,5 +96,5 @@ def apply_compile(model: Transformer) -> None:
     taken from inductor's cache on disk), and reaching the limit with one model is an error, not a silent eager run."""
     torch._dynamo.reset()
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    for block in model.blocks:
+    for _, block in model.held_blocks():
         block.compile()

@@ -215,7 +215,7 @@ def convert_to_fp8(model: nn.Module, cached: frozenset[str] = frozenset(), fast_
     fills (non-persistent: checkpoints hold the weights alone); `fast_accum` (knobs.fp8_backward_fast_accum) is set on
     every linear. One class for all of them, not a forward per module: the compiled blocks (apply.py) then share one
     graph instead of recompiling for each block's own function."""
-    for i, block in enumerate(model.blocks):
+    for i, block in model.held_blocks():
         if block.ffn.gate_up.bias is not None or block.ffn.down.bias is not None:
             raise ValueError("FP8FeedForward multiplies the feed-forward's weights alone: its linears have no bias")
         block.ffn.__class__ = FP8FeedForward

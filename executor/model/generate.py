@@ -118,7 +118,7 @@ class Sampler:
 
     def text(self, model: Transformer) -> str | None:
         """The prompt and its continuation; None where the model's weights are not all on this rank."""
-        if model.placement.fetched or model.tp.active:
+        if model.placement.fetched or model.tp.active or model.pp.active:
             return None
         model.placement.finish_steps()  # the last step's CPU work, where it overlaps the next step, first ends
         fp8.refresh_weight_caches(model)  # the fp8 copies of the weights as the last optimizer step left them

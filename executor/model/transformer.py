@@ -19,6 +19,7 @@ from torch import nn
 
 from fastml.executor.model import fused
 from fastml.executor.model.loss import lm_loss_sum
+from fastml.executor.parallel.pipeline import PipelineParallel
 from fastml.executor.parallel.tensor import TensorParallel
 from fastml.plan import layer_of, tensor_slice
 from fastml.spec import ModelSpec, RopeScaling
@@ -119,31 +120,67 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
-class Transformer(nn.Module):
-    """`spec`: the whole model; `tp`: this rank's place in a tensor-parallel group, which decides its slice."""
+class HeldElsewhere(nn.Module):
+    """The place of a block another pipeline stage holds: no parameters here, and nothing to run."""
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None):
+    def forward(self, *args):
+        raise RuntimeError("this block is held by another pipeline stage")
+
+
+class Transformer(nn.Module):
+    """`spec`: the whole model; `tp`: this rank's place in a tensor-parallel group, which decides its slice; `pp` its
+    place in a pipeline, which decides its blocks (the others are `HeldElsewhere`, so that every parameter keeps its
+    name): the embedding on the first stage (and the last, where tied to the LM head), the final norm and LM head on
+    the last."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None, pp: PipelineParallel | None = None):
         super().__init__()
         self.spec = spec
         self.tp = tp = tp or TensorParallel(spec)
+        self.pp = pp = pp or PipelineParallel(spec.num_layers)
         mine = tensor_slice(spec, tp.size)
-        self.embed = Embedding(mine.vocab_size, spec.hidden_size, tp)
-        self.blocks = nn.ModuleList(Block(mine, tp) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps, tp if tp.sequence else None)
+        held = pp.held_blocks
+        self.embed = Embedding(mine.vocab_size, spec.hidden_size, tp) \
+            if pp.first or (pp.last and spec.tied_embeddings) else None
+        self.blocks = nn.ModuleList(Block(mine, tp) if i in held else HeldElsewhere() for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps, tp if tp.sequence else None) if pp.last else None
         # A tied LM head reads the embedding matrix; there is no second parameter to keep in sync.
-        self.lm_head = None if spec.tied_embeddings else nn.Linear(spec.hidden_size, mine.vocab_size, bias=False)
+        self.lm_head = None if spec.tied_embeddings or not pp.last else \
+            nn.Linear(spec.hidden_size, mine.vocab_size, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype as the model computes: its first parameter's (the embedding's, never streamed, or on a
+        later pipeline stage its first block's: pipeline stages stream none)."""
+        return next(self.parameters()).dtype
+
+    def held_blocks(self) -> list[tuple[int, Block]]:
+        """(index, block) of the blocks this rank holds: all of them but under pipeline parallelism."""
+        return [(i, block) for i, block in enumerate(self.blocks) if not isinstance(block, HeldElsewhere)]
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Final hidden states (B, T, h) of token ids (B, T)."""
-        x = self.embed(tokens)
-        cos, sin = rotary_tables(self.spec, tokens.shape[1], x.device, x.dtype)
-        for block in self.blocks:
-            x = block(x, cos, sin)
-        return self.tp.enter(self.norm(x))  # whole on every rank, for the LM head's slices of the vocabulary
+        return self.tp.enter(self.norm(self.trunk(tokens)))  # whole on every rank, for the LM head's vocabulary slices
+
+    def trunk(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding and every block: the residual stream before the final norm."""
+        return self.run_blocks(self.embed(tokens), range(len(self.blocks)))
+
+    def stage(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Pipeline stage `index`'s blocks over its input: the tokens for the first, the stage before's output for the
+        others."""
+        return self.run_blocks(self.embed(x) if index == 0 else x, self.pp.blocks_of(index))
+
+    def run_blocks(self, x: torch.Tensor, indices: range) -> torch.Tensor:
+        seq_len = x.shape[1] * self.tp.size if self.tp.sequence else x.shape[1]  # a slice under sequence parallelism
+        cos, sin = rotary_tables(self.spec, seq_len, x.device, x.dtype)
+        for i in indices:
+            x = self.blocks[i](x, cos, sin)
+        return x
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T, V), or under tensor parallelism this rank's slice of the vocabulary."""
@@ -152,7 +189,12 @@ class Transformer(nn.Module):
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, num_chunks: int = 1) -> torch.Tensor:
         """Mean next-token cross-entropy. The LM head and loss run over `num_chunks` slices of the tokens, their
         gradients made as they go (loss.py), so the (tokens x vocab) logits exist a slice at a time."""
-        hidden = self(tokens).flatten(0, 1)  # (B*T, h)
+        return self.head_loss(self.trunk(tokens), targets, num_chunks)
+
+    def head_loss(self, x: torch.Tensor, targets: torch.Tensor, num_chunks: int = 1) -> torch.Tensor:
+        """The mean cross-entropy of the residual stream `x` after the last block: the final norm, the LM head, the
+        loss."""
+        hidden = self.tp.enter(self.norm(x)).flatten(0, 1)  # (B*T, h)
         targets = targets.flatten()
         tp = self.tp if self.tp.active else None
         return lm_loss_sum(hidden, self.lm_head_weight, targets, num_chunks, tp) / targets.numel()
@@ -214,30 +256,33 @@ def layer_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
     return groups
 
 
-def build_model(spec: ModelSpec, tp: TensorParallel | None = None) -> Transformer:
+def build_model(spec: ModelSpec, tp: TensorParallel | None = None, pp: PipelineParallel | None = None) -> Transformer:
     """The model with its parameters on the meta device: shapes only, no memory; this rank's slice of it under
-    tensor parallelism."""
+    tensor parallelism, its stages' part under pipeline parallelism."""
     with torch.device("meta"):
-        return Transformer(spec, tp)
+        return Transformer(spec, tp, pp)
 
 
 def materialize(model: Transformer, device: torch.device | str, dtype: torch.dtype, seed: int = 0,
                 keep=None) -> Transformer:
     """Allocates a meta model's parameters on `device` in `dtype` and initializes them from `seed`. With `keep`,
     parameter by parameter: `keep(name, p)` returns where each initialized parameter lives from then on (host
-    memory for offloaded ones), so that a model larger than the GPU never sits on it whole. Under tensor parallelism
-    each parameter is initialized whole, as one process would, and cut to this rank's slice."""
+    memory for offloaded ones), so that a model larger than the GPU never sits on it whole. Under tensor or pipeline
+    parallelism every parameter of the whole model is initialized whole, in order, as one process would, and this
+    rank keeps its slice of those it holds."""
     model.to(dtype)  # still on meta: costs nothing, and memory is allocated once, in the final dtype
     generator = torch.Generator(device=device).manual_seed(seed)
-    if keep is None and not model.tp.active:
+    if keep is None and not model.tp.active and not model.pp.active:
         model.to_empty(device=device)
         model.init_weights(generator)
         return model
     model.to_empty(device="cpu")  # dense, so that `.data` may take tensors of any device; no page is touched
-    for name, p in model.named_parameters():
-        whole = torch.empty(model.tp.whole_shape(name, p.shape), dtype=p.dtype, device=device)
+    mine = dict(model.named_parameters())
+    for name, p in build_model(model.spec).named_parameters():  # the whole model's, in its order
+        whole = torch.empty(p.shape, dtype=dtype, device=device)
         model.init_parameter(name, whole, generator)
-        p.data = model.tp.split(name, whole)
-        if keep is not None:
-            p.data = keep(name, p)
+        if name in mine:
+            mine[name].data = model.tp.split(name, whole)
+            if keep is not None:
+                mine[name].data = keep(name, mine[name])
     return model

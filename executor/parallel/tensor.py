@@ -38,7 +38,7 @@ class Split:
 def split_rules(spec: ModelSpec) -> dict[str, Split]:
     """The cut of each split parameter, by the end of its name; parameters not named here (the norms) are whole on
     every rank."""
-    q, kv, ffn, vocab, h = spec.q_size, spec.kv_size, spec.ffn_hidden_size, spec.vocab_size, spec.hidden_size
+    q, kv, ffn, vocab = spec.q_size, spec.kv_size, spec.ffn_hidden_size, spec.vocab_size
     return {"embed.weight": Split(0, (vocab,)), "lm_head.weight": Split(0, (vocab,)),
             "attn.qkv.weight": Split(0, (q, kv, kv)), "attn.qkv.bias": Split(0, (q, kv, kv)),
             "attn.out.weight": Split(1, (q,)), "ffn.gate_up.weight": Split(0, (ffn, ffn)),
@@ -90,6 +90,13 @@ class TensorParallel:
             return mine
         slices = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(slices, mine.contiguous(), group=self.group)
+        return self.join_slices(name, slices)
+
+    def join_slices(self, name: str, slices: list[torch.Tensor]) -> torch.Tensor:
+        """The whole parameter from its slices, in rank order (`split`'s inverse)."""
+        rule = self.rule(name)
+        if rule is None:
+            return slices[0]
         per_rank = [s.split([p // self.size for p in rule.parts], rule.dim) for s in slices]
         return torch.cat([torch.cat([pieces[i] for pieces in per_rank], rule.dim) for i in range(len(rule.parts))],
                          rule.dim)

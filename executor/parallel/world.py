@@ -34,16 +34,36 @@ class World:
     local_size: int = 1
     node: int = 0
     tensor: int = 1
-    """Ranks of a tensor-parallel group: neighbours, so rank r is tensor-parallel rank r % tensor of data-parallel
-    rank r // tensor (fastml/layout.py)."""
+    """Ranks of a tensor-parallel group: neighbours (fastml/layout.py numbers tensor-parallel ranks fastest, then
+    data-parallel ranks, then pipeline stages)."""
+    pipeline: int = 1
+    """Pipeline ranks: rank r holds pipeline rank r // (tensor x data parallel size)."""
+
+    @property
+    def stride(self) -> int:
+        """The ranks of one pipeline rank, tensor x data parallel: how far apart neighbouring stages' ranks are."""
+        return self.size // self.pipeline
 
     @property
     def data(self) -> World:
-        """The data-parallel ranks this one trains with, those of its tensor-parallel rank: what data parallelism,
-        ZeRO and the order of the data see."""
+        """The data-parallel ranks this one trains with, those of its tensor-parallel rank and pipeline rank: what data
+        parallelism, ZeRO and the order of the data see."""
         t = self.tensor
-        return self if t == 1 else World(rank=self.rank // t, size=self.size // t, local_rank=self.local_rank // t,
-                                         local_size=self.local_size // t, node=self.node)
+        if t == 1 and self.pipeline == 1:
+            return self
+        size = self.stride // t
+        return World(rank=self.rank // t % size, size=size, local_rank=self.local_rank // t % size,
+                     local_size=max(1, min(size, self.local_size // t)), node=self.node)
+
+    def holds_data_rank_0(self, rank: int) -> bool:
+        """Whether `rank` is the first of its data-parallel group (where the replicated gradients are counted once)."""
+        return rank // self.tensor % (self.stride // self.tensor) == 0
+
+    @property
+    def loss_ranks(self) -> list[int]:
+        """The ranks whose losses are the step's, in data-parallel order: the first of each tensor-parallel group (its
+        ranks compute the same loss) on the last pipeline stage (the others compute none)."""
+        return list(range(self.size - self.stride, self.size, self.tensor))
 
     @property
     def num_nodes(self) -> int:
@@ -102,14 +122,19 @@ def join(plan: Plan, world: World, device: torch.device, timeout_s: float, check
 
 
 def groups(world: World) -> tuple[object, object]:
-    """(this rank's tensor-parallel group, its data-parallel group), None for a group of one; `release` them when the
-    run ends. Every rank makes every group, in the same order, as torch.distributed requires."""
-    t, d = world.tensor, world.size // world.tensor
-    if t == 1:
+    """(this rank's tensor-parallel group, its data-parallel group), None for a group of one or where there is no
+    layout but data parallelism (the default group serves); `release` them when the run ends. Every rank makes every
+    group, in the same order, as torch.distributed requires."""
+    t, d = world.tensor, world.stride // world.tensor
+    if t == 1 and world.pipeline == 1:
         return None, None
-    tensor = [dist.new_group(list(range(i * t, (i + 1) * t))) for i in range(d)]
-    data = [dist.new_group(list(range(r, world.size, t))) for r in range(t)] if d > 1 else [None] * t
-    return tensor[world.rank // t], data[world.rank % t]
+    stages = range(0, world.size, world.stride)
+    tensor = {first: dist.new_group(list(range(first, first + t))) if t > 1 else None
+              for stage in stages for first in range(stage, stage + world.stride, t)}
+    data = {stage + r: dist.new_group(list(range(stage + r, stage + world.stride, t))) if d > 1 else None
+            for stage in stages for r in range(t)}
+    stage = world.rank - world.rank % world.stride
+    return tensor[world.rank - world.rank % t], data[stage + world.rank % t]
 
 
 def release(*made) -> None:

@@ -46,6 +46,7 @@ from fastml.executor.model.transformer import Transformer, build_model
 from fastml.executor.storage.data import tokenizer_of_data
 from fastml.executor.storage.tensordir import (MODEL_FILE, TrainingState, check_state_dict, load_tensor_file,
                                        read_manifest, save_checkpoint, verify_checkpoint, write_files)
+from fastml.executor.parallel.tensor import TensorParallel
 from fastml.executor.parallel.world import SINGLE, World
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -122,7 +123,7 @@ class Run:
         path, saved = self.restore_from, self.saved
         with _checkpoint_weights(path, self.plan.model) as read:
             _load_model(model, read)
-        with _SavedOptimizer(path) as saved_optimizer:
+        with _SavedOptimizer(path, self.plan.model) as saved_optimizer:
             optimizer.load_state(_slices_of(saved_optimizer.read, model))
         _restore_rng(path, self.world.rank, self.plan.training.seed)
         ranks = f", written by {saved.world_size} ranks" if saved.world_size != self.world.size else ""
@@ -148,11 +149,14 @@ class Run:
         parallel = getattr(optimizer, "parallel", None)
         sharded = parallel is not None and parallel.scatter
         optimizer_file = f"optimizer-{self.world.rank:05d}.safetensors" if sharded else OPTIMIZER_FILE
-        optimizer_files = {optimizer_file: _whole_optimizer_state(optimizer, model, self.world)} \
+        optimizer_files = {optimizer_file: _whole_optimizer_state(optimizer, model, sharded)} \
             if self.world.data.main or sharded else {}
         optimizer_files = optimizer_files if self.world.main or sharded else {}
         rank_files = {**optimizer_files, _rng_file(self.world.rank): _rng_tensors()}
-        metadata = {optimizer_file: {"ranges": json.dumps(optimizer.state_ranges())}} if sharded else None
+        # A sharded rank's ranges are of its tensor-parallel rank's slices, which the reader makes whole.
+        metadata = {optimizer_file: {"ranges": json.dumps(optimizer.state_ranges()),
+                                     "tensor_parallel": json.dumps([model.tp.size, model.tp.rank])}} \
+            if sharded else None
         after_each_file = lambda: faults.kill_if_due("kill-mid-checkpoint", position.step)  # noqa: E731
         if self.world.main:
             save_checkpoint(path, self.plan.model, model_state, training=state, metadata=metadata,
@@ -407,7 +411,7 @@ def _model_state(model: Transformer, world: World) -> dict[str, torch.Tensor]:
     one group at a time and moved to host memory (a collective: every rank calls this). In the model's dtype (the
     embedding's, never streamed): a block whose masters are streamed points at them, fp32, between uses, and is
     saved rounded, as its weights are (the optimizer's state holds the masters)."""
-    dtype = model.embed.weight.dtype
+    dtype = model.dtype
     state = {name: t.to(dtype) for name, t in model.state_dict().items()} if world.data.main else {}
     parallel = model.placement.parallel if hasattr(model, "placement") else None
     for group in parallel.layouts if parallel is not None else ():  # in model order, the same on every rank
@@ -417,6 +421,7 @@ def _model_state(model: Transformer, world: World) -> dict[str, torch.Tensor]:
                 state.update({name: t.cpu() for name, t in gathered.items()})
     if model.tp.active and world.data.main:  # the first data-parallel rank's group makes its slices whole
         state = {name: model.tp.join(name, t).cpu() for name, t in state.items()}  # one whole tensor at a time
+    state = model.pp.gather_on_first(state)  # every pipeline stage's on rank 0
     return state if world.main else {}
 
 
@@ -429,7 +434,7 @@ def _load_model(model: Transformer, read: Callable[[str], torch.Tensor]) -> None
     parallel = placement.parallel if placement is not None else None
     sharded = parallel.sharded if parallel is not None else frozenset()
     shared = placement.offload.host_weights if placement is not None and placement.offload.node else frozenset()
-    dtype = model.embed.weight.dtype  # the model's: a block whose masters are streamed points at them, fp32
+    dtype = model.dtype  # the model's: a block whose masters are streamed points at them, fp32
     if model.tp.active:  # the checkpoint's whole tensors, cut to this rank's slices
         whole = read
         read = lambda name: model.tp.split(name, whole(name))  # noqa: E731
@@ -445,14 +450,15 @@ def _load_model(model: Transformer, read: Callable[[str], torch.Tensor]) -> None
         placement.settle()
 
 
-def _whole_optimizer_state(optimizer, model: Transformer, world: World) -> dict[str, torch.Tensor]:
+def _whole_optimizer_state(optimizer, model: Transformer, sharded: bool) -> dict[str, torch.Tensor]:
     """The optimizer's state tensors (optim.AdamW.state_tensors), those of slices made whole over the tensor-parallel
-    group (a collective over it)."""
+    group (a collective over it), every pipeline stage's on rank 0; `sharded`, this rank's pieces as they are (each
+    rank writes its own file, which `_SavedOptimizer` reads whole)."""
     tensors = optimizer.state_tensors()
-    if not model.tp.active:
-        return tensors
-    return {key: value if key.startswith("step/") else model.tp.join(key.split("/", 1)[1], value).cpu()
-            for key, value in tensors.items()}  # in host memory as each is made: the device holds one at a time
+    if model.tp.active and not sharded:  # in host memory as each is made: the device holds one at a time
+        tensors = {key: value if key.startswith("step/") else model.tp.join(key.split("/", 1)[1], value).cpu()
+                   for key, value in tensors.items()}
+    return tensors if sharded else model.pp.gather_on_first(tensors)
 
 
 def _slices_of(read, model: Transformer):
@@ -538,30 +544,50 @@ def _write_rank_files(tensor_files: dict, metadata: dict | None, after_each_file
 class _SavedOptimizer:
     """A checkpoint's optimizer state, read by parameter and range from whichever files hold it: optimizer.safetensors
     (whole tensors, from a run whose optimizer was not sharded), or one file per rank, each with ranges of the
-    flattened tensors (its metadata says which): a run resumes at any number of ranks, sharded or not."""
+    flattened tensors (its metadata says which): a run resumes at any number of ranks, sharded or not. A sharded run
+    with tensor parallelism wrote ranges of each tensor-parallel rank's slices (its metadata says which rank's): they
+    are made whole as they are read."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, spec):
         whole = path / OPTIMIZER_FILE
         self.files = [whole] if whole.is_file() else sorted(path.glob("optimizer-*.safetensors"))
+        self.spec = spec
 
     def __enter__(self) -> _SavedOptimizer:
-        self.index: dict[str, list[tuple[object, int, int]]] = {}
+        self.index: dict[tuple[str, int], list[tuple[object, int, int]]] = {}  # (key, tensor rank) -> its parts
         self.handles = [safe_open(f, framework="pt") for f in self.files]
+        self.tp = TensorParallel(self.spec)
         for handle in self.handles:
-            ranges = json.loads((handle.metadata() or {}).get("ranges", "{}"))
+            metadata = handle.metadata() or {}
+            ranges = json.loads(metadata.get("ranges", "{}"))
+            size, rank = json.loads(metadata.get("tensor_parallel", "[1, 0]"))
+            self.tp = TensorParallel(self.spec, size) if size > 1 else self.tp
             for key in handle.keys():
                 start, end = ranges.get(key, (0, math.prod(handle.get_slice(key).get_shape())))
-                self.index.setdefault(key, []).append((handle, start, end))
+                self.index.setdefault((key, rank), []).append((handle, start, end))
+        if self.tp.active:  # each rank's slice of each parameter
+            self.slice_shapes = {name: p.shape for name, p in build_model(self.spec, self.tp).named_parameters()}
         return self
 
     def __exit__(self, *exc) -> None:
         self.handles.clear()
 
     def read(self, key: str, start: int, end: int) -> torch.Tensor | None:
-        """Elements [start, end) of the flattened tensor `key`, from the parts that hold them (each element from the
-        first that does: every rank's file holds the same step count)."""
+        """Elements [start, end) of the flattened tensor `key`."""
+        kind, name = key.split("/", 1)
+        if not self.tp.active or kind == "step" or self.tp.replicated(name):
+            return self._read_rank(key, 0, start, end)
+        shape = self.slice_shapes[name]
+        slices = [self._read_rank(key, rank, 0, math.prod(shape)) for rank in range(self.tp.size)]
+        if any(part is None for part in slices):
+            return None
+        return self.tp.join_slices(name, [part.view(shape) for part in slices]).reshape(-1)[start:end]
+
+    def _read_rank(self, key: str, rank: int, start: int, end: int) -> torch.Tensor | None:
+        """Elements [start, end) of tensor-parallel rank `rank`'s `key`, from the parts that hold them (each element
+        from the first that does: every rank's file holds the same step count)."""
         parts, covered = [], start
-        for handle, first, last in sorted(self.index.get(key, ()), key=lambda part: part[1]):
+        for handle, first, last in sorted(self.index.get((key, rank), ()), key=lambda part: part[1]):
             lo, hi = max(first, covered), min(last, end)
             if lo < hi:
                 parts.append(handle.get_tensor(key).reshape(-1)[lo - first:hi - first])

@@ -1,0 +1,107 @@
+"""Pipeline parallelism on CPU processes over gloo: jobs of 2 ranks (PP 2 in each schedule, with a tied embedding,
+with the optimizer stepping on the CPU) and of 4 (TP 2 x PP 2 with sequence parallelism, PP 2 x DP 2 with ZeRO-2),
+each trained a few steps and compared with one process taking every micro-batch; checkpoints resumed at another
+layout.
+
+Tolerances: a pipeline stage computes what one process computes, in the same order, for the same micro-batches;
+what differs is the order of sums: the gradient norm adds per-stage sums of squares (the one process adds every
+parameter's at once), the tied embedding's two gradients are added after the fact, and with tensor or data
+parallelism their sums differ as tests/test_tensor_parallel.py and tests/test_distributed.py say. So losses and
+gradient norms agree to rel 1e-5 in fp32 over these few steps, the first step's loss (before any update) to 1e-6.
+"""
+
+import dataclasses
+import shutil
+
+import pytest
+
+from fastml.executor.loop.train import train
+from fastml.executor.parallel.pipeline import PipelineParallel
+from small_model import SMALL
+from test_distributed import ZERO, job, records, with_checkpoints
+from test_tensor_parallel import alone, layout_plan
+
+pytestmark = pytest.mark.slow
+
+DEEP = dataclasses.replace(SMALL, num_layers=4)
+"""Four blocks: two stages of two, or (interleaved) four stages of one."""
+DEEP_TIED = dataclasses.replace(DEEP, tied_embeddings=True, qkv_bias=True, qk_norm=True)
+"""The embedding held by the first stage and, as the LM head, by the last."""
+
+
+def pipeline_plan(ranks: int, tensor: int = 1, steps: int = 3, model=DEEP, **knobs):
+    return layout_plan(ranks, tensor, steps, model, pipeline_parallel=2, **knobs)
+
+
+PLANS = {
+    "pp2-1f1b": pipeline_plan(2),
+    "pp2-gpipe": pipeline_plan(2, pipeline_schedule="gpipe"),
+    "pp2-interleaved": pipeline_plan(2, pipeline_schedule="interleaved_1f1b", virtual_stages=2),
+    "pp2-tied": pipeline_plan(2, model=DEEP_TIED),
+    "pp2-cpu-step": pipeline_plan(2, offload_optimizer=1.0, recompute=("block",)),
+}
+FOUR_RANK_PLANS = {
+    "tp2-pp2-sp": pipeline_plan(4, tensor=2, sequence_parallel=True, model=DEEP_TIED),
+    "pp2-dp2-zero2": pipeline_plan(4, pipeline_schedule="interleaved_1f1b", virtual_stages=2, **ZERO[2]),
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Every plan above, by its jobs (one of 2 ranks, one of 4), and checkpoints: a PP 2 run saved at step 2 of 4."""
+    path = tmp_path_factory.mktemp("pipeline-parallel")
+    saved = with_checkpoints(pipeline_plan(2, steps=4, model=DEEP_TIED), path / "ck-pp2")
+    job(path, PLANS, ranks=2, more=[{"plan": saved, "log": path / "saved.jsonl"}])
+    job(path, FOUR_RANK_PLANS, ranks=4)
+    return path
+
+
+@pytest.mark.parametrize("name", [*PLANS, *FOUR_RANK_PLANS])
+def test_pipeline_parallel_trains_as_one_process(tmp_path, trained, name):
+    p = {**PLANS, **FOUR_RANK_PLANS}[name]
+    log = tmp_path / "alone.jsonl"
+    train(alone(p), log_json=log, show_progress=False)
+    got, want = records(trained / f"{name}.jsonl"), records(log)
+    assert got[0]["loss"] == pytest.approx(want[0]["loss"], rel=1e-6)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-5)
+    assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=1e-5)  # forward passes alone, pipelined
+
+
+def test_a_pipeline_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, trained):
+    """The checkpoint holds every stage's whole tensors: one process resumes it at step 2 and takes the steps the
+    PP 2 run took."""
+    step2 = trained / "ck-pp2" / "step-00000002"
+    ck = tmp_path / "ck"
+    shutil.copytree(step2, ck / step2.name)
+    resumed = with_checkpoints(alone(pipeline_plan(2, steps=4, model=DEEP_TIED)), ck)
+    log = tmp_path / "resumed.jsonl"
+    train(resumed, log_json=log, show_progress=False, resume=True)
+    got = records(log)
+    assert [r["step"] for r in got] == [3, 4]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in records(trained / "saved.jsonl")[2:]],
+                                                     rel=1e-5)
+
+
+def test_one_process_checkpoint_resumes_at_pipeline_parallel_2(tmp_path):
+    """And the other way: a one-process run's checkpoint of step 2, resumed by an interleaved PP 2 job."""
+    ck = tmp_path / "ck"
+    whole = with_checkpoints(alone(pipeline_plan(2, steps=4, model=DEEP_TIED)), ck)
+    train(whole, log_json=tmp_path / "whole.jsonl", show_progress=False)
+    shutil.rmtree(ck / "step-00000004")
+    split = with_checkpoints(pipeline_plan(2, steps=4, model=DEEP_TIED, pipeline_schedule="interleaved_1f1b",
+                                           virtual_stages=2), ck)
+    job(tmp_path, {}, ranks=2, more=[{"plan": split, "log": tmp_path / "split.jsonl", "resume": True}])
+    got = records(tmp_path / "split.jsonl")
+    assert [r["step"] for r in got] == [3, 4]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in records(tmp_path / "whole.jsonl")[2:]],
+                                                     rel=1e-5)
+
+
+def test_each_pipeline_rank_holds_its_stages_blocks():
+    """Interleaved: rank r holds stages r, r + 2; a stage's blocks are consecutive, and the ranks cover each once."""
+    ranks = [PipelineParallel(6, 2, r, virtual=2, schedule="interleaved_1f1b") for r in range(2)]
+    assert [list(ranks[0].blocks_of(s)) for s in range(4)] == [[0], [1, 2], [3, 4], [5]]
+    assert ranks[0].held_blocks == {0, 3, 4} and ranks[1].held_blocks == {1, 2, 5}
+    assert ranks[0].first and not ranks[0].last and ranks[1].last
+
