@@ -170,11 +170,13 @@ def layer_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: s
 
 def loss_logit_bytes(knobs: Knobs, device: str) -> int:
     """Bytes a logit of the LM head takes in the loss (executor/model/loss.py), one slice of the tokens at a time:
-    the matmul's logits in the activation dtype, which the loss's kernel overwrites with their gradient, and on the
-    CPU, where they are narrower than float32, the float32 copy its reference works in (fused.py). Checked against
-    the real loss's tensors in tests/test_planner_vs_model.py."""
+    the matmul's logits in the activation dtype, which the loss's kernel overwrites with their gradient, and where
+    they are narrower than float32, the float32 copy that the CPU's reference (fused.py) and, under tensor
+    parallelism, the vocabulary-parallel cross-entropy (parallel/tensor.py) work in. Checked against the real loss's
+    tensors in tests/test_planner_vs_model.py."""
     act = activation_bytes(knobs)
-    return act + (FP32_BYTES if device == "cpu" and act < FP32_BYTES else 0)
+    in_float32 = device == "cpu" or knobs.tensor_parallel > 1
+    return act + (FP32_BYTES if in_float32 and act < FP32_BYTES else 0)
 
 
 def head_weight_gradient_bytes(spec: ModelSpec, knobs: Knobs) -> int:
