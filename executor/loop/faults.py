@@ -4,7 +4,9 @@ only the rank R of a job of several ranks (`kill-mid-checkpoint@4:1`).
 
 Kinds: `kill-mid-step` (SIGKILL after the first micro-batch's backward pass), `kill-mid-checkpoint` (SIGKILL after
 the first file of the step's checkpoint is written), `nan-loss` (the step's loss becomes NaN), `hang` (sleeps for
-ever after the first micro-batch's backward pass: a rank that makes no progress). Steps count from 1.
+ever after the first micro-batch's backward pass: a rank that makes no progress), `sigterm` (the process sends itself
+SIGTERM after the first micro-batch's backward pass, as a user's `kill` would, at a step known in advance). Steps
+count from 1.
 The step takes the first and last as hooks (`step_hooks`), the checkpoint writer calls `kill_if_due`. Unset,
 nothing here does anything; set, every run says so first (train.py), so that no one runs under it unknowingly.
 """
@@ -54,6 +56,8 @@ def step_hooks() -> StepHooks:
 
 def _after_first_backward(step: int) -> None:
     kill_if_due("kill-mid-step", step)
+    if due("sigterm", step):
+        os.kill(os.getpid(), signal.SIGTERM)
     while due("hang", step):
         time.sleep(3600)
 
@@ -62,7 +66,7 @@ def _nan_loss_if_due(step: int, loss):
     return loss * float("nan") if due("nan-loss", step) else loss
 
 
-TEST_HOOKS = {ENV: "injects faults (kills, NaN losses, hangs) into this run",
+TEST_HOOKS = {ENV: "injects faults (kills, signals, NaN losses, hangs) into this run",
               ONE_GPU_ENV: "puts every rank of a node on GPU 0"}
 """The environment variables of fastml's tests that change a run, and what each does when set."""
 

@@ -108,7 +108,8 @@ def _pipeline_passes(model: Transformer, optimizer: AdamW, batches, plan: Plan, 
                                    on_loss=lambda loss: hooks.after_loss(step + 1, loss),
                                    before_backward=optimizer.finish_steps,
                                    after_backward=lambda: hooks.after_first_backward(step + 1),
-                                   before_pass=before_pass)
+                                   before_pass=before_pass,
+                                   measure_forward=meter.forward if meter is not None else contextlib.nullcontext)
     if model.spec.tied_embeddings and model.embed is not None:
         model.pp.sum_tied_gradients(optimizer.gradient(model.embed.weight))
     return losses

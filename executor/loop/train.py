@@ -32,7 +32,8 @@ from fastml.executor.memory.optim import AdamW
 from fastml.executor.loop.step import train_step
 from fastml.executor.parallel.pipeline import PipelineParallel
 from fastml.executor.parallel.tensor import TensorParallel
-from fastml.executor.parallel.world import SINGLE, Watchdog, World, check_world, groups, join, launched, release
+from fastml.executor.parallel.world import (SINGLE, Watchdog, World, check_world, groups, join, launched,
+                                             pipeline_links, release)
 
 
 class TrainingStopped(Exception):
@@ -147,8 +148,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
                             plan.knobs.sequence_parallel)
         k = plan.knobs
         pp = PipelineParallel(plan.model.num_layers, world.pipeline, world.rank // world.stride, k.virtual_stages,
-                              k.pipeline_schedule, world.stride, world.rank % world.stride)
-        pp.connect(device)
+                              k.pipeline_schedule, world.stride, world.rank % world.stride, pipeline_links(world))
         comm = make_collectives(plan.knobs.comm, world.data, device, watchdog, data_group) \
             if world.data.distributed else None
         try:
@@ -157,7 +157,7 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
         finally:
             if comm is not None:
                 comm.close()
-            release(tensor_group, data_group)
+            release(tensor_group, data_group, *pp.links.values())
     if world.main:
         outputs.write_summary(summary, summary_json)
         if run_dir is not None and summary.get("steps"):

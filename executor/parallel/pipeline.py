@@ -1,28 +1,33 @@
 """Pipeline parallelism on torch.distributed's point-to-point sends: each pipeline rank holds consecutive blocks (one
 chunk of them, or `virtual` chunks for interleaved 1F1B), and runs its passes in the order
-`fastml.layout.pipeline_order` gives, the order the planner priced. A forward pass receives its input from the rank of the stage before (the first
-stage embeds the tokens) and sends its output on; a backward pass receives the gradient of its output from the stage
-after (the last stage takes its loss's) and sends the gradient of its input back.
+`fastml.layout.pipeline_order` gives, the order the planner priced. A forward pass receives its input from the rank of
+the stage before (the first stage embeds the tokens) and sends its output on; a backward pass receives the gradient of
+its output from the stage after (the last stage takes its loss's) and sends the gradient of its input back.
 
-Sends never wait: a rank waits only for what it receives, so a valid schedule cannot deadlock. The receives a pass
-needs are posted together with the sends of the pass before, in one `batch_isend_irecv` (Megatron-LM's pairing of
-send_forward with recv_backward: NCCL runs a batch's transfers together, where separate ones queue behind each
-other on one stream). A rank posts its receives from a peer in the order that peer sends them, whatever order it
-consumes them in, so that transports that match messages first in, first out (NCCL) match them right.
+Sends never wait: a rank waits only for what it receives, so a valid schedule cannot deadlock. Each direction
+between neighbouring pipeline ranks is a process group of its own (world.py `pipeline_links`), so that on NCCL,
+which runs a group's transfers one after another on one stream, a rank's sends never queue ahead of its receives
+(with one stream for both, interleaved 1F1B can deadlock: a send waiting for a receive its peer queued behind a
+send of its own). On each link the receiver posts each receive as the pass before the one that needs it ends, in
+the order the sender sends them (the schedules consume a link's messages in that order): transports match them
+first in, first out (NCCL; gloo matches tags too, one per message).
 
 The last stage's loss is the step's; the embedding, where tied to the LM head, is held by the first stage and the
 last, its two gradients summed (`sum_tied_gradients`) before the step; checkpoints gather every stage's whole tensors
-on rank 0 (`gather_on_first`)."""
+on rank 0 (`gather_on_first`, through the process group's CPU side)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from fastml.layout import Action, pipeline_order, stage_layers
+
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class PipelineParallel:
     schedule: str = "1f1b"
     stride: int = 1
     offset: int = 0
+    links: dict = field(default_factory=dict, compare=False)
+    """The process groups to and from the neighbouring pipeline ranks (world.py `pipeline_links`)."""
 
     @property
     def active(self) -> bool:
@@ -74,22 +81,16 @@ class PipelineParallel:
         """The global rank that holds `stage` for this rank's tensor- and data-parallel place."""
         return stage % self.size * self.stride + self.offset
 
-    def connect(self, device: torch.device) -> None:
-        """NCCL makes a group's communicator at its first call, which then must be every rank's (torch's
-        batch_isend_irecv says so), where the first stage's first send would be two ranks' alone: one collective of
-        the whole job on the device makes it first."""
-        if self.active and device.type == "cuda":
-            dist.all_reduce(torch.zeros(1, device=device))
-
     # --- one step's passes ------------------------------------------------------------------------------------
 
     def train_passes(self, model, micro_batches: list, chunks: int, scale: float, on_loss, before_backward,
-                     after_backward, before_pass) -> list[torch.Tensor]:
+                     after_backward, before_pass, measure_forward=contextlib.nullcontext) -> list[torch.Tensor]:
         """Runs this rank's forward and backward passes over `micro_batches` ((inputs, targets) on the device), each
         loss's gradient scaled by 1 / `scale`; returns the losses in micro-batch order (the last stage's; none
         elsewhere). `on_loss(loss)` sees each loss before its backward pass and returns the one to use;
         `before_backward()` runs before the first backward pass, `after_backward()` after it; `before_pass(micro)`
-        before each pass. The LM head runs over `chunks` slices of the tokens (model.head_loss)."""
+        before each pass, `measure_forward()` around each forward pass. The LM head runs over `chunks` slices of the
+        tokens (model.head_loss)."""
         order = pipeline_order(self.schedule, self.size, len(micro_batches), self.virtual)
         links = _Links(self, order, _activation_shape(model, micro_batches[0][0]), model.dtype,
                        micro_batches[0][0].device)
@@ -102,9 +103,12 @@ class PipelineParallel:
             sends = []
             if action.kind == "F":
                 x = micro_batches[j][0] if stage == 0 else links.take(("F", stage, j)).requires_grad_()
-                out = model.stage(stage, x)
+                with measure_forward():
+                    out = model.stage(stage, x)
+                    if stage == self.stages - 1:
+                        out = model.head_loss(out, micro_batches[j][1], chunks)
                 if stage == self.stages - 1:
-                    out = on_loss(model.head_loss(out, micro_batches[j][1], chunks))
+                    out = on_loss(out)
                     losses[j] = out.detach()
                 else:
                     sends.append((("F", stage + 1, j), out.detach().contiguous()))
@@ -157,12 +161,11 @@ class PipelineParallel:
         floating point: the two stay the same bits)."""
         if not (self.active and (self.first or self.last)) or gradient is None:
             return
+        peer = self.size - 1 if self.first else 0
+        send = dist.isend(gradient.contiguous(), self.rank_of(peer), group=self.links["to", peer])
         other = torch.empty_like(gradient)
-        peer = self.rank_of(self.stages - 1 if self.first else 0)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, gradient.contiguous(), peer),
-                                        dist.P2POp(dist.irecv, other, peer)])
-        for work in works:
-            work.wait()
+        dist.irecv(other, self.rank_of(peer), group=self.links["from", peer]).wait()
+        send.wait()
         gradient.add_(other)
 
     def gather_on_first(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -175,16 +178,16 @@ class PipelineParallel:
             gathered = dict(tensors)
             for rank in range(1, self.size):
                 header = [None]
-                dist.recv_object_list(header, src=rank * self.stride)
+                dist.recv_object_list(header, src=rank * self.stride, device=CPU)
                 for name, shape, dtype in header[0]:
                     tensor = torch.empty(shape, dtype=dtype)
                     dist.recv(tensor, src=rank * self.stride)
                     gathered.setdefault(name, tensor)
             return gathered
-        if self.offset == 0:
-            dist.send_object_list([[(name, t.shape, t.dtype) for name, t in tensors.items()]], dst=0)
+        if self.offset == 0:  # on the process group's CPU side (gloo), as rank 0 receives them
+            dist.send_object_list([[(name, t.shape, t.dtype) for name, t in tensors.items()]], dst=0, device=CPU)
             for t in tensors.values():
-                dist.send(t.contiguous(), dst=0)
+                dist.send(t.detach().cpu().contiguous(), dst=0)
         return {}
 
 
@@ -209,30 +212,27 @@ class _Links:
                 key = _sent_by(action, pipeline.stages)
                 if key is not None and key[1] % pipeline.size == pipeline.rank:
                     self.incoming.setdefault(sender, deque()).append(key)
-        self.arrived: dict[tuple, tuple[torch.Tensor, _Once]] = {}
-        self.in_flight: list[tuple[_Once, torch.Tensor]] = []
+        self.arrived: dict[tuple, tuple[torch.Tensor, object]] = {}  # posted receives: (buffer, its work)
+        self.in_flight: list[tuple[object, torch.Tensor]] = []  # sends not known to be done: (work, tensor)
 
     def post(self, sends: list[tuple[tuple, torch.Tensor]], next_action: Action | None) -> None:
-        """Starts `sends` and the receive `next_action` needs (with those the same peer sends before it) together."""
-        ops = [dist.P2POp(dist.isend, tensor, self.pipeline.rank_of(key[1]), tag=self._tag(key))
-               for key, tensor in sends]
+        """Starts `sends`, and the receive `next_action` needs."""
+        self.in_flight = [(work, tensor) for work, tensor in self.in_flight if not work.is_completed()]
+        for key, tensor in sends:  # kept until sent
+            receiver = key[1] % self.pipeline.size
+            self.in_flight.append((dist.isend(tensor, self.pipeline.rank_of(key[1]), tag=self._tag(key),
+                                              group=self.pipeline.links["to", receiver]), tensor))
         needed = _received_by(next_action, self.pipeline.stages) if next_action is not None else None
-        receiving = []
-        if needed is not None and needed not in self.arrived:
-            queue = self.incoming[_sender(needed, self.pipeline.size)]
-            while needed not in receiving:
-                key = queue.popleft()
-                buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, buffer, self.pipeline.rank_of(_source(key)), tag=self._tag(key)))
-                receiving.append(key)
-        if not ops:
+        if needed is None:
             return
-        works = dist.batch_isend_irecv(ops)
-        # NCCL returns one work for the whole batch, gloo one per op; a gloo work waited on twice hangs.
-        works = [_Once(work) for work in works] if len(works) == len(ops) else [_Once(works[0])] * len(ops)
-        for key, work, op in zip(receiving, works[len(sends):], ops[len(sends):]):
-            self.arrived[key] = (op.tensor, work)
-        self.in_flight += [(work, tensor) for work, (_, tensor) in zip(works, sends)]  # kept until sent
+        sender = _source(needed) % self.pipeline.size
+        first = self.incoming[sender].popleft()
+        if first != needed:  # the schedules of fastml.layout never do (tests/test_pipeline_parallel.py)
+            raise RuntimeError(f"pipeline rank {self.pipeline.rank} needs {needed} before {first}, which pipeline "
+                               f"rank {sender} sends first: a link delivers its messages in order")
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.arrived[needed] = (buffer, dist.irecv(buffer, self.pipeline.rank_of(_source(needed)),
+                                                   tag=self._tag(needed), group=self.pipeline.links["from", sender]))
 
     def take(self, key: tuple) -> torch.Tensor:
         tensor, work = self.arrived.pop(key)
@@ -240,7 +240,8 @@ class _Links:
         return tensor
 
     def finish(self) -> None:
-        """Waits for this step's sends (their tensors must outlive them)."""
+        """Waits for this step's sends (their tensors must outlive them; each work is waited on once: a gloo work
+        waited on twice hangs)."""
         for work, _ in self.in_flight:
             work.wait()
         self.in_flight.clear()
@@ -249,16 +250,6 @@ class _Links:
         """One tag per message of a step (gloo matches by it too; NCCL ignores it)."""
         kind, stage, micro = key
         return (micro * self.pipeline.stages + stage) * 2 + (kind == "B")
-
-
-class _Once:
-    def __init__(self, work):
-        self.work, self.done = work, False
-
-    def wait(self) -> None:
-        if not self.done:
-            self.work.wait()
-            self.done = True
 
 
 def _sent_by(action: Action, stages: int) -> tuple | None:
@@ -282,5 +273,3 @@ def _source(key: tuple) -> int:
     return stage - 1 if kind == "F" else stage + 1
 
 
-def _sender(key: tuple, size: int) -> int:
-    return _source(key) % size

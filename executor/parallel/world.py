@@ -137,6 +137,27 @@ def groups(world: World) -> tuple[object, object]:
     return tensor[world.rank - world.rank % t], data[stage + world.rank % t]
 
 
+def pipeline_links(world: World) -> dict[tuple[str, int], object]:
+    """This rank's process groups to and from its neighbouring pipeline ranks, one per direction: ("to", pipeline
+    rank) and ("from", pipeline rank). The last pipeline rank and the first are neighbours too (interleaved stages
+    wrap around, and the tied embedding's gradients pass there). A group of its own gives each direction its own
+    NCCL communicator and stream: on one stream, a rank's send could queue ahead of the receive its peer's send waits
+    for. `release` them when the run ends; every rank makes every group, in the same order."""
+    p, stride = world.pipeline, world.stride
+    if p == 1:
+        return {}
+    pairs = sorted({(a, (a + 1) % p) for a in range(p)} | {((a + 1) % p, a) for a in range(p)})
+    me, offset, mine = world.rank // stride, world.rank % stride, {}
+    for o in range(stride):
+        for sender, receiver in pairs:
+            group = dist.new_group([sender * stride + o, receiver * stride + o])
+            if o == offset and me == sender:
+                mine["to", receiver] = group
+            if o == offset and me == receiver:
+                mine["from", sender] = group
+    return mine
+
+
 def release(*made) -> None:
     """Ends the groups `groups` made (a process that trains several plans makes them again for each); left to the
     interpreter's exit, their teardown aborted a process now and then."""
