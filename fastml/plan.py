@@ -207,8 +207,8 @@ class Knobs:
     reduce-scatters of the same bytes."""
     pipeline_parallel: int = 1
     """Pipeline stages: consecutive blocks on other GPUs, micro-batches passed between them
-    (`fastml.layout.stage_layers`). `fastml run` runs it (executor/parallel/pipeline.py), but not yet with fp8 or
-    gradients in host memory (issue 28)."""
+    (`fastml.layout.stage_layers`). `fastml run` runs it (executor/parallel/pipeline.py), but not yet with fp8
+    (issue 28)."""
     pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
     """The order each stage runs its micro-batches' passes in (`fastml.layout.pipeline_order`)."""
     virtual_stages: int = 1

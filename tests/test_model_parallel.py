@@ -158,9 +158,9 @@ def test_the_batch_is_counted_over_the_data_parallel_ranks():
 
 
 def test_fastml_run_refuses_a_layout_it_cannot_run_yet():
-    with pytest.raises(UserError, match=r"knobs\.offload_gradients: gradients in host memory with "
-                                        r"knobs\.pipeline_parallel 2: not run by fastml's executor yet"):
-        train(plan_with(pipeline_parallel=2, offload_gradients=1.0), steps=1)
+    with pytest.raises(UserError, match=r"knobs\.matmul_dtype: fp8 matmuls with knobs\.pipeline_parallel 2: not run "
+                                        r"by fastml's executor yet"):
+        train(plan_with(pipeline_parallel=2, matmul_dtype="fp8"), steps=1)
 
 
 def test_a_pinned_layout_that_does_not_divide_the_model_is_refused_before_the_search():

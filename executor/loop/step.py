@@ -45,6 +45,8 @@ def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: 
     if fp8.cached_linears(model):  # the cast reads every weight: the last step's CPU work (overlapped) first ends
         optimizer.finish_steps()
     fp8.refresh_weight_caches(model)  # the weights as the last step left them, cast to fp8 once for this one
+    if optimizer.placement is not None:
+        optimizer.placement.begin_step()
     if model.pp.active:
         losses = _pipeline_passes(model, optimizer, batches, plan, step, device, hooks, meter, micro_batches)
     else:

@@ -52,9 +52,7 @@ def check_runs_layout(plan: Plan) -> None:
     if k.tensor_parallel > 1:
         untried += [("knobs.matmul_dtype", k.matmul_dtype == "fp8", "fp8 matmuls", "tensor_parallel")]
     if k.pipeline_parallel > 1:
-        untried += [("knobs.matmul_dtype", k.matmul_dtype == "fp8", "fp8 matmuls", "pipeline_parallel"),
-                    ("knobs.offload_gradients", bool(k.offload_gradients), "gradients in host memory",
-                     "pipeline_parallel")]
+        untried += [("knobs.matmul_dtype", k.matmul_dtype == "fp8", "fp8 matmuls", "pipeline_parallel")]
     for field, used, what, knob in untried:
         if used:
             fail(field, f"{what} with knobs.{knob} {getattr(k, knob)}: not run by fastml's executor yet (issue 28); "
@@ -226,8 +224,9 @@ def _train(plan: Plan, world: World, tp: TensorParallel, pp: PipelineParallel, d
             if sampler is not None and sampler.due(step + 1):
                 said = sampler.text(model)
                 out.print(f"sample after step {step + 1}: " + (repr(said) if said is not None else
-                          "none: the weights are streamed or sharded, not whole on rank 0 (`fastml generate` a "
-                          "checkpoint instead)"), highlight=False, markup=False)
+                          "none: the weights are not whole on rank 0 (streamed, sharded, or split over tensor-"
+                          "parallel or pipeline ranks; `fastml generate` a checkpoint instead)"),
+                          highlight=False, markup=False)
                 sampler = sampler if said is not None else None
                 meter.restart_clock()
             outputs.log_record(record, log)

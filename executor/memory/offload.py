@@ -57,12 +57,13 @@ class HostOffload:
                  world=None, timeout_s: float | None = None):
         knobs, num_layers = plan.knobs, plan.model.num_layers
         self.device, self.copier, self.shapes, self.dtype = device, copier, shapes, dtype
-        self.streamed = offloaded_groups(knobs, "offload_weights", num_layers)
+        held = frozenset(shapes)  # a pipeline stage's groups alone
+        self.streamed = offloaded_groups(knobs, "offload_weights", num_layers) & held
         self.host_weights = self.streamed - sharded  # whose whole weights live here
-        self.master_streamed = master_streamed_groups(knobs, num_layers)  # whose host copy is the fp32 master
+        self.master_streamed = master_streamed_groups(knobs, num_layers) & held  # whose host copy is the fp32 master
         self.grads_out = frozenset() if grads_summed_elsewhere else \
-            offloaded_groups(knobs, "offload_gradients", num_layers)
-        self.residuals_out = offloaded_groups(knobs, "offload_residuals", num_layers)
+            offloaded_groups(knobs, "offload_gradients", num_layers) & held
+        self.residuals_out = offloaded_groups(knobs, "offload_residuals", num_layers) & held
         self.world = world
         self.node = None  # knobs.share_host_weights: the node's shared memory, where the host copies live
         make = None

@@ -149,10 +149,13 @@ class Placement:
 
     # --- the step's phases, called by the loop and the optimizer ----------------------------------------------------
 
+    def begin_step(self) -> None:
+        self.offload.begin_step()
+
     def begin_micro_batch(self, index: int, last: bool) -> None:
+        """The passes that follow are micro-batch `index`'s, the step's `last` or not (under pipeline parallelism a
+        step's passes run its micro-batches in the schedule's order: a block's in order all the same)."""
         self.micro_batch, self.last_micro_batch = index, last
-        if index == 0:
-            self.offload.begin_step()
 
     def end_evaluation(self) -> None:
         """After forward passes without gradients (the validation loss): the head's weights, which a training step
@@ -234,7 +237,7 @@ class Placement:
         self._acquire(group)
         self.offload.wait_residual(group)
         self.offload.take_grad_sums(group, self.params[group])
-        if index > 0:
+        if block_group(index - 1) in self.params:  # not the first block, nor (a pipeline stage's) one held elsewhere
             self._fetch_for_backward(block_group(index - 1))
 
     def _fetch_for_backward(self, group: str) -> None:
