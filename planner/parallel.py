@@ -128,7 +128,8 @@ def pipeline_run(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine, 
 
 def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Memory:
     """One GPU's memory (`memory`, of the view) with the activations of the micro-batches its pipeline rank holds at
-    once beyond the one the view counts."""
+    once beyond the one the view counts, and the output of each of its passes in flight, which the executor keeps
+    for that pass's backward (executor/parallel/pipeline.py; in one process the final norm holds it, counted)."""
     sliced, dp = view(spec, knobs, machine)
     m = memory(sliced, seq_len, knobs, dp.num_gpus, machine.gpus_per_node, machine.device, machine.calibration)
     if knobs.pipeline_parallel == 1:
@@ -138,8 +139,9 @@ def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine)
                              TensorParallelCosts(0.0, 0.0, 0.0, 0.0))
     chunk_layers = max(rank_layers(spec, layout)) / layout.virtual
     tokens = knobs.micro_batch_size * seq_len
+    outputs = tokens // (layout.tensor if knobs.sequence_parallel else 1) * spec.hidden_size * activation_bytes(knobs)
     extra = int(max(0, max(order_run.in_flight) - layout.virtual) * chunk_layers *
-                layer_activation_bytes(sliced, knobs, tokens, machine.device))
+                layer_activation_bytes(sliced, knobs, tokens, machine.device) + max(order_run.in_flight) * outputs)
     return dataclasses.replace(m, gpu_peak=m.gpu_peak + extra,
                                gpu=m.gpu | {"activations": m.gpu["activations"] + extra},
                                peak_phase=m.peak_phase | {"activations": m.peak_phase["activations"] + extra})

@@ -122,7 +122,8 @@ def test_the_first_stage_holds_a_micro_batch_per_stage():
     spec, _ = view(SPEC, knobs, H100S)
     gpipe = layout_memory(SPEC, 2048, dataclasses.replace(knobs, pipeline_schedule="gpipe"), H100S)
     one_f_one_b = layout_memory(SPEC, 2048, knobs, H100S)
-    per_micro_batch = spec.num_layers * layer_activation_bytes(spec, knobs, 2048, "cuda")
+    output = 2048 * SPEC.hidden_size * 2  # a pass's output, bf16, kept for its backward pass
+    per_micro_batch = spec.num_layers * layer_activation_bytes(spec, knobs, 2048, "cuda") + output
     assert gpipe.gpu_peak - one_f_one_b.gpu_peak == pytest.approx((8 - 4) * per_micro_batch, abs=1)
 
 
