@@ -53,8 +53,8 @@ class Problem:
     global_batch_tokens: int
     machine: Machine
     layouts: bool = False
-    """Search tensor and pipeline parallelism too (`layout_choices`): plans for other hardware alone, while the executor
-    runs tensor parallelism with only some knobs and pipeline parallelism not yet (issue 28)."""
+    """Search tensor and pipeline parallelism too (`layout_choices`): plans for other hardware alone, while the
+    executor's layouts have run on CPU processes only, not yet on GPUs (issue 28)."""
 
     @property
     def sequences_per_gpu(self) -> int:

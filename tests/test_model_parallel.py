@@ -1,5 +1,6 @@
 """Tensor and pipeline parallelism as the contract states them (fastml/layout.py) and the planner prices them
-(planner/pipeline.py, planner/parallel.py); the executor refuses pipeline parallelism until it runs it (issue 28)."""
+(planner/pipeline.py, planner/parallel.py); the executor refuses by name the knobs it does not run with a layout yet
+(issue 28)."""
 
 import dataclasses
 
