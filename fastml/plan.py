@@ -280,8 +280,8 @@ class Knobs:
         if self.pipeline_parallel > 1:
             for name, why in (("shard_weights", "ZeRO-3 would gather every stage's weights again for each "
                                                 "micro-batch"),
-                              ("offload_weights", "not yet with pipeline stages"),
-                              ("offload_residuals", "not yet with pipeline stages")):
+                              ("offload_residuals", "a block's input is kept in host memory for one micro-batch at "
+                                                    "a time, and a pipeline stage holds several")):
                 if getattr(self, name):
                     fail(f"knobs.{name}", f"{why}: pipeline_parallel {self.pipeline_parallel} takes "
                                           f"{'false' if name == 'shard_weights' else '0'}")

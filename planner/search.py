@@ -133,7 +133,7 @@ def with_layout(problem: Problem, values: dict) -> dict:
     chunks per rank (interleaved 1F1B) only with a pipeline, at most a block each, and a whole number of rounds of
     micro-batches; sequence parallelism only with tensor parallelism; and the knobs a layout does not compose with
     at their defaults (fastml.plan.Knobs: the memcpy collectives and shared host weights, and with a pipeline, ZeRO-3
-    and streamed weights or inputs), as are those the executor does not run with a layout yet (fp8 matmuls). With
+    and block inputs in host memory), as are those the executor does not run with a layout yet (fp8 matmuls). With
     the grad_accum_steps of the data-parallel rank's sequences."""
     fixed = dict(values)
     tensor, pipeline, virtual = fixed["tensor_parallel"], fixed["pipeline_parallel"], fixed["virtual_stages"]
@@ -152,7 +152,7 @@ def with_layout(problem: Problem, values: dict) -> dict:
         if fixed["matmul_dtype"] == "fp8":  # not run with a layout yet (executor/loop/train.py, check_runs_layout)
             fixed["matmul_dtype"] = "bf16"
     if pipeline > 1:
-        fixed |= {"shard_weights": False, "offload_weights": 0.0, "offload_residuals": 0.0}
+        fixed |= {"shard_weights": False, "offload_residuals": 0.0}
     return fixed
 
 

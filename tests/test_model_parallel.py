@@ -146,6 +146,7 @@ def plan_with(num_gpus: int = 4, **knobs) -> Plan:
     ({"tensor_parallel": 2, "comm": "memcpy"}, "knobs.comm"),
     ({"pipeline_parallel": 2, "shard_optimizer": True, "shard_gradients": True, "shard_weights": True},
      "knobs.shard_weights"),
+    ({"pipeline_parallel": 2, "offload_residuals": 1.0}, "knobs.offload_residuals"),
 ])
 def test_a_layout_that_cannot_be_laid_names_its_knob(knobs, field):
     with pytest.raises(UserError, match=field.replace(".", r"\.")):

@@ -41,6 +41,8 @@ PLANS = {
     "pp2-tied": pipeline_plan(2, model=DEEP_TIED),
     "pp2-cpu-step": pipeline_plan(2, offload_optimizer=1.0, recompute=("block",)),
     "pp2-host-grads": pipeline_plan(2, model=DEEP_TIED, offload_gradients=1.0),
+    "pp2-interleaved-streamed": pipeline_plan(2, pipeline_schedule="interleaved_1f1b", virtual_stages=2,
+                                              offload_weights=1.0, offload_optimizer=1.0),
 }
 FOUR_RANK_PLANS = {
     "tp2-pp2-sp": pipeline_plan(4, tensor=2, sequence_parallel=True, model=DEEP_TIED),
@@ -48,6 +50,7 @@ FOUR_RANK_PLANS = {
     # one round of micro-batches: the first chunk's backward passes all come after the second's
     "pp2-dp2-interleaved-host-grads": pipeline_plan(4, pipeline_schedule="interleaved_1f1b", virtual_stages=2,
                                                     offload_gradients=1.0),
+    "pp2-dp2-zero1-streamed": pipeline_plan(4, offload_weights=1.0, offload_optimizer=1.0, **ZERO[1]),
 }
 
 

@@ -203,7 +203,9 @@ class Placement:
         @torch.compiler.disable  # a compiled block's graph holds its arithmetic, not these copies
         def hook(module, args):
             self._acquire(group)
-            self._fetch_weights(block_group(index + 1) if index + 1 < len(self.blocks) else "head")
+            after = block_group(index + 1) if index + 1 < len(self.blocks) else "head"
+            if after in self.params:  # not one another pipeline stage holds
+                self._fetch_weights(after)
             self._saved_by_reference = self._weights_saved_by_reference(group)
             self._saved_by_reference.__enter__()  # left by the hook after the block
         return hook
