@@ -285,6 +285,11 @@ class Knobs:
                 if getattr(self, name):
                     fail(f"knobs.{name}", f"{why}: pipeline_parallel {self.pipeline_parallel} takes "
                                           f"{'false' if name == 'shard_weights' else '0'}")
+            for name in OFFLOAD_FRACTIONS:
+                if 0 < getattr(self, name) < 1:
+                    fail(f"knobs.{name}", f"{getattr(self, name)}: a fraction counts the model's blocks from the "
+                                          f"first, and a pipeline rank holds some of them (not yet the fraction of "
+                                          f"its own); with pipeline_parallel {self.pipeline_parallel} it takes 0 or 1")
 
 
 def check_knob(name: str, value) -> None:

@@ -23,7 +23,8 @@ from fastml.plan import Knobs, tensor_slice
 from fastml.spec import ModelSpec
 from fastml.planner.costs import Costs, costs, link_bytes_per_s
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import Memory, activation_bytes, layer_activation_bytes, memory
+from fastml.planner.memory import (Memory, activation_bytes, head_weight_gradient_bytes, layer_activation_bytes,
+                                  memory)
 from fastml.planner.pipeline import PipelineRun, run_pipeline
 from fastml.planner.simulate import Simulation, simulate
 
@@ -129,7 +130,9 @@ def pipeline_run(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine, 
 def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Memory:
     """One GPU's memory (`memory`, of the view) with the activations of the micro-batches its pipeline rank holds at
     once beyond the one the view counts, and the output of each of its passes in flight, which the executor keeps
-    for that pass's backward (executor/parallel/pipeline.py; in one process the final norm holds it, counted)."""
+    for that pass's backward (executor/parallel/pipeline.py; in one process the final norm holds it, counted). Under
+    GPipe the last stage also keeps each micro-batch's LM-head gradients, made with its loss (executor/model/loss.py),
+    until that micro-batch's backward pass."""
     sliced, dp = view(spec, knobs, machine)
     m = memory(sliced, seq_len, knobs, dp.num_gpus, machine.gpus_per_node, machine.device, machine.calibration)
     if knobs.pipeline_parallel == 1:
@@ -142,6 +145,8 @@ def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine)
     outputs = tokens // (layout.tensor if knobs.sequence_parallel else 1) * spec.hidden_size * activation_bytes(knobs)
     extra = int(max(0, max(order_run.in_flight) - layout.virtual) * chunk_layers *
                 layer_activation_bytes(sliced, knobs, tokens, machine.device) + max(order_run.in_flight) * outputs)
+    if knobs.pipeline_schedule == "gpipe":  # the last stage runs every loss before the first backward pass
+        extra += (knobs.grad_accum_steps - 1) * head_gradients_bytes(sliced, knobs, tokens)
     return dataclasses.replace(m, gpu_peak=m.gpu_peak + extra,
                                gpu=m.gpu | {"activations": m.gpu["activations"] + extra},
                                peak_phase=m.peak_phase | {"activations": m.peak_phase["activations"] + extra})
@@ -196,3 +201,9 @@ def simulate_any(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) 
 def memory_any(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Memory:
     return layout_memory(spec, seq_len, knobs, machine) if is_layout(knobs) else \
         memory(spec, seq_len, knobs, machine.num_gpus, machine.gpus_per_node, machine.device, machine.calibration)
+
+
+def head_gradients_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
+    """What the LM head's loss keeps from its forward to its backward pass: the head weight's gradient and the hidden
+    states' (executor/model/loss.py)."""
+    return head_weight_gradient_bytes(spec, knobs) + tokens * spec.hidden_size * activation_bytes(knobs)

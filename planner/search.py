@@ -133,7 +133,7 @@ def with_layout(problem: Problem, values: dict) -> dict:
     chunks per rank (interleaved 1F1B) only with a pipeline, at most a block each, and a whole number of rounds of
     micro-batches; sequence parallelism only with tensor parallelism; and the knobs a layout does not compose with
     at their defaults (fastml.plan.Knobs: the memcpy collectives and shared host weights, and with a pipeline, ZeRO-3
-    and block inputs in host memory), as are those the executor does not run with a layout yet (fp8 matmuls). With
+    and block inputs in host memory, and offload fractions other than 0 and 1), as are those the executor does not run with a layout yet (fp8 matmuls). With
     the grad_accum_steps of the data-parallel rank's sequences."""
     fixed = dict(values)
     tensor, pipeline, virtual = fixed["tensor_parallel"], fixed["pipeline_parallel"], fixed["virtual_stages"]
@@ -153,6 +153,7 @@ def with_layout(problem: Problem, values: dict) -> dict:
             fixed["matmul_dtype"] = "bf16"
     if pipeline > 1:
         fixed |= {"shard_weights": False, "offload_residuals": 0.0}
+        fixed |= {name: float(fixed[name] > 0) for name in OFFLOAD_FRACTIONS}  # whole or none (fastml.plan.Knobs)
     return fixed
 
 

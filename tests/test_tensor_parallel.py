@@ -42,7 +42,8 @@ def layout_plan(ranks: int, tensor: int, steps: int = 3, model=SMALL, **knobs) -
 def alone(p: Plan) -> Plan:
     """The same steps in one process: every micro-batch of every data-parallel rank, one after another."""
     k = p.knobs
-    knobs = {name: getattr(k, name) for name in ("recompute", "offload_weights", "offload_optimizer")}
+    knobs = {name: getattr(k, name) for name in ("recompute", "offload_weights", "offload_optimizer", "param_dtype",
+                                                 "matmul_dtype")}
     return layout_plan(1, 1, p.training.steps, p.model, **knobs)
 
 

@@ -154,9 +154,10 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The weights' dtype as the model computes: its first parameter's (the embedding's, never streamed, or on a
-        later pipeline stage its first block's: pipeline stages stream none)."""
-        return next(self.parameters()).dtype
+        """The weights' dtype as the model computes: the one `materialize` gave them (a block whose fp32 masters are
+        streamed, knobs.stream_masters, points at them between uses, and may be a pipeline stage's first parameter),
+        else its first parameter's."""
+        return getattr(self, "materialized_dtype", None) or next(self.parameters()).dtype
 
     def held_blocks(self) -> list[tuple[int, Block]]:
         """(index, block) of the blocks this rank holds: all of them but under pipeline parallelism."""
@@ -271,6 +272,7 @@ def materialize(model: Transformer, device: torch.device | str, dtype: torch.dty
     parallelism every parameter of the whole model is initialized whole, in order, as one process would, and this
     rank keeps its slice of those it holds."""
     model.to(dtype)  # still on meta: costs nothing, and memory is allocated once, in the final dtype
+    model.materialized_dtype = dtype
     generator = torch.Generator(device=device).manual_seed(seed)
     if keep is None and not model.tp.active and not model.pp.active:
         model.to_empty(device=device)
