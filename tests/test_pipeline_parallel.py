@@ -60,11 +60,14 @@ FOUR_RANK_PLANS = {
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Every plan above, by its jobs (one of 2 ranks, one of 4), and checkpoints: a PP 2 run saved at step 2 of 4."""
+    """Every plan above, by its jobs (one of 2 ranks, one of 4), and checkpoints: a PP 2 run and a PP 2 x DP 2 ZeRO-2
+    run saved at step 2 of 4."""
     path = tmp_path_factory.mktemp("pipeline-parallel")
     saved = with_checkpoints(pipeline_plan(2, steps=4, model=DEEP_TIED), path / "ck-pp2")
     job(path, PLANS, ranks=2, more=[{"plan": saved, "log": path / "saved.jsonl"}])
-    job(path, FOUR_RANK_PLANS, ranks=4)
+    saved_zero = with_checkpoints(pipeline_plan(4, steps=4, model=DEEP_TIED, pipeline_schedule="interleaved_1f1b",
+                                                virtual_stages=2, **ZERO[2]), path / "ck-zero")
+    job(path, FOUR_RANK_PLANS, ranks=4, more=[{"plan": saved_zero, "log": path / "saved-zero.jsonl"}])
     return path
 
 
@@ -95,6 +98,21 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path
     got = records(log)
     assert [r["step"] for r in got] == [3, 4]
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in records(trained / "saved.jsonl")[2:]],
+                                                     rel=1e-5)
+
+
+def test_a_pipeline_zero_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, trained):
+    """Each rank of an interleaved PP 2 x DP 2 ZeRO-2 run writes its shard of its stages' optimizer state (the tied
+    embedding's by both stages); one process reads them whole and takes the steps the four ranks took."""
+    step2 = trained / "ck-zero" / "step-00000002"
+    ck = tmp_path / "ck"
+    shutil.copytree(step2, ck / step2.name)
+    resumed = with_checkpoints(alone(pipeline_plan(4, steps=4, model=DEEP_TIED)), ck)
+    log = tmp_path / "resumed.jsonl"
+    train(resumed, log_json=log, show_progress=False, resume=True)
+    got = records(log)
+    assert [r["step"] for r in got] == [3, 4]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in records(trained / "saved-zero.jsonl")[2:]],
                                                      rel=1e-5)
 
 
