@@ -20,7 +20,7 @@ from fastml.executor.loop.train import train
 from fastml.executor.parallel.pipeline import PipelineParallel
 from small_model import SMALL
 from test_distributed import ZERO, job, records, with_checkpoints
-from test_tensor_parallel import alone, layout_plan
+from test_tensor_parallel import alone, assert_continues, layout_plan, resumed_alone
 
 pytestmark = pytest.mark.slow
 
@@ -89,31 +89,15 @@ def test_pipeline_parallel_trains_as_one_process(tmp_path, trained, name):
 def test_a_pipeline_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, trained):
     """The checkpoint holds every stage's whole tensors: one process resumes it at step 2 and takes the steps the
     PP 2 run took."""
-    step2 = trained / "ck-pp2" / "step-00000002"
-    ck = tmp_path / "ck"
-    shutil.copytree(step2, ck / step2.name)
-    resumed = with_checkpoints(alone(pipeline_plan(2, steps=4, model=DEEP_TIED)), ck)
-    log = tmp_path / "resumed.jsonl"
-    train(resumed, log_json=log, show_progress=False, resume=True)
-    got = records(log)
-    assert [r["step"] for r in got] == [3, 4]
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in records(trained / "saved.jsonl")[2:]],
-                                                     rel=1e-5)
+    got = resumed_alone(tmp_path, trained / "ck-pp2" / "step-00000002", pipeline_plan(2, steps=4, model=DEEP_TIED))
+    assert_continues(got, records(trained / "saved.jsonl"))
 
 
 def test_a_pipeline_zero_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, trained):
     """Each rank of an interleaved PP 2 x DP 2 ZeRO-2 run writes its shard of its stages' optimizer state (the tied
     embedding's by both stages); one process reads them whole and takes the steps the four ranks took."""
-    step2 = trained / "ck-zero" / "step-00000002"
-    ck = tmp_path / "ck"
-    shutil.copytree(step2, ck / step2.name)
-    resumed = with_checkpoints(alone(pipeline_plan(4, steps=4, model=DEEP_TIED)), ck)
-    log = tmp_path / "resumed.jsonl"
-    train(resumed, log_json=log, show_progress=False, resume=True)
-    got = records(log)
-    assert [r["step"] for r in got] == [3, 4]
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in records(trained / "saved-zero.jsonl")[2:]],
-                                                     rel=1e-5)
+    got = resumed_alone(tmp_path, trained / "ck-zero" / "step-00000002", pipeline_plan(4, steps=4, model=DEEP_TIED))
+    assert_continues(got, records(trained / "saved-zero.jsonl"))
 
 
 def test_one_process_checkpoint_resumes_at_pipeline_parallel_2(tmp_path):
@@ -125,10 +109,7 @@ def test_one_process_checkpoint_resumes_at_pipeline_parallel_2(tmp_path):
     split = with_checkpoints(pipeline_plan(2, steps=4, model=DEEP_TIED, pipeline_schedule="interleaved_1f1b",
                                            virtual_stages=2), ck)
     job(tmp_path, {}, ranks=2, more=[{"plan": split, "log": tmp_path / "split.jsonl", "resume": True}])
-    got = records(tmp_path / "split.jsonl")
-    assert [r["step"] for r in got] == [3, 4]
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in records(tmp_path / "whole.jsonl")[2:]],
-                                                     rel=1e-5)
+    assert_continues(records(tmp_path / "split.jsonl"), records(tmp_path / "whole.jsonl"))
 
 
 def test_an_offload_fraction_is_whole_or_none_with_a_pipeline():

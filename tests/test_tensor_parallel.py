@@ -47,6 +47,21 @@ def alone(p: Plan) -> Plan:
     return layout_plan(1, 1, p.training.steps, p.model, **knobs)
 
 
+def resumed_alone(tmp_path, checkpoint, p: Plan) -> list[dict]:
+    """The records of one process resuming `checkpoint` (a step's directory) and taking the rest of `p`'s steps."""
+    ck = tmp_path / "ck"
+    shutil.copytree(checkpoint, ck / checkpoint.name)
+    log = tmp_path / "resumed.jsonl"
+    train(with_checkpoints(alone(p), ck), log_json=log, show_progress=False, resume=True)
+    return records(log)
+
+
+def assert_continues(got: list[dict], uninterrupted: list[dict]) -> None:
+    """Steps 3 and 4, resumed from step 2's checkpoint, on the uninterrupted run's loss curve."""
+    assert [r["step"] for r in got] == [3, 4]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in uninterrupted[2:]], rel=1e-5)
+
+
 PLANS = {
     "tp2": layout_plan(2, 2),
     "tp2-sp": layout_plan(2, 2, sequence_parallel=True),
@@ -97,31 +112,15 @@ def test_compiled_blocks_run_the_collectives_as_the_eager_ones_do(trained):
 
 def test_a_tensor_parallel_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, trained):
     """The checkpoint holds whole tensors: one process resumes it at step 2 and takes the steps the TP 2 run took."""
-    step2 = trained / "ck-tp2" / "step-00000002"
-    ck = tmp_path / "ck"
-    shutil.copytree(step2, ck / step2.name)
-    resumed = with_checkpoints(alone(layout_plan(2, 2, steps=4)), ck)
-    log = tmp_path / "resumed.jsonl"
-    train(resumed, log_json=log, show_progress=False, resume=True)
-    uninterrupted = records(trained / "saved.jsonl")
-    got = records(log)
-    assert [r["step"] for r in got] == [3, 4]
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in uninterrupted[2:]], rel=1e-5)
+    got = resumed_alone(tmp_path, trained / "ck-tp2" / "step-00000002", layout_plan(2, 2, steps=4))
+    assert_continues(got, records(trained / "saved.jsonl"))
 
 
 def test_a_tensor_parallel_zero_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, trained):
     """Each rank of a TP 2 x DP 2 ZeRO-2 run writes its shard of its slices' optimizer state; read back whole, one
     process resumes at step 2 and takes the steps the four ranks took."""
-    step2 = trained / "ck-zero" / "step-00000002"
-    ck = tmp_path / "ck"
-    shutil.copytree(step2, ck / step2.name)
-    resumed = with_checkpoints(alone(layout_plan(4, 2, steps=4)), ck)
-    log = tmp_path / "resumed.jsonl"
-    train(resumed, log_json=log, show_progress=False, resume=True)
-    got = records(log)
-    assert [r["step"] for r in got] == [3, 4]
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in records(trained / "saved-zero.jsonl")[2:]],
-                                                     rel=1e-5)
+    got = resumed_alone(tmp_path, trained / "ck-zero" / "step-00000002", layout_plan(4, 2, steps=4))
+    assert_continues(got, records(trained / "saved-zero.jsonl"))
 
 
 def test_one_process_checkpoint_resumes_at_tensor_parallel_2(tmp_path):
@@ -132,10 +131,7 @@ def test_one_process_checkpoint_resumes_at_tensor_parallel_2(tmp_path):
     shutil.rmtree(ck / "step-00000004")
     split = with_checkpoints(layout_plan(2, 2, steps=4, sequence_parallel=True), ck)
     job(tmp_path, {}, ranks=2, more=[{"plan": split, "log": tmp_path / "split.jsonl", "resume": True}])
-    got = records(tmp_path / "split.jsonl")
-    assert [r["step"] for r in got] == [3, 4]
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in records(tmp_path / "whole.jsonl")[2:]],
-                                                     rel=1e-5)
+    assert_continues(records(tmp_path / "split.jsonl"), records(tmp_path / "whole.jsonl"))
 
 
 @pytest.mark.parametrize("rank", [0, 1])
