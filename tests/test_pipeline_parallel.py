@@ -12,12 +12,14 @@ gradient norms agree to rel 1e-5 in fp32 over these few steps, the first step's 
 
 import dataclasses
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fastml.executor.loop.train import train
 from fastml.executor.parallel.pipeline import PipelineParallel
+from fastml.executor.parallel.tensor import TensorParallel
 from small_model import SMALL
 from test_distributed import ZERO, job, records, with_checkpoints
 from test_tensor_parallel import alone, assert_continues, layout_plan, resumed_alone
@@ -176,7 +178,8 @@ def test_every_link_carries_its_messages_first_in_first_out_and_no_rank_waits_fo
                               links={(way, peer): (r, peer) if way == "to" else (peer, r)
                                      for way in ("to", "from") for peer in range(size) if peer != r})
              for r in range(size)]
-    links = [pipeline._Links(p, order, (1, 1, 1), torch.float32, "cpu") for p in ranks]
+    model = SimpleNamespace(tp=TensorParallel(DEEP), spec=SimpleNamespace(hidden_size=1), dtype=torch.float32)
+    links = [pipeline._Links(p, order, model, torch.zeros(1, 1, dtype=torch.long)) for p in ranks]
     for r in range(size):
         links[r].post([], order[r][0])
     done, sent = [0] * size, set()

@@ -92,8 +92,7 @@ class PipelineParallel:
         before each pass, `measure_forward()` around each forward pass. The LM head runs over `chunks` slices of the
         tokens (model.head_loss)."""
         order = pipeline_order(self.schedule, self.size, len(micro_batches), self.virtual)
-        links = _Links(self, order, _activation_shape(model, micro_batches[0][0]), model.dtype,
-                       micro_batches[0][0].device)
+        links = _Links(self, order, model, micro_batches[0][0])
         mine, kept, losses = order[self.rank], {}, {}
         first_backward = next(i for i, action in enumerate(mine) if action.kind == "B")
         links.post([], mine[0])
@@ -133,12 +132,10 @@ class PipelineParallel:
     def forward_losses(self, model, micro_batches: list, chunks: int) -> list[torch.Tensor]:
         """The losses of `micro_batches` without gradients (the validation loss): every micro-batch through the
         stages in turn; the last stage's losses, none elsewhere."""
-        mine = [Action("F", j, stage) for j in range(len(micro_batches)) for stage in self.held_stages]
         order = [[Action("F", j, stage) for j in range(len(micro_batches)) for stage in range(rank, self.stages,
                                                                                                self.size)]
                  for rank in range(self.size)]
-        links = _Links(self, order, _activation_shape(model, micro_batches[0][0]), model.dtype,
-                       micro_batches[0][0].device)
+        links, mine = _Links(self, order, model, micro_batches[0][0]), order[self.rank]
         links.post([], mine[0])
         losses = []
         for i, (_, j, stage) in enumerate(mine):
@@ -191,21 +188,16 @@ class PipelineParallel:
         return {}
 
 
-def _activation_shape(model, tokens: torch.Tensor) -> tuple[int, int, int]:
-    """What passes between stages: the hidden states (B, T, h), this rank's slice of the sequence under sequence
-    parallelism."""
-    tp = model.tp
-    length = tokens.shape[1] // tp.size if tp.sequence else tokens.shape[1]
-    return tokens.shape[0], length, model.spec.hidden_size
-
-
 class _Links:
     """One rank's messages of one step: ("F", stage, micro-batch) is the input of that forward pass, sent by the
     rank of the stage before; ("B", stage, micro-batch) the gradient of that stage's output, sent by the rank of the
-    stage after. All of them have the activations' shape."""
+    stage after. All of them are the hidden states (B, T, h) of a micro-batch of `tokens`' shape, in the model's
+    dtype, this rank's slice of the sequence under sequence parallelism."""
 
-    def __init__(self, pipeline: PipelineParallel, order: list[list[Action]], shape, dtype, device):
-        self.pipeline, self.shape, self.dtype, self.device = pipeline, shape, dtype, device
+    def __init__(self, pipeline: PipelineParallel, order: list[list[Action]], model, tokens: torch.Tensor):
+        tp, (batch, length) = model.tp, tokens.shape
+        self.shape = (batch, length // tp.size if tp.sequence else length, model.spec.hidden_size)
+        self.pipeline, self.dtype, self.device = pipeline, model.dtype, tokens.device
         self.incoming: dict[int, deque] = {}  # sender's pipeline rank -> what it sends this rank, in its order
         for sender, actions in enumerate(order):
             for action in actions:
