@@ -9,13 +9,17 @@ point-to-point sends the traffic that crosses nodes best.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
 """Pipeline schedules: GPipe (every forward pass, then every backward pass), 1F1B (PipeDream-Flush: a stage keeps at
-most as many micro-batches in flight as stages after it) and interleaved 1F1B (each rank holds `virtual_stages`
-chunks of the blocks, shrinking the bubble by as much; Narayanan et al. 2021, section 2.2)."""
+most as many micro-batches in flight as stages after it), interleaved 1F1B (each rank holds `virtual_stages`
+chunks of the blocks, shrinking the bubble by as much; Narayanan et al. 2021, section 2.2) and zero bubble (1F1B whose
+backward passes make only their input's gradient, which the stage before waits for; the weights' gradients, which
+nothing waits for, are passes of their own that fill the bubble: Qi et al. 2024, ZB-H1, and with `virtual_stages`
+chunks its interleaved form, torch.distributed.pipelining's ScheduleInterleavedZeroBubble)."""
 
 
 @dataclass(frozen=True)
@@ -74,10 +78,11 @@ def layout_problem(tensor: int, sequence_parallel: bool, pipeline: int, virtual:
     if pipeline * virtual > num_layers:
         return "pipeline_parallel", (f"{pipeline} x virtual_stages {virtual} stages for {num_layers} blocks: a stage "
                                      f"needs at least one block")
-    if schedule == "interleaved_1f1b" and grad_accum_steps % interleaved_rounds(pipeline, grad_accum_steps):
-        return "pipeline_schedule", (f"interleaved 1F1B runs the micro-batches in rounds of about pipeline_parallel "
-                                     f"{pipeline}: {grad_accum_steps} micro-batches (grad_accum_steps) are not whole "
-                                     f"rounds of {interleaved_rounds(pipeline, grad_accum_steps)}")
+    if virtual > 1 and grad_accum_steps % interleaved_rounds(pipeline, grad_accum_steps):
+        return "pipeline_schedule", (f"interleaved schedules run the micro-batches in rounds of about "
+                                     f"pipeline_parallel {pipeline}: {grad_accum_steps} micro-batches "
+                                     f"(grad_accum_steps) are not whole rounds of "
+                                     f"{interleaved_rounds(pipeline, grad_accum_steps)}")
     return "", ""
 
 
@@ -88,16 +93,23 @@ def interleaved_rounds(pipeline: int, micro_batches: int) -> int:
 
 class Action(NamedTuple):
     """One pass of a pipeline rank: the forward ("F") or backward ("B") pass of a micro-batch through a virtual
-    stage."""
+    stage, or ("W") the pass that makes its weights' gradients where the schedule splits them from the backward pass
+    (`splits_backward`)."""
 
     kind: str
     micro_batch: int
     stage: int
 
 
+def splits_backward(schedule: str) -> bool:
+    """Whether the schedule's backward passes make their input's gradient alone, a "W" pass the weights' later."""
+    return schedule == "zero_bubble"
+
+
 def pipeline_order(schedule: str, pipeline: int, micro_batches: int, virtual: int = 1) -> list[list[Action]]:
-    """Per pipeline rank, its passes in the order it runs them. 1F1B's and interleaved 1F1B's are
-    torch.distributed.pipelining's (Schedule1F1B, ScheduleInterleaved1F1B; tests/test_layout.py compares them)."""
+    """Per pipeline rank, its passes in the order it runs them. 1F1B's, interleaved 1F1B's and zero bubble's are
+    torch.distributed.pipelining's (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble;
+    tests/test_model_parallel.py compares them)."""
     if schedule == "gpipe":
         return [[Action("F", j, r) for j in range(micro_batches)] + [Action("B", j, r) for j in range(micro_batches)]
                 for r in range(pipeline)]
@@ -105,19 +117,26 @@ def pipeline_order(schedule: str, pipeline: int, micro_batches: int, virtual: in
         return [_one_forward_one_backward(pipeline, micro_batches, 1, r) for r in range(pipeline)]
     if schedule == "interleaved_1f1b":
         return [_one_forward_one_backward(pipeline, micro_batches, virtual, r) for r in range(pipeline)]
+    if schedule == "zero_bubble":
+        return [_one_forward_one_backward(pipeline, micro_batches, virtual, r, zero_bubble=True)
+                for r in range(pipeline)]
     raise ValueError(f"unknown pipeline schedule {schedule!r}")
 
 
-def _one_forward_one_backward(pipeline: int, micro_batches: int, virtual: int, rank: int) -> list[Action]:
+def _one_forward_one_backward(pipeline: int, micro_batches: int, virtual: int, rank: int,
+                              zero_bubble: bool = False) -> list[Action]:
     """Warm-up forward passes, then one forward and one backward pass in turn, then the backward passes left. With
     several chunks a rank (`virtual`), the passes go through its chunks a round of micro-batches at a time, forward
-    from the first chunk and backward from the last."""
+    from the first chunk and backward from the last. `zero_bubble`: each backward pass after the rank's first `rank`
+    ones is followed by the weights' pass ("W") of the oldest backward pass still without one, the rest at the end
+    (ZB-H1: rank r puts off r of them, filling the time 1F1B waits for the stages after it; its interleaved form
+    warms up with one pass a later rank instead of two)."""
     per_round = micro_batches // interleaved_rounds(pipeline, micro_batches) if virtual > 1 else micro_batches
     total = micro_batches * virtual
     if virtual == 1:
         warmup = min(pipeline - 1 - rank, micro_batches)
     else:
-        warmup = min((virtual - 1) * per_round + 2 * (pipeline - 1 - rank), total)
+        warmup = min((virtual - 1) * per_round + (1 if zero_bubble else 2) * (pipeline - 1 - rank), total)
     next_micro_batch = {"F": {}, "B": {}}
 
     def action(kind: str, k: int) -> Action:
@@ -127,8 +146,19 @@ def _one_forward_one_backward(pipeline: int, micro_batches: int, virtual: int, r
         next_micro_batch[kind][stage] = j + 1
         return Action(kind, j, stage)
 
-    order = [action("F", k) for k in range(warmup)]
+    order, without_weights = [action("F", k) for k in range(warmup)], deque()
+
+    def backward(k: int) -> list[Action]:
+        b = action("B", k)
+        without_weights.append(b)
+        if not zero_bubble or k < rank:
+            return [b]
+        return [b, without_weights.popleft()._replace(kind="W")]
+
     for k in range(total - warmup):
-        order += [action("F", warmup + k), action("B", k)]
-    order += [action("B", k) for k in range(total - warmup, total)]
+        order += [action("F", warmup + k), *backward(k)]
+    for k in range(total - warmup, total):
+        order += backward(k)
+    if zero_bubble:
+        order += [b._replace(kind="W") for b in without_weights]
     return order

@@ -209,11 +209,11 @@ class Knobs:
     """Pipeline stages: consecutive blocks on other GPUs, micro-batches passed between them
     (`fastml.layout.stage_layers`). `fastml run` runs it (executor/parallel/pipeline.py), but not yet with fp8
     (issue 28)."""
-    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = "1f1b"
+    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     """The order each stage runs its micro-batches' passes in (`fastml.layout.pipeline_order`)."""
     virtual_stages: int = 1
-    """interleaved_1f1b: chunks of blocks each pipeline rank holds (the bubble shrinks by as much, the sends between
-    stages grow by as much)."""
+    """interleaved_1f1b and zero_bubble: chunks of blocks each pipeline rank holds (the bubble shrinks by as much,
+    the sends between stages grow by as much)."""
 
     @property
     def uses_fastml_adamw(self) -> bool:
@@ -266,9 +266,11 @@ class Knobs:
         if interleaved and (self.pipeline_parallel == 1 or self.virtual_stages == 1):
             fail("knobs.pipeline_schedule", "interleaved_1f1b needs knobs.pipeline_parallel and knobs.virtual_stages "
                                             "above 1")
-        if self.virtual_stages > 1 and not interleaved:
-            fail("knobs.virtual_stages", f"chunks per pipeline rank are interleaved 1F1B's: knobs.pipeline_schedule "
-                                         f"{self.pipeline_schedule!r} runs one")
+        if self.virtual_stages > 1 and self.pipeline_schedule not in ("interleaved_1f1b", "zero_bubble"):
+            fail("knobs.virtual_stages", f"chunks per pipeline rank are interleaved 1F1B's and zero bubble's: "
+                                         f"knobs.pipeline_schedule {self.pipeline_schedule!r} runs one")
+        if self.pipeline_schedule == "zero_bubble":
+            self._check_zero_bubble()
         if self.tensor_parallel * self.pipeline_parallel == 1:
             return
         if self.comm == "memcpy":
@@ -290,6 +292,24 @@ class Knobs:
                     fail(f"knobs.{name}", f"{getattr(self, name)}: a fraction counts the model's blocks from the "
                                           f"first, and a pipeline rank holds some of them (not yet the fraction of "
                                           f"its own); with pipeline_parallel {self.pipeline_parallel} it takes 0 or 1")
+
+
+    def _check_zero_bubble(self) -> None:
+        """A zero-bubble schedule makes a block's weights' gradients a pass after its backward pass (each linear
+        keeping its input and its output's gradient for it: executor/model/deferred.py)."""
+        if self.pipeline_parallel == 1:
+            fail("knobs.pipeline_schedule", "zero_bubble orders a pipeline's passes: it needs knobs.pipeline_parallel "
+                                            "above 1")
+        for name, why in (("compile", "torch.compile traces a block's backward pass whole, with its weights' "
+                                      "gradients (torch's own zero-bubble schedules refuse it too)"),
+                          ("offload_weights", "a streamed block's weights go back to the host once its gradients "
+                                              "are made, and its backward pass fetches the next block's meanwhile"),
+                          ("offload_gradients", "a block's gradient sums come back from the host for its backward "
+                                                "pass and go again once its gradients are made")):
+            if getattr(self, name):
+                fail(f"knobs.{name}", f"{why}; zero_bubble makes the weights' gradients a pass later: use "
+                                      f"pipeline_schedule '1f1b' or 'interleaved_1f1b', or {name} "
+                                      f"{'false' if name == 'compile' else '0'}")
 
 
 def check_knob(name: str, value) -> None:

@@ -80,6 +80,9 @@ class Costs:
     """The embedding's and head's gradients reduced, as a block's are (`layer_grad_reduce`)."""
     shard_h2d: float
     """A streamed block's weight shard to the GPU, before it is gathered (ZeRO-3 with streamed weights)."""
+    layer_weight_gradient_share: float = 0.0
+    """Of a block's backward pass, the part that makes its weights' gradients (one of a linear's two GEMMs), which
+    a zero-bubble pipeline schedule runs as a pass of its own (fastml.layout.splits_backward)."""
     step_host_s: float = 0.0
     """The host's time each step adds besides its passes: the loop's, and the optimizer's per block
     (`HostOverhead`), wherever its states are (the CPU's steps are the host's work too)."""
@@ -378,6 +381,7 @@ def _modelled_costs(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machin
                           machine, knobs.comm)
     return Costs(
         layer_forward=sum(work.forward.values()), layer_backward=sum(work.backward.values()),
+        layer_weight_gradient_share=work.backward["matmul"] / 2 / sum(work.backward.values()),
         layer_recompute=sum(work.recompute.values()), head_forward_backward=sum(work.head.values()),
         layer_weight_cast_forward=weight_casts[0], layer_weight_cast_backward=weight_casts[1],
         layer_weight_cache=weight_casts[2],

@@ -168,6 +168,14 @@ def layer_activation_bytes(spec: ModelSpec, knobs: Knobs, tokens: int, device: s
     return int(sum(saved_bytes_per_token(spec, knobs, device).values()) * tokens)
 
 
+def weight_gradient_inputs_bytes(spec: ModelSpec, knobs: Knobs, tokens: int) -> int:
+    """Bytes one block keeps from a backward pass that makes its input's gradient alone to the pass that makes its
+    weights' (a zero-bubble pipeline schedule: executor/model/deferred.py): each linear's input and its output's
+    gradient, for `tokens` tokens. The rest of its activations are freed by then."""
+    elements = sum(inputs + outputs for outputs, inputs in spec.block_linear_shapes().values())
+    return elements * tokens * activation_bytes(knobs)
+
+
 def loss_logit_bytes(knobs: Knobs, device: str) -> int:
     """Bytes a logit of the LM head takes in the loss (executor/model/loss.py), one slice of the tokens at a time:
     the matmul's logits in the activation dtype, which the loss's kernel overwrites with their gradient, and where

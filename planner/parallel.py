@@ -5,7 +5,8 @@ the layout itself costs. Tensor parallelism's all-reduces run between a block's 
 critical path (Megatron-LM's column- and row-parallel linears: two a block forward, two backward; Shoeybi et al. 2019,
 section 3). The pipeline's step is its ranks' passes as planner/pipeline.py schedules them; the time it waits beyond
 its busiest rank's work is its bubble. A stage in 1F1B keeps as many micro-batches' activations as it has passes in
-flight (Narayanan et al. 2021, section 2.2: the first stage the most).
+flight (Narayanan et al. 2021, section 2.2: the first stage the most); in a zero-bubble schedule, each micro-batch
+whose weights' gradients are still to make keeps its linears' inputs and output gradients besides.
 
 What this leaves out: the view prices one rank with the most blocks and the head, where the head may sit on a stage
 with fewer blocks (the pipeline's busiest rank is then priced right, the view's data-parallel work on top as if
@@ -24,7 +25,7 @@ from fastml.spec import ModelSpec
 from fastml.planner.costs import Costs, costs, link_bytes_per_s
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (Memory, activation_bytes, head_weight_gradient_bytes, layer_activation_bytes,
-                                  memory)
+                                  memory, weight_gradient_inputs_bytes)
 from fastml.planner.pipeline import PipelineRun, run_pipeline
 from fastml.planner.simulate import Simulation, simulate
 
@@ -120,11 +121,13 @@ def pipeline_run(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine, 
     per_stage = stage_layers(spec.num_layers, layout.stages)
     forward = c.layer_forward + c.layer_weight_cast_forward + tp.forward
     backward = c.layer_backward + c.layer_recompute + c.layer_weight_cast_backward + tp.backward + tp.recompute
+    weights = c.layer_backward * c.layer_weight_gradient_share
     forward_s = [n * forward for n in per_stage]
     backward_s = [n * backward for n in per_stage]
     forward_s[-1] += c.head_forward_backward + tp.head
     return run_pipeline(knobs.pipeline_schedule, layout.pipeline, knobs.grad_accum_steps, layout.virtual,
-                        forward_s, backward_s, p2p_s(spec, seq_len, knobs, machine) if layout.pipeline > 1 else 0.0)
+                        forward_s, backward_s, p2p_s(spec, seq_len, knobs, machine) if layout.pipeline > 1 else 0.0,
+                        [n * weights for n in per_stage])
 
 
 def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Memory:
@@ -143,8 +146,11 @@ def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine)
     chunk_layers = max(rank_layers(spec, layout)) / layout.virtual
     tokens = knobs.micro_batch_size * seq_len
     outputs = tokens // (layout.tensor if knobs.sequence_parallel else 1) * spec.hidden_size * activation_bytes(knobs)
-    extra = int(max(0, max(order_run.in_flight) - layout.virtual) * chunk_layers *
-                layer_activation_bytes(sliced, knobs, tokens, machine.device) + max(order_run.in_flight) * outputs)
+    activations = layer_activation_bytes(sliced, knobs, tokens, machine.device)
+    kept_for_weights = weight_gradient_inputs_bytes(sliced, knobs, tokens)
+    extra = int(max(max(0, in_flight - layout.virtual) * chunk_layers * activations + in_flight * outputs +
+                    awaiting * chunk_layers * kept_for_weights
+                    for in_flight, awaiting in zip(order_run.in_flight, order_run.awaiting_weights)))
     if knobs.pipeline_schedule == "gpipe":  # the last stage runs every loss before the first backward pass
         extra += (knobs.grad_accum_steps - 1) * head_gradients_bytes(sliced, knobs, tokens)
     return dataclasses.replace(m, gpu_peak=m.gpu_peak + extra,

@@ -98,8 +98,9 @@ VIRTUAL_STAGES = (1, 2, 4)
 
 def layout_choices(problem: Problem) -> dict[str, tuple]:
     """Tensor-parallel sizes that split this model within a node, pipeline sizes that divide the GPUs, sequence
-    parallelism, and chunks per pipeline rank (interleaved 1F1B where above 1; `without_no_ops` fixes a choice that
-    does not go together)."""
+    parallelism, and chunks per pipeline rank (interleaved 1F1B where above 1; `with_layout` fixes a choice that does
+    not go together). The zero-bubble schedule is priced where pinned, not searched: it cannot go with compile, which
+    the searched layouts choose (and with its dimension the same trials found worse layouts for qwen2.5-72b)."""
     spec, machine = problem.spec, problem.machine
 
     def fits(tensor: int, pipeline: int) -> bool:
@@ -130,11 +131,12 @@ def make_knobs(problem: Problem, choice: dict) -> Knobs:
 
 def with_layout(problem: Problem, values: dict) -> dict:
     """A drawn layout made one that goes together: the pipeline shortened until tensor x pipeline divides the GPUs;
-    chunks per rank (interleaved 1F1B) only with a pipeline, at most a block each, and a whole number of rounds of
-    micro-batches; sequence parallelism only with tensor parallelism; and the knobs a layout does not compose with
-    at their defaults (fastml.plan.Knobs: the memcpy collectives and shared host weights, and with a pipeline, ZeRO-3
-    and block inputs in host memory, and offload fractions other than 0 and 1), as are those the executor does not run with a layout yet (fp8 matmuls). With
-    the grad_accum_steps of the data-parallel rank's sequences."""
+    chunks per rank (interleaved schedules) only with a pipeline, at most a block each, and a whole number of rounds
+    of micro-batches; zero bubble (pinned) with the knobs it composes with (fastml.plan.Knobs); sequence parallelism
+    only with tensor parallelism; and the knobs a layout does not compose with at their defaults (fastml.plan.Knobs: the
+    memcpy collectives and shared host weights, and with a pipeline, ZeRO-3 and block inputs in host memory, and
+    offload fractions other than 0 and 1), as are those the executor does not run with a layout yet (fp8 matmuls).
+    With the grad_accum_steps of the data-parallel rank's sequences."""
     fixed = dict(values)
     tensor, pipeline, virtual = fixed["tensor_parallel"], fixed["pipeline_parallel"], fixed["virtual_stages"]
     while problem.machine.num_gpus % (tensor * pipeline):
@@ -143,9 +145,13 @@ def with_layout(problem: Problem, values: dict) -> dict:
     if (pipeline == 1 or fixed["pipeline_schedule"] == "gpipe" or pipeline * virtual > problem.spec.num_layers or
             micro_batches % interleaved_rounds(pipeline, micro_batches)):
         virtual = 1
-    if fixed["pipeline_schedule"] == "interleaved_1f1b" or virtual > 1:
-        fixed["pipeline_schedule"] = "interleaved_1f1b" if virtual > 1 else "1f1b"
-    fixed |= {"pipeline_parallel": pipeline, "virtual_stages": virtual, "grad_accum_steps": micro_batches}
+    schedule = fixed["pipeline_schedule"]
+    if schedule == "zero_bubble" and pipeline > 1:  # pinned: with the knobs it goes with (fastml.plan.Knobs)
+        fixed |= {"compile": False, "offload_weights": 0.0, "offload_gradients": 0.0}
+    elif schedule != "gpipe":
+        schedule = "interleaved_1f1b" if virtual > 1 else "1f1b"
+    fixed |= {"pipeline_parallel": pipeline, "virtual_stages": virtual, "grad_accum_steps": micro_batches,
+              "pipeline_schedule": schedule}
     fixed["sequence_parallel"] &= tensor > 1
     if tensor * pipeline > 1:
         fixed |= {"comm": "nccl", "share_host_weights": False}

@@ -11,8 +11,9 @@ from fastml.executor.loop.train import check_runs_layout, train
 from fastml.layout import Action, Layout, interleaved_rounds, pipeline_order, stage_layers
 from fastml.plan import Hardware, Knobs, Plan, Training
 from fastml.planner.hardware import load_machine
-from fastml.planner.memory import layer_activation_bytes
-from fastml.planner.parallel import head_gradients_bytes, layout_memory, rank_layers, tensor_parallel_costs, view
+from fastml.planner.memory import layer_activation_bytes, weight_gradient_inputs_bytes
+from fastml.planner.parallel import (head_gradients_bytes, layout_memory, layout_step, rank_layers,
+                                     tensor_parallel_costs, view)
 from fastml.planner.pipeline import run_pipeline
 from fastml.planner.planner import make_plan
 from fastml.spec import PRESETS
@@ -36,6 +37,80 @@ def test_interleaved_order_is_torchs():
                                      a.stage_index)
                               for a in s._calculate_single_rank_operations(rank) if a is not None]
                     assert ours == theirs, (p, m, v, rank)
+
+
+def test_zero_bubble_order_is_torchs():
+    """ScheduleInterleavedZeroBubble's order, its input-gradient passes ("I") our backward passes, for one chunk a rank
+    (ZB-H1) and several."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    if not hasattr(schedules.ScheduleInterleavedZeroBubble, "_calculate_single_rank_operations"):
+        pytest.skip("this torch has no ScheduleInterleavedZeroBubble._calculate_single_rank_operations to compare with")
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    for p in (2, 3, 4):
+        for m in range(1, 13):
+            for v in (1, 2, 3):
+                rounds = interleaved_rounds(p, m)
+                if m % rounds:
+                    continue
+                s = object.__new__(schedules.ScheduleInterleavedZeroBubble)  # its order alone, as above
+                s.pp_group_size, s.n_local_stages, s._n_microbatches = p, v, m
+                s.number_of_rounds, s.microbatches_per_round = rounds, m // rounds
+                for rank, ours in enumerate(pipeline_order("zero_bubble", p, m, v)):
+                    theirs = [Action(kinds[a.computation_type.name], a.microbatch_index, a.stage_index)
+                              for a in s._calculate_single_rank_operations(rank) if a is not None]
+                    assert ours == theirs, (p, m, v, rank)
+
+
+def test_zero_bubble_fills_the_bubble_with_the_weights_passes():
+    """ZB-H1 (Qi et al. 2024, section 3.1): with equal stages and free sends the bubble is (p - 1)(F + B - W), B the
+    input-gradient pass, a third of 1F1B's where the three passes take as long; rank r keeps up to r + 1 micro-batches
+    awaiting their weights' pass, 1F1B none."""
+    f, b, w = 1.0, 1.0, 1.0
+    one_f_one_b = run_pipeline("1f1b", 4, 8, 1, [f] * 4, [b + w] * 4, 0.0, [w] * 4)
+    zero_bubble = run_pipeline("zero_bubble", 4, 8, 1, [f] * 4, [b + w] * 4, 0.0, [w] * 4)
+    assert one_f_one_b.step_s == pytest.approx(8 * (f + b + w) + 3 * (f + b + w))
+    assert zero_bubble.step_s == pytest.approx(8 * (f + b + w) + 3 * (f + b - w))
+    assert zero_bubble.in_flight == one_f_one_b.in_flight == (4, 3, 2, 1)
+    assert zero_bubble.awaiting_weights == (1, 2, 3, 4) and one_f_one_b.awaiting_weights == (0, 0, 0, 0)
+
+
+def test_zero_bubble_keeps_the_linears_inputs_and_output_gradients_for_the_weights_pass():
+    knobs = Knobs(micro_batch_size=1, grad_accum_steps=8, pipeline_parallel=4, recompute=("block",))
+    zero_bubble = dataclasses.replace(knobs, pipeline_schedule="zero_bubble")
+    spec, _ = view(SPEC, knobs, H100S)
+    output = 2048 * SPEC.hidden_size * 2
+    per_micro_batch = spec.num_layers * layer_activation_bytes(spec, knobs, 2048, "cuda") + output
+    # the last rank holds the most: one micro-batch in flight and four awaiting their weights' pass, where the first
+    # rank of 1F1B holds four in flight
+    most = max(per_micro_batch + 4 * spec.num_layers * weight_gradient_inputs_bytes(spec, knobs, 2048),
+               4 * per_micro_batch)
+    assert layout_memory(SPEC, 2048, zero_bubble, H100S).gpu_peak - layout_memory(SPEC, 2048, knobs, H100S).gpu_peak \
+        == pytest.approx(most - 4 * per_micro_batch, abs=1)
+    assert layout_step(SPEC, 2048, zero_bubble, H100S).bubble_s < layout_step(SPEC, 2048, knobs, H100S).bubble_s
+
+
+def test_a_deferred_linear_makes_its_weight_gradient_in_a_pass_of_its_own():
+    """Inside put_off its backward pass makes the input's gradient alone; weight_gradients then makes the weight's
+    and bias's, as nn.Linear's backward pass does (and does outside put_off)."""
+    torch = pytest.importorskip("torch")
+    from fastml.executor.model import deferred
+
+    plain = torch.nn.Linear(6, 4)
+    linear = torch.nn.Linear(6, 4)
+    linear.load_state_dict(plain.state_dict())
+    linear.__class__ = deferred.DeferredLinear
+    x, grad = torch.randn(2, 3, 6), torch.randn(2, 3, 4)
+    x_plain, x_deferred = x.clone().requires_grad_(), x.clone().requires_grad_()
+    plain(x_plain).backward(grad)
+    with deferred.put_off() as kept:
+        linear(x_deferred).backward(grad)
+    assert linear.weight.grad is None and linear.bias.grad is None
+    torch.testing.assert_close(x_deferred.grad, x_plain.grad)
+    made = deferred.weight_gradients(kept)
+    torch.testing.assert_close(made[linear.weight], plain.weight.grad)
+    torch.testing.assert_close(made[linear.bias], plain.bias.grad)
+    linear(x_deferred).backward(grad)  # outside put_off: an nn.Linear
+    torch.testing.assert_close(linear.weight.grad, plain.weight.grad)
 
 
 @pytest.mark.parametrize("p, m", [(1, 3), (2, 1), (4, 8), (4, 3), (3, 7)])
@@ -148,6 +223,11 @@ def plan_with(num_gpus: int = 4, **knobs) -> Plan:
     ({"pipeline_parallel": 2, "shard_optimizer": True, "shard_gradients": True, "shard_weights": True},
      "knobs.shard_weights"),
     ({"pipeline_parallel": 2, "offload_residuals": 1.0}, "knobs.offload_residuals"),
+    ({"pipeline_schedule": "zero_bubble"}, "knobs.pipeline_schedule"),
+    ({"pipeline_parallel": 2, "pipeline_schedule": "zero_bubble", "compile": True}, "knobs.compile"),
+    ({"pipeline_parallel": 2, "pipeline_schedule": "zero_bubble", "offload_weights": 1.0}, "knobs.offload_weights"),
+    ({"pipeline_parallel": 2, "pipeline_schedule": "zero_bubble", "offload_gradients": 1.0},
+     "knobs.offload_gradients"),
 ])
 def test_a_layout_that_cannot_be_laid_names_its_knob(knobs, field):
     with pytest.raises(UserError, match=field.replace(".", r"\.")):

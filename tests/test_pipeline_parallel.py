@@ -49,6 +49,10 @@ PLANS = {
     "pp2-bf16-streamed-masters": pipeline_plan(2, param_dtype="bf16", matmul_dtype="bf16", offload_weights=1.0,
                                                offload_optimizer=1.0, offload_master=1.0, offload_gradients=1.0,
                                                stream_masters=True),
+    # zero bubble: the last stage puts off its first weights' pass; interleaved, with recompute and a CPU step
+    "pp2-zero-bubble": pipeline_plan(2, model=DEEP_TIED, pipeline_schedule="zero_bubble"),
+    "pp2-zero-bubble-interleaved": pipeline_plan(2, model=DEEP_TIED, pipeline_schedule="zero_bubble",
+                                                 virtual_stages=2, recompute=("block",), offload_optimizer=1.0),
 }
 FOUR_RANK_PLANS = {
     "tp2-pp2-sp": pipeline_plan(4, tensor=2, sequence_parallel=True, model=DEEP_TIED),
@@ -57,6 +61,10 @@ FOUR_RANK_PLANS = {
     "pp2-dp2-interleaved-host-grads": pipeline_plan(4, pipeline_schedule="interleaved_1f1b", virtual_stages=2,
                                                     offload_gradients=1.0),
     "pp2-dp2-zero1-streamed": pipeline_plan(4, offload_weights=1.0, offload_optimizer=1.0, **ZERO[1]),
+    # ZeRO-2 reduces each group's gradients in its weights' pass, once a micro-batch
+    "pp2-dp2-zero-bubble-zero2": pipeline_plan(4, model=DEEP_TIED, pipeline_schedule="zero_bubble", **ZERO[2]),
+    "tp2-pp2-sp-zero-bubble": pipeline_plan(4, tensor=2, sequence_parallel=True, model=DEEP_TIED,
+                                            pipeline_schedule="zero_bubble", virtual_stages=2),
 }
 
 
@@ -159,7 +167,8 @@ class _Done:
 
 @pytest.mark.parametrize("schedule, size, virtual", [("gpipe", 4, 1), ("1f1b", 2, 1), ("1f1b", 4, 1),
                                                      ("interleaved_1f1b", 2, 2), ("interleaved_1f1b", 4, 2),
-                                                     ("interleaved_1f1b", 3, 3)])
+                                                     ("interleaved_1f1b", 3, 3), ("zero_bubble", 4, 1),
+                                                     ("zero_bubble", 2, 2), ("zero_bubble", 3, 3)])
 @pytest.mark.parametrize("micro_batches", [4, 8, 12])
 def test_every_link_carries_its_messages_first_in_first_out_and_no_rank_waits_for_ever(monkeypatch, schedule, size,
                                                                                        virtual, micro_batches):

@@ -1,8 +1,9 @@
 """Turns the plan's knobs into changes of the plain model, one function per concern, applied in torchtitan's order by
-`apply_plan`: module conversions first (fp8 linears, fp8.py, their weight caches included), then recompute, then
-compile. Every conversion runs before recompute, which wraps the forward of the module as it then is, so no later
-change of class can bypass it (`check_recompute_intact` says so if one ever did); compile traces that wrapped forward.
-The model is still on the meta device throughout; loop/build.py places and materializes it."""
+`apply_plan`: module conversions first (fp8 linears, fp8.py, their weight caches included; linears whose weight
+gradients a zero-bubble schedule puts off, deferred.py), then recompute, then compile. Every conversion runs before
+recompute, which wraps the forward of the module as it then is, so no later change of class can bypass it
+(`check_recompute_intact` says so if one ever did); compile traces that wrapped forward. The model is still on the
+meta device throughout; loop/build.py places and materializes it."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from fastml.layout import splits_backward
 from fastml.plan import Knobs, fp8_cached_blocks
-from fastml.executor.model import fp8
+from fastml.executor.model import deferred, fp8
 from fastml.executor.model.transformer import Transformer
 
 # Said once per process for every compiled checkpoint with a policy (`_recompute_everything`), to ask that it hold no
@@ -27,6 +29,8 @@ def apply_plan(model: Transformer, knobs: Knobs, num_gpus: int = 1) -> Transform
     """The knobs that change the model's modules, on a meta model of a job of `num_gpus` ranks."""
     if knobs.matmul_dtype == "fp8":
         fp8.convert_to_fp8(model, fp8_cached_blocks(knobs, len(model.blocks), num_gpus), knobs.fp8_backward_fast_accum)
+    if splits_backward(knobs.pipeline_schedule):
+        deferred.convert(block for _, block in model.held_blocks())
     apply_recompute(model, knobs.recompute, compiled=knobs.compile)
     if knobs.compile:
         apply_compile(model)

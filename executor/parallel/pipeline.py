@@ -2,15 +2,18 @@
 chunk of them, or `virtual` chunks for interleaved 1F1B), and runs its passes in the order
 `fastml.layout.pipeline_order` gives, the order the planner priced. A forward pass receives its input from the rank of
 the stage before (the first stage embeds the tokens) and sends its output on; a backward pass receives the gradient of
-its output from the stage after (the last stage takes its loss's) and sends the gradient of its input back.
+its output from the stage after (the last stage takes its loss's) and sends the gradient of its input back. Where
+the schedule splits the backward pass (zero bubble), it makes that gradient alone, and a later weights' pass of the
+micro-batch makes the stage's weight gradients (model/deferred.py).
 
 Sends never wait: a rank waits only for what it receives, so a valid schedule cannot deadlock. Each direction
 between neighbouring pipeline ranks is a process group of its own (world.py `pipeline_links`), so that on NCCL,
 which runs a group's transfers one after another on one stream, a rank's sends never queue ahead of its receives
 (with one stream for both, interleaved 1F1B can deadlock: a send waiting for a receive its peer queued behind a
-send of its own). On each link the receiver posts each receive as the pass before the one that needs it ends, in
-the order the sender sends them (the schedules consume a link's messages in that order): transports match them
-first in, first out (NCCL; gloo matches tags too, one per message).
+send of its own). On each link the receiver posts its receives in the order the sender sends them, each as the pass
+before the one that needs it ends, or earlier where the sender sends another message first that is needed later
+(interleaved zero bubble does): transports match them first in, first out (NCCL; gloo matches tags too, one per
+message).
 
 The last stage's loss is the step's; the embedding, where tied to the LM head, is held by the first stage and the
 last, its two gradients summed (`sum_tied_gradients`) before the step; checkpoints gather every stage's whole tensors
@@ -25,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fastml.layout import Action, pipeline_order, stage_layers
+from fastml.executor.model import deferred
+from fastml.layout import Action, pipeline_order, splits_backward, stage_layers
 
 CPU = torch.device("cpu")
 
@@ -93,7 +97,7 @@ class PipelineParallel:
         tokens (model.head_loss)."""
         order = pipeline_order(self.schedule, self.size, len(micro_batches), self.virtual)
         links = _Links(self, order, model, micro_batches[0][0])
-        mine, kept, losses = order[self.rank], {}, {}
+        mine, kept, losses, put_off = order[self.rank], {}, {}, {}
         first_backward = next(i for i, action in enumerate(mine) if action.kind == "B")
         links.post([], mine[0])
         for i, action in enumerate(mine):
@@ -112,21 +116,56 @@ class PipelineParallel:
                 else:
                     sends.append((("F", stage + 1, j), out.detach().contiguous()))
                 kept[stage, j] = (x, out)
-            else:
+            elif action.kind == "B":
                 x, out = kept.pop((stage, j))
                 if i == first_backward:
                     before_backward()
-                if stage == self.stages - 1:
-                    (out / scale).backward()
+                last = stage == self.stages - 1
+                out, grad = (out / scale, None) if last else (out, links.take(("B", stage, j)))
+                if splits_backward(self.schedule):
+                    input_grad, put_off[stage, j] = self._input_gradient(model, stage, x, out, grad)
                 else:
-                    torch.autograd.backward(out, links.take(("B", stage, j)))
+                    torch.autograd.backward(out, grad)
+                    input_grad = x.grad
                 if stage > 0:
-                    sends.append((("B", stage - 1, j), x.grad.contiguous()))
+                    sends.append((("B", stage - 1, j), input_grad.contiguous()))
                 if i == first_backward:
                     after_backward()
+            else:
+                self._weights_pass(model, stage, *put_off.pop((stage, j)))
             links.post(sends, mine[i + 1] if i + 1 < len(mine) else None)
         links.finish()
         return [losses[j] for j in sorted(losses)]
+
+    def _input_gradient(self, model, stage: int, x: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None):
+        """A backward pass of a schedule that splits it: (the gradient of the stage's input `x`, or None for the
+        first stage's tokens; what the weights' pass needs). The gradients the pass makes of the stage's parameters
+        (its norms', the embedding's, the head's) are kept for that pass too, so that every parameter's gradient
+        reaches its hooks there, once a micro-batch (model/deferred.py)."""
+        parameters = [p for group in self._stage_groups(model, stage) for p in group]
+        inputs = ([x] if stage > 0 else []) + parameters
+        with deferred.put_off() as linears:
+            grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+        made = {p: g for p, g in zip(parameters, grads[len(inputs) - len(parameters):]) if g is not None}
+        return (grads[0] if stage > 0 else None), (made, linears)
+
+    def _weights_pass(self, model, stage: int, made: dict, linears: list) -> None:
+        """The weights' pass of a split backward pass (`_input_gradient`): the linears' weight gradients made, and
+        every gradient of the stage accumulated into its parameter by autograd, a group at a time in the order a
+        backward pass reaches them, as their hooks expect."""
+        for p, g in deferred.weight_gradients(linears).items():
+            made[p] = made[p] + g if p in made else g
+        for group in self._stage_groups(model, stage):
+            mine = [p for p in group if p in made]
+            if mine:
+                torch.autograd.backward(mine, [made.pop(p) for p in mine])
+
+    def _stage_groups(self, model, stage: int) -> list[list[torch.nn.Parameter]]:
+        """The parameters virtual stage `stage` computes with, by group (the head's, each block's, the embedding's) in
+        the order a backward pass reaches them."""
+        groups = [list(model.norm.parameters()) + [model.lm_head_weight]] if stage == self.stages - 1 else []
+        groups += [list(model.blocks[i].parameters()) for i in reversed(self.blocks_of(stage))]
+        return groups + ([[model.embed.weight]] if stage == 0 else [])
 
     @torch.no_grad()
     def forward_losses(self, model, micro_batches: list, chunks: int) -> list[torch.Tensor]:
@@ -215,16 +254,16 @@ class _Links:
             self.in_flight.append((dist.isend(tensor, self.pipeline.rank_of(key[1]), tag=self._tag(key),
                                               group=self.pipeline.links["to", receiver]), tensor))
         needed = _received_by(next_action, self.pipeline.stages) if next_action is not None else None
-        if needed is None:
+        if needed is None or needed in self.arrived:
             return
         sender = _source(needed) % self.pipeline.size
-        first = self.incoming[sender].popleft()
-        if first != needed:  # the schedules of fastml.layout never do (tests/test_pipeline_parallel.py)
-            raise RuntimeError(f"pipeline rank {self.pipeline.rank} needs {needed} before {first}, which pipeline "
-                               f"rank {sender} sends first: a link delivers its messages in order")
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self.arrived[needed] = (buffer, dist.irecv(buffer, self.pipeline.rank_of(_source(needed)),
-                                                   tag=self._tag(needed), group=self.pipeline.links["from", sender]))
+        while True:  # and before it, any message the sender sends first (interleaved zero bubble has some)
+            key = self.incoming[sender].popleft()
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.arrived[key] = (buffer, dist.irecv(buffer, self.pipeline.rank_of(_source(key)), tag=self._tag(key),
+                                                    group=self.pipeline.links["from", sender]))
+            if key == needed:
+                return
 
     def take(self, key: tuple) -> torch.Tensor:
         tensor, work = self.arrived.pop(key)
@@ -245,7 +284,10 @@ class _Links:
 
 
 def _sent_by(action: Action, stages: int) -> tuple | None:
-    """The message the pass `action` sends: its output to the next stage, or its input's gradient to the one before."""
+    """The message the pass `action` sends: its output to the next stage, or its input's gradient to the one before
+    (a weights' pass sends none)."""
+    if action.kind == "W":
+        return None
     if action.kind == "F":
         return ("F", action.stage + 1, action.micro_batch) if action.stage + 1 < stages else None
     return ("B", action.stage - 1, action.micro_batch) if action.stage > 0 else None
@@ -253,7 +295,9 @@ def _sent_by(action: Action, stages: int) -> tuple | None:
 
 def _received_by(action: Action, stages: int) -> tuple | None:
     """The message the pass `action` needs: its input from the stage before, or its output's gradient from the one
-    after."""
+    after (a weights' pass needs none)."""
+    if action.kind == "W":
+        return None
     if action.kind == "F":
         return ("F", action.stage, action.micro_batch) if action.stage > 0 else None
     return ("B", action.stage, action.micro_batch) if action.stage + 1 < stages else None
