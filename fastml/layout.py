@@ -59,9 +59,9 @@ def stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
     return tuple(base + (1 <= s <= extra) for s in range(stages))
 
 
-def layout_problem(tensor: int, sequence_parallel: bool, pipeline: int, virtual: int, schedule: str,
-                   grad_accum_steps: int, heads: int, kv_heads: int, ffn: int, vocab: int, num_layers: int,
-                   seq_len: int, num_gpus: int, gpus_per_node: int) -> tuple[str, str]:
+def layout_problem(tensor: int, sequence_parallel: bool, pipeline: int, virtual: int, grad_accum_steps: int,
+                   heads: int, kv_heads: int, ffn: int, vocab: int, num_layers: int, seq_len: int, num_gpus: int,
+                   gpus_per_node: int) -> tuple[str, str]:
     """(knob, why) where the layout cannot be laid on this model and hardware; ("", "") where it can."""
     for name, size in (("num_heads", heads), ("num_kv_heads", kv_heads), ("ffn_hidden_size", ffn),
                        ("vocab_size", vocab)):

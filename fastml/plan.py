@@ -255,7 +255,6 @@ class Knobs:
                 fail(f"knobs.{name}", f"needs knobs.{needs} too (ZeRO stage {ZERO_STAGES.index(name) + 1} includes "
                                       f"stage {ZERO_STAGES.index(needs) + 1}): set both")
 
-
     def _check_layout(self) -> None:
         """How the layout knobs go together, and with the others: what cannot compose, or does not yet (the
         contract's refusals name which)."""
@@ -292,7 +291,6 @@ class Knobs:
                     fail(f"knobs.{name}", f"{getattr(self, name)}: a fraction counts the model's blocks from the "
                                           f"first, and a pipeline rank holds some of them (not yet the fraction of "
                                           f"its own); with pipeline_parallel {self.pipeline_parallel} it takes 0 or 1")
-
 
     def _check_zero_bubble(self) -> None:
         """A zero-bubble schedule makes a block's weights' gradients a pass after its backward pass (each linear
@@ -588,9 +586,8 @@ class Plan:
             fail("version", f"plan version {self.version} is not supported by this fastml (it reads {PLAN_VERSION})")
         k, t, h, spec = self.knobs, self.training, self.hardware, self.model
         knob, why = layout_problem(k.tensor_parallel, k.sequence_parallel, k.pipeline_parallel, k.virtual_stages,
-                                   k.pipeline_schedule, k.grad_accum_steps, spec.num_heads, spec.num_kv_heads,
-                                   spec.ffn_hidden_size, spec.vocab_size, spec.num_layers, t.seq_len, h.num_gpus,
-                                   h.gpus_per_node)
+                                   k.grad_accum_steps, spec.num_heads, spec.num_kv_heads, spec.ffn_hidden_size,
+                                   spec.vocab_size, spec.num_layers, t.seq_len, h.num_gpus, h.gpus_per_node)
         if knob:
             fail(f"knobs.{knob}", why)
         data = self.layout.data

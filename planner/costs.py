@@ -82,7 +82,8 @@ class Costs:
     """A streamed block's weight shard to the GPU, before it is gathered (ZeRO-3 with streamed weights)."""
     layer_weight_gradient_share: float = 0.0
     """Of a block's backward pass, the part that makes its weights' gradients (one of a linear's two GEMMs), which
-    a zero-bubble pipeline schedule runs as a pass of its own (fastml.layout.splits_backward)."""
+    a zero-bubble pipeline schedule runs as a pass of its own (fastml.layout.splits_backward): a share of the GPU's
+    modelled work, applied to the whole pass (the host's time for it and the calibration included)."""
     step_host_s: float = 0.0
     """The host's time each step adds besides its passes: the loop's, and the optimizer's per block
     (`HostOverhead`), wherever its states are (the CPU's steps are the host's work too)."""

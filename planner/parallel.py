@@ -135,7 +135,10 @@ def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine)
     once beyond the one the view counts, and the output of each of its passes in flight, which the executor keeps
     for that pass's backward (executor/parallel/pipeline.py; in one process the final norm holds it, counted). Under
     GPipe the last stage also keeps each micro-batch's LM-head gradients, made with its loss (executor/model/loss.py),
-    until that micro-batch's backward pass."""
+    until that micro-batch's backward pass. Under zero bubble each micro-batch awaiting its weights' pass keeps its
+    blocks' linears' inputs and output gradients (`weight_gradient_inputs_bytes`). The most a rank holds of all
+    these at once is the layout's, a bound where a rank's most in flight and most awaiting come at different
+    times."""
     sliced, dp = view(spec, knobs, machine)
     m = memory(sliced, seq_len, knobs, dp.num_gpus, machine.gpus_per_node, machine.device, machine.calibration)
     if knobs.pipeline_parallel == 1:

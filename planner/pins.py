@@ -80,7 +80,7 @@ def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, devi
     knobs = from_dict(Knobs, fixed, "knobs")  # what else the plan's own rules refuse, before the search
     # the layout on this model and hardware (a pipeline's micro-batches are checked with the batch: make_plan)
     knob, why = layout_problem(knobs.tensor_parallel, knobs.sequence_parallel, knobs.pipeline_parallel,
-                               knobs.virtual_stages, knobs.pipeline_schedule, knobs.pipeline_parallel, spec.num_heads,
+                               knobs.virtual_stages, knobs.pipeline_parallel, spec.num_heads,
                                spec.num_kv_heads, spec.ffn_hidden_size, spec.vocab_size, spec.num_layers, seq_len,
                                device.num_gpus, -(-device.num_gpus // device.num_nodes))
     if knob:
@@ -141,6 +141,8 @@ def _ties(name: str, value, fixed: dict) -> dict[str, object]:
         return {"param_dtype": "bf16"}
     if name == "matmul_dtype":
         return {"param_dtype": "fp32" if value == "fp32" else "bf16"}
+    if name == "pipeline_schedule" and value == "zero_bubble":  # what its split backward pass does not compose with
+        return {"compile": False, "offload_weights": 0.0, "offload_gradients": 0.0}
     if name in ("tensor_parallel", "pipeline_parallel") and value > 1:  # what a layout does not compose with (Knobs)
         return {"comm": "nccl", "share_host_weights": False} | ({"shard_weights": False, "offload_weights": 0.0,
                                                                  "offload_residuals": 0.0}

@@ -104,7 +104,7 @@ def layout_choices(problem: Problem) -> dict[str, tuple]:
     spec, machine = problem.spec, problem.machine
 
     def fits(tensor: int, pipeline: int) -> bool:
-        return not layout_problem(tensor, False, pipeline, 1, "1f1b", 1, spec.num_heads, spec.num_kv_heads,
+        return not layout_problem(tensor, False, pipeline, 1, 1, spec.num_heads, spec.num_kv_heads,
                                   spec.ffn_hidden_size, spec.vocab_size, spec.num_layers, problem.seq_len,
                                   machine.num_gpus, machine.gpus_per_node)[0]
     tensor = tuple(t for t in LAYOUT_SIZES if fits(t, 1))

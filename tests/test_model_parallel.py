@@ -90,8 +90,8 @@ def test_zero_bubble_keeps_the_linears_inputs_and_output_gradients_for_the_weigh
 
 
 def test_a_deferred_linear_makes_its_weight_gradient_in_a_pass_of_its_own():
-    """Inside put_off its backward pass makes the input's gradient alone; weight_gradients then makes the weight's
-    and bias's, as nn.Linear's backward pass does (and does outside put_off)."""
+    """Inside put_off its backward pass makes the input's gradient alone and keeps what the weight's and bias's need,
+    which then come out as nn.Linear's backward pass makes them (and does outside put_off)."""
     torch = pytest.importorskip("torch")
     from fastml.executor.model import deferred
 
@@ -106,7 +106,8 @@ def test_a_deferred_linear_makes_its_weight_gradient_in_a_pass_of_its_own():
         linear(x_deferred).backward(grad)
     assert linear.weight.grad is None and linear.bias.grad is None
     torch.testing.assert_close(x_deferred.grad, x_plain.grad)
-    made = deferred.weight_gradients(kept)
+    (one,) = kept
+    made = dict(one.gradients())
     torch.testing.assert_close(made[linear.weight], plain.weight.grad)
     torch.testing.assert_close(made[linear.bias], plain.bias.grad)
     linear(x_deferred).backward(grad)  # outside put_off: an nn.Linear
@@ -250,6 +251,15 @@ def test_fastml_run_refuses_a_layout_it_cannot_run_yet():
 def test_a_pinned_layout_that_does_not_divide_the_model_is_refused_before_the_search():
     with pytest.raises(UserError, match=r"knobs\.tensor_parallel: 3 must divide the model's num_heads"):
         make_plan(model="llama-3.1-8b", hw="h100-sxm", gpus=8, overrides=("knobs.tensor_parallel=3",), trials=5)
+
+
+def test_a_pinned_zero_bubble_schedule_is_planned_with_the_knobs_it_goes_with():
+    result = make_plan(model="llama-3.1-70b", hw="h100-sxm", gpus=8, nodes=16, global_batch_tokens=2**20, trials=10,
+                       overrides=("knobs.pipeline_parallel=4", "knobs.pipeline_schedule=zero_bubble"))
+    knobs = result.plan.knobs
+    assert knobs.pipeline_schedule == "zero_bubble" and knobs.pipeline_parallel == 4
+    assert not knobs.compile and knobs.offload_weights == knobs.offload_gradients == 0
+    check_runs_layout(result.plan)
 
 
 def test_the_planner_weighs_layouts_for_other_hardware():

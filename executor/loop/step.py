@@ -25,7 +25,8 @@ class StepHooks:
     after_loss: Callable[[int, torch.Tensor], torch.Tensor] = lambda step, loss: loss
     """Sees each micro-batch's loss before its backward pass; what it returns is used instead."""
     after_first_backward: Callable[[int], None] = lambda step: None
-    """Runs once the first micro-batch's backward pass is done (the gradients are partly accumulated)."""
+    """Runs once the first micro-batch's backward pass is done (the gradients are partly accumulated, or under a
+    zero-bubble pipeline schedule, perhaps not yet)."""
 
 
 def train_step(model: Transformer, optimizer: AdamW, batches, plan: Plan, step: int, device: torch.device,

@@ -4,21 +4,37 @@ which nothing waits for, fill the pipeline's bubble later.
 
 A block's linears become `DeferredLinear`s (by a change of class, as fp8.py converts them: names, checkpoints and
 hooks stay). Inside `put_off()`, a DeferredLinear's backward pass makes its input's gradient alone and keeps its input
-and its output's gradient; `weight_gradients` makes the weights' gradients of what was kept. Outside it, a
-DeferredLinear is an nn.Linear. The other parameters' gradients (the norms') the backward pass makes as ever: the
-pipeline (parallel/pipeline.py) takes them with torch.autograd.grad and adds them with the weights' later, so that
-each parameter's gradient reaches its hooks (ZeRO's reduction) in the weights' pass, once a micro-batch."""
+and its output's gradient (`Kept`); `Kept.gradients` makes the weight's and bias's gradients from them. Outside it, a
+DeferredLinear is an nn.Linear. The blocks' other parameters' gradients (the norms') the backward pass makes as ever:
+the pipeline (parallel/pipeline.py) takes them with torch.autograd.grad and adds them with the weights' later, so
+that each of a block's gradients reaches its hooks (ZeRO's reduction) in the weights' pass, once a micro-batch."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_kept: list | None = None
-"""While `put_off()` runs: (weight, bias, input, output gradient) of each DeferredLinear whose backward pass ran."""
+class Kept(NamedTuple):
+    """What a DeferredLinear's backward pass keeps for its weight's gradient."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    input: torch.Tensor
+    grad: torch.Tensor
+    """The gradient of the linear's output."""
+
+    def gradients(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, its gradient) for the weight and the bias."""
+        weight, bias = _weight_gradients(self.input, self.grad, self.bias is not None)
+        return [(self.weight, weight)] + ([(self.bias, bias)] if self.bias is not None else [])
+
+
+_kept: list[Kept] | None = None
+"""While `put_off()` runs: what each DeferredLinear whose backward pass ran keeps."""
 
 
 class DeferredLinear(nn.Linear):
@@ -38,7 +54,7 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_input = grad @ weight
         if _kept is not None:
-            _kept.append((*ctx.parameters, x, grad))
+            _kept.append(Kept(*ctx.parameters, x, grad))
             return grad_input, None, None
         grad_weight, grad_bias = _weight_gradients(x, grad, ctx.parameters[1] is not None)
         return grad_input, grad_weight, grad_bias
@@ -53,6 +69,8 @@ def convert(blocks) -> None:
     """The linears of `blocks` become DeferredLinears."""
     for block in blocks:
         for linear in (block.attn.qkv, block.attn.out, block.ffn.gate_up, block.ffn.down):
+            if type(linear) is not nn.Linear:  # an fp8 linear would silently multiply in bf16 again
+                raise TypeError(f"a {type(linear).__name__} cannot put off its weight gradients")
             linear.__class__ = DeferredLinear
 
 
@@ -68,12 +86,3 @@ def put_off():
     finally:
         _kept = None
 
-
-def weight_gradients(kept: list) -> dict[nn.Parameter, torch.Tensor]:
-    """The gradients of the weights (and biases) whose backward passes `put_off` kept."""
-    grads: dict[nn.Parameter, torch.Tensor] = {}
-    for weight, bias, x, grad in kept:
-        for p, g in zip((weight, bias), _weight_gradients(x, grad, bias is not None)):
-            if p is not None:
-                grads[p] = grads[p] + g if p in grads else g
-    return grads

@@ -1,5 +1,5 @@
 """Pipeline parallelism on torch.distributed's point-to-point sends: each pipeline rank holds consecutive blocks (one
-chunk of them, or `virtual` chunks for interleaved 1F1B), and runs its passes in the order
+chunk of them, or `virtual` chunks for the interleaved schedules), and runs its passes in the order
 `fastml.layout.pipeline_order` gives, the order the planner priced. A forward pass receives its input from the rank of
 the stage before (the first stage embeds the tokens) and sends its output on; a backward pass receives the gradient of
 its output from the stage after (the last stage takes its loss's) and sends the gradient of its input back. Where
@@ -139,33 +139,31 @@ class PipelineParallel:
 
     def _input_gradient(self, model, stage: int, x: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None):
         """A backward pass of a schedule that splits it: (the gradient of the stage's input `x`, or None for the
-        first stage's tokens; what the weights' pass needs). The gradients the pass makes of the stage's parameters
-        (its norms', the embedding's, the head's) are kept for that pass too, so that every parameter's gradient
-        reaches its hooks there, once a micro-batch (model/deferred.py)."""
-        parameters = [p for group in self._stage_groups(model, stage) for p in group]
-        inputs = ([x] if stage > 0 else []) + parameters
+        first stage's tokens; what the weights' pass needs). The gradients it makes of the blocks' other parameters
+        (their norms') are kept for that pass too, so that each of a block's gradients reaches its hooks there,
+        once a micro-batch (model/deferred.py); the head's and the embedding's, whose gradients nothing puts off
+        (the head's is made in the forward pass), are accumulated now."""
+        blocks = [p for i in reversed(self.blocks_of(stage)) for p in model.blocks[i].parameters()]
+        ends = ([*model.norm.parameters(), model.lm_head_weight] if stage == self.stages - 1 else []) + \
+            ([model.embed.weight] if stage == 0 else [])
+        inputs = ([x] if stage > 0 else []) + blocks + ends
         with deferred.put_off() as linears:
             grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
-        made = {p: g for p, g in zip(parameters, grads[len(inputs) - len(parameters):]) if g is not None}
-        return (grads[0] if stage > 0 else None), (made, linears)
+        made = dict(zip(inputs, grads))
+        _accumulate([(p, made[p]) for p in ends])
+        return (grads[0] if stage > 0 else None), ({p: made[p] for p in blocks if made[p] is not None}, linears)
 
     def _weights_pass(self, model, stage: int, made: dict, linears: list) -> None:
-        """The weights' pass of a split backward pass (`_input_gradient`): the linears' weight gradients made, and
-        every gradient of the stage accumulated into its parameter by autograd, a group at a time in the order a
-        backward pass reaches them, as their hooks expect."""
-        for p, g in deferred.weight_gradients(linears).items():
-            made[p] = made[p] + g if p in made else g
-        for group in self._stage_groups(model, stage):
-            mine = [p for p in group if p in made]
-            if mine:
-                torch.autograd.backward(mine, [made.pop(p) for p in mine])
-
-    def _stage_groups(self, model, stage: int) -> list[list[torch.nn.Parameter]]:
-        """The parameters virtual stage `stage` computes with, by group (the head's, each block's, the embedding's) in
-        the order a backward pass reaches them."""
-        groups = [list(model.norm.parameters()) + [model.lm_head_weight]] if stage == self.stages - 1 else []
-        groups += [list(model.blocks[i].parameters()) for i in reversed(self.blocks_of(stage))]
-        return groups + ([[model.embed.weight]] if stage == 0 else [])
+        """The weights' pass of a split backward pass (`_input_gradient`): each block's gradients accumulated into
+        their parameters by autograd, as their hooks expect, from the last block to the first, a linear's weight
+        gradient made just before (one at a time: the pass holds no more of them at once than a backward pass)."""
+        kept = {k.weight: k for k in linears}
+        for i in reversed(self.blocks_of(stage)):
+            for p in model.blocks[i].parameters():
+                if p in kept:
+                    _accumulate(kept.pop(p).gradients())
+                elif p in made:
+                    _accumulate([(p, made.pop(p))])
 
     @torch.no_grad()
     def forward_losses(self, model, micro_batches: list, chunks: int) -> list[torch.Tensor]:
@@ -225,6 +223,14 @@ class PipelineParallel:
             for t in tensors.values():
                 dist.send(t.detach().cpu().contiguous(), dst=0)
         return {}
+
+
+def _accumulate(gradients: list[tuple[torch.nn.Parameter, torch.Tensor | None]]) -> None:
+    """Adds each gradient into its parameter's as a backward pass does: through autograd, so that the parameter's
+    hooks run."""
+    gradients = [(p, g) for p, g in gradients if g is not None]
+    if gradients:
+        torch.autograd.backward([p for p, _ in gradients], [g for _, g in gradients])
 
 
 class _Links:
