@@ -200,15 +200,14 @@ class Knobs:
     """GPUs of a node that split each block's matmuls and attention heads, and the embedding and LM head by vocabulary
     (Megatron-LM's column- and row-parallel linears: two all-reduces a block each way). The GPUs left after tensor
     and pipeline parallelism are data parallel: ZeRO and the collectives' knobs act on them (fastml/layout.py).
-    `fastml run` runs it (executor/parallel/tensor.py), but not yet with fp8 (issue 28)."""
+    `fastml run` runs it (executor/parallel/tensor.py)."""
     sequence_parallel: bool = False
     """With tensor_parallel: the norms and residual adds work on a slice of the sequence each, so the activations
     outside the matmuls are split too (Korthikanti et al. 2022); the all-reduces become all-gathers and
     reduce-scatters of the same bytes."""
     pipeline_parallel: int = 1
     """Pipeline stages: consecutive blocks on other GPUs, micro-batches passed between them
-    (`fastml.layout.stage_layers`). `fastml run` runs it (executor/parallel/pipeline.py), but not yet with fp8
-    (issue 28)."""
+    (`fastml.layout.stage_layers`). `fastml run` runs it (executor/parallel/pipeline.py)."""
     pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"] = "1f1b"
     """The order each stage runs its micro-batches' passes in (`fastml.layout.pipeline_order`)."""
     virtual_stages: int = 1
@@ -298,6 +297,10 @@ class Knobs:
         if self.pipeline_parallel == 1:
             fail("knobs.pipeline_schedule", "zero_bubble orders a pipeline's passes: it needs knobs.pipeline_parallel "
                                             "above 1")
+        if self.matmul_dtype == "fp8":
+            fail("knobs.matmul_dtype", "fp8 linears make their weights' gradients in their own backward pass, which "
+                                       "zero_bubble would split: use 'bf16', or pipeline_schedule '1f1b' or "
+                                       "'interleaved_1f1b'")
         for name, why in (("compile", "torch.compile traces a block's backward pass whole, with its weights' "
                                       "gradients (torch's own zero-bubble schedules refuse it too)"),
                           ("offload_weights", "a streamed block's weights go back to the host once its gradients "
@@ -380,7 +383,7 @@ KNOBS: dict[str, KnobInfo] = {
     # The memcpy collectives add a GPU staging row to their buffers in host memory (planner/memory.py).
     "comm": KnobInfo("comm", ("nccl", "memcpy"), multi_gpu=True, least_memory="nccl"),
     # Tensor and pipeline parallelism: priced when pinned, searched for other hardware only (`fastml plan --hw`): the
-    # executor runs them, but not yet with every knob, and not yet on GPUs (issue 28).
+    # executor runs them, but not yet on GPUs (issue 27).
     "tensor_parallel": KnobInfo("layout", (1,), multi_gpu=True, least_memory=1),
     "sequence_parallel": KnobInfo("layout", (False,), multi_gpu=True, least_memory=False),
     "pipeline_parallel": KnobInfo("layout", (1,), multi_gpu=True, least_memory=1),
@@ -485,7 +488,8 @@ def weights_sharded(knobs: Knobs, group: str) -> bool:
 
 def fp8_cached_blocks(knobs: Knobs, num_layers: int, num_gpus: int) -> frozenset[str]:
     """The blocks whose fp8 weights are cast once per step and kept (knobs.cache_fp8_weights): those whose weights
-    stay whole on the GPU, neither streamed from the host nor sharded over several GPUs."""
+    stay on the GPU (a rank's slices of them under tensor parallelism), neither streamed from the host nor sharded
+    over several GPUs by ZeRO-3."""
     if not knobs.cache_fp8_weights or (knobs.shard_weights and num_gpus > 1):
         return frozenset()
     streamed = offloaded_groups(knobs, "offload_weights", num_layers)

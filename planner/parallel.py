@@ -20,9 +20,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from fastml.layout import Layout, stage_layers
-from fastml.plan import Knobs, tensor_slice
+from fastml.plan import Knobs, block_group, fp8_cached_blocks, tensor_slice
 from fastml.spec import ModelSpec
-from fastml.planner.costs import Costs, costs, link_bytes_per_s
+from fastml.planner.costs import Costs, costs, link_bytes_per_s, recomputed_weight_share
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (Memory, activation_bytes, head_weight_gradient_bytes, layer_activation_bytes,
                                   memory, weight_gradient_inputs_bytes)
@@ -113,18 +113,35 @@ def p2p_s(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> floa
     return (machine.collective_latency_s + num_bytes / bandwidth) * machine.calibration.transfer
 
 
+def block_passes(spec: ModelSpec, knobs: Knobs, machine: Machine, c: Costs,
+                 tp: TensorParallelCosts) -> tuple[list[float], list[float]]:
+    """Each block's forward and backward pass over a micro-batch at the view's prices, with its tensor-parallel
+    collectives and, where it does not cache them, its weights' fp8 casts (again for its recompute, as simulate.py
+    counts them)."""
+    cached = fp8_cached_blocks(knobs, spec.num_layers, machine.num_gpus)
+    recast = recomputed_weight_share(spec, knobs.recompute)
+    forward, backward = [], []
+    for i in range(spec.num_layers):
+        cast_forward, cast_backward = (0.0, 0.0) if block_group(i) in cached else \
+            (c.layer_weight_cast_forward, c.layer_weight_cast_backward)
+        forward.append(c.layer_forward + cast_forward + tp.forward)
+        backward.append(c.layer_backward + c.layer_recompute + cast_backward + recast * cast_forward + tp.backward +
+                        tp.recompute)
+    return forward, backward
+
+
 def pipeline_run(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine, c: Costs,
                  tp: TensorParallelCosts) -> PipelineRun:
-    """The step's passes over the pipeline's ranks: each stage's blocks at the view's price per block (its weight
-    casts and recompute with the backward pass), the head and loss with the last stage's forward pass."""
+    """The step's passes over the pipeline's ranks: each stage's blocks (`block_passes`), the head and loss with the
+    last stage's forward pass."""
     layout = layout_of_knobs(knobs, machine.num_gpus)
+    forward, backward = block_passes(spec, knobs, machine, c, tp)
     per_stage = stage_layers(spec.num_layers, layout.stages)
-    forward = c.layer_forward + c.layer_weight_cast_forward + tp.forward
-    backward = c.layer_backward + c.layer_recompute + c.layer_weight_cast_backward + tp.backward + tp.recompute
-    weights = c.layer_backward * c.layer_weight_gradient_share
-    forward_s = [n * forward for n in per_stage]
-    backward_s = [n * backward for n in per_stage]
+    starts = [sum(per_stage[:s]) for s in range(layout.stages)]
+    forward_s = [sum(forward[a:a + n]) for a, n in zip(starts, per_stage)]
+    backward_s = [sum(backward[a:a + n]) for a, n in zip(starts, per_stage)]
     forward_s[-1] += c.head_forward_backward + tp.head
+    weights = c.layer_backward * c.layer_weight_gradient_share
     return run_pipeline(knobs.pipeline_schedule, layout.pipeline, knobs.grad_accum_steps, layout.virtual,
                         forward_s, backward_s, p2p_s(spec, seq_len, knobs, machine) if layout.pipeline > 1 else 0.0,
                         [n * weights for n in per_stage])
@@ -181,8 +198,8 @@ def layout_step(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -
     layout = layout_of_knobs(knobs, machine.num_gpus)
     m, busiest = knobs.grad_accum_steps, max(range(layout.pipeline), key=lambda r: run.busy_s[r])
     layers, has_head = rank_layers(spec, layout)[busiest], busiest == layout.pipeline - 1
-    per_layer = c.layer_forward + c.layer_weight_cast_forward + c.layer_backward + c.layer_recompute + \
-        c.layer_weight_cast_backward
+    forward, backward = block_passes(spec, knobs, machine, c, TensorParallelCosts(0.0, 0.0, 0.0, 0.0))
+    per_layer = (sum(forward) + sum(backward)) / spec.num_layers  # a block of the view's (casts averaged)
     return LayoutStep(simulate(sliced, seq_len, knobs, dp),
                       m * (layers * (tp.forward + tp.backward + tp.recompute) + has_head * tp.head),
                       max(0.0, run.step_s - run.busy_s[busiest]),

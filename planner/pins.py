@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fastml.config import fail, from_dict
 from fastml.layout import layout_problem
-from fastml.plan import KNOBS, STREAM_MASTERS_NEEDS, ZERO_STAGES, Knobs, fp8_shape_problem
+from fastml.plan import KNOBS, STREAM_MASTERS_NEEDS, ZERO_STAGES, Knobs, fp8_shape_problem, tensor_slice
 from fastml.spec import ModelSpec
 
 
@@ -85,6 +85,9 @@ def checked_pins(pins: dict, spec: ModelSpec, seq_len: int, device: Device, devi
                                device.num_gpus, -(-device.num_gpus // device.num_nodes))
     if knob:
         fail(f"knobs.{knob}", why)
+    if knobs.matmul_dtype == "fp8" and knobs.tensor_parallel > 1:
+        if why := fp8_shape_problem(tensor_slice(spec, knobs.tensor_parallel), seq_len):
+            fail("knobs.tensor_parallel", f"{knobs.tensor_parallel} with fp8 matmuls, a rank's slices: {why}")
     return fixed
 
 

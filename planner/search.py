@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastml.plan import (KNOBS, OFFLOAD_FRACTIONS, ZERO_STAGES, Knobs, fp8_cached_blocks, fp8_shape_problem,
-                         master_streamed_groups)
+                         master_streamed_groups, tensor_slice)
 from fastml.layout import interleaved_rounds, layout_problem
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import Memory, has_fp32_masters
@@ -97,17 +97,20 @@ VIRTUAL_STAGES = (1, 2, 4)
 
 
 def layout_choices(problem: Problem) -> dict[str, tuple]:
-    """Tensor-parallel sizes that split this model within a node, pipeline sizes that divide the GPUs, sequence
-    parallelism, and chunks per pipeline rank (interleaved 1F1B where above 1; `with_layout` fixes a choice that does
-    not go together). The zero-bubble schedule is priced where pinned, not searched: it cannot go with compile, which
-    the searched layouts choose (and with its dimension the same trials found worse layouts for qwen2.5-72b)."""
+    """Tensor-parallel sizes that split this model within a node (into slices that suit fp8 GEMMs where the whole
+    model does), pipeline sizes that divide the GPUs, sequence parallelism, and chunks per pipeline rank (interleaved
+    1F1B where above 1; `with_layout` fixes a choice that does not go together). The zero-bubble schedule is priced
+    where pinned, not searched: it cannot go with compile, which the searched layouts choose (and with its dimension
+    the same trials found worse layouts for qwen2.5-72b)."""
     spec, machine = problem.spec, problem.machine
 
     def fits(tensor: int, pipeline: int) -> bool:
         return not layout_problem(tensor, False, pipeline, 1, 1, spec.num_heads, spec.num_kv_heads,
                                   spec.ffn_hidden_size, spec.vocab_size, spec.num_layers, problem.seq_len,
                                   machine.num_gpus, machine.gpus_per_node)[0]
-    tensor = tuple(t for t in LAYOUT_SIZES if fits(t, 1))
+    fp8_suits = not fp8_shape_problem(spec, problem.seq_len)
+    tensor = tuple(t for t in LAYOUT_SIZES if fits(t, 1) and not (
+        fp8_suits and fp8_shape_problem(tensor_slice(spec, t), problem.seq_len)))
     return {"tensor_parallel": tensor, "pipeline_parallel": tuple(p for p in LAYOUT_SIZES if fits(1, p)),
             "sequence_parallel": (False, True) if len(tensor) > 1 else (False,), "virtual_stages": VIRTUAL_STAGES}
 
@@ -133,10 +136,10 @@ def with_layout(problem: Problem, values: dict) -> dict:
     """A drawn layout made one that goes together: the pipeline shortened until tensor x pipeline divides the GPUs;
     chunks per rank (interleaved schedules) only with a pipeline, at most a block each, and a whole number of rounds
     of micro-batches; zero bubble (pinned) with the knobs it composes with (fastml.plan.Knobs); sequence parallelism
-    only with tensor parallelism; and the knobs a layout does not compose with at their defaults (fastml.plan.Knobs: the
-    memcpy collectives and shared host weights, and with a pipeline, ZeRO-3 and block inputs in host memory, and
-    offload fractions other than 0 and 1), as are those the executor does not run with a layout yet (fp8 matmuls).
-    With the grad_accum_steps of the data-parallel rank's sequences."""
+    only with tensor parallelism; a drawn fp8 only where a rank's slices suit it; and the knobs a layout does
+    not compose with at their defaults (fastml.plan.Knobs: the memcpy collectives and shared host weights, and with a
+    pipeline, ZeRO-3 and block inputs in host memory, and offload fractions other than 0 and 1). With the
+    grad_accum_steps of the data-parallel rank's sequences."""
     fixed = dict(values)
     tensor, pipeline, virtual = fixed["tensor_parallel"], fixed["pipeline_parallel"], fixed["virtual_stages"]
     while problem.machine.num_gpus % (tensor * pipeline):
@@ -148,6 +151,8 @@ def with_layout(problem: Problem, values: dict) -> dict:
     schedule = fixed["pipeline_schedule"]
     if schedule == "zero_bubble" and pipeline > 1:  # pinned: with the knobs it goes with (fastml.plan.Knobs)
         fixed |= {"compile": False, "offload_weights": 0.0, "offload_gradients": 0.0}
+        if fixed["matmul_dtype"] == "fp8":
+            fixed["matmul_dtype"] = "bf16"
     elif schedule != "gpipe":
         schedule = "interleaved_1f1b" if virtual > 1 else "1f1b"
     fixed |= {"pipeline_parallel": pipeline, "virtual_stages": virtual, "grad_accum_steps": micro_batches,
@@ -155,8 +160,8 @@ def with_layout(problem: Problem, values: dict) -> dict:
     fixed["sequence_parallel"] &= tensor > 1
     if tensor * pipeline > 1:
         fixed |= {"comm": "nccl", "share_host_weights": False}
-        if fixed["matmul_dtype"] == "fp8":  # not run with a layout yet (executor/loop/train.py, check_runs_layout)
-            fixed["matmul_dtype"] = "bf16"
+    if fixed["matmul_dtype"] == "fp8" and fp8_shape_problem(tensor_slice(problem.spec, tensor), problem.seq_len):
+        fixed["matmul_dtype"] = "bf16"  # a pinned tensor_parallel's slices (layout_choices offers none such)
     if pipeline > 1:
         fixed |= {"shard_weights": False, "offload_residuals": 0.0}
         fixed |= {name: float(fixed[name] > 0) for name in OFFLOAD_FRACTIONS}  # whole or none (fastml.plan.Knobs)

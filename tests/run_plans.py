@@ -6,7 +6,8 @@ several comparisons (tests/test_distributed.py, tests/test_gpu_distributed.py).
 SPEC is {"runs": [{"plan": PLAN, "log": FILE, "resume": false, "deterministic": false, "run_dir": null, "faults": ""},
 ...]}; rank 0 writes each run's JSON-lines log (and its record into "run_dir", where given). "deterministic" runs
 attention through PyTorch's math kernels and torch's deterministic algorithms elsewhere, so that two runs of the same
-sums on a GPU agree bit for bit. "faults" is FASTML_FAULTS for that run alone (executor/loop/faults.py).
+sums on a GPU agree bit for bit. "faults" is FASTML_FAULTS for that run alone (executor/loop/faults.py). An fp8 plan
+on a CPU runs its matmuls emulated at unit scale (tests/emulated_fp8.py).
 """
 
 import contextlib
@@ -17,7 +18,8 @@ import sys
 from fastml.plan import plan_from_dict
 from fastml.executor.loop import faults
 from fastml.executor.loop.train import train
-from test_gpu import deterministic  # beside this file, on the path of a script run from here
+from emulated_fp8 import emulated_fp8  # beside this file, on the path of a script run from here
+from test_gpu import deterministic
 
 
 @contextlib.contextmanager
@@ -33,7 +35,10 @@ def injected(spec: str):
 
 
 for run in json.loads(open(sys.argv[1]).read())["runs"]:
+    plan = plan_from_dict(run["plan"])
+    on_cpu_in_fp8 = plan.hardware.device == "cpu" and plan.knobs.matmul_dtype == "fp8"
     with (deterministic() if run.get("deterministic") else contextlib.nullcontext(),
-          injected(run["faults"]) if run.get("faults") else contextlib.nullcontext()):
-        train(plan_from_dict(run["plan"]), log_json=run["log"], show_progress=False, resume=run.get("resume", False),
+          injected(run["faults"]) if run.get("faults") else contextlib.nullcontext(),
+          emulated_fp8(unit_scale=True) if on_cpu_in_fp8 else contextlib.nullcontext()):
+        train(plan, log_json=run["log"], show_progress=False, resume=run.get("resume", False),
               timeout_s=run.get("timeout_s", 120), run_dir=run.get("run_dir"))

@@ -22,7 +22,8 @@ from fastml.executor.parallel.pipeline import PipelineParallel
 from fastml.executor.parallel.tensor import TensorParallel
 from small_model import SMALL
 from test_distributed import ZERO, job, records, with_checkpoints
-from test_tensor_parallel import alone, assert_continues, layout_plan, resumed_alone
+from test_tensor_parallel import (alone, assert_continues, assert_trains_as_one_process, layout_plan, resumed_alone,
+                                  alone_records)
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +54,9 @@ PLANS = {
     "pp2-zero-bubble": pipeline_plan(2, model=DEEP_TIED, pipeline_schedule="zero_bubble"),
     "pp2-zero-bubble-interleaved": pipeline_plan(2, model=DEEP_TIED, pipeline_schedule="zero_bubble",
                                                  virtual_stages=2, recompute=("block",), offload_optimizer=1.0),
+    # fp8 matmuls (emulated on the CPU: tests/emulated_fp8.py), their weights cast once a step
+    "pp2-fp8": pipeline_plan(2, model=DEEP_TIED, pipeline_schedule="interleaved_1f1b", virtual_stages=2,
+                             param_dtype="bf16", matmul_dtype="fp8", cache_fp8_weights=True),
 }
 FOUR_RANK_PLANS = {
     "tp2-pp2-sp": pipeline_plan(4, tensor=2, sequence_parallel=True, model=DEEP_TIED),
@@ -84,15 +88,9 @@ def trained(tmp_path_factory):
 @pytest.mark.parametrize("name", [*PLANS, *FOUR_RANK_PLANS])
 def test_pipeline_parallel_trains_as_one_process(tmp_path, trained, name):
     p = {**PLANS, **FOUR_RANK_PLANS}[name]
-    log = tmp_path / "alone.jsonl"
-    train(alone(p), log_json=log, show_progress=False)
-    got, want = records(trained / f"{name}.jsonl"), records(log)
-    # bf16: one process adds its bf16 gradients' norms in bf16 (a norm good to 2^-8), the pipeline's ranks their
-    # squares in float32; the clip then scales the update by that much more or less, a loss by about 1e-5.
-    norm_rel, loss_rel = (2 ** -8, 1e-4) if p.knobs.param_dtype == "bf16" else (1e-5, 1e-5)
-    assert got[0]["loss"] == pytest.approx(want[0]["loss"], rel=1e-6)
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=loss_rel)
-    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=norm_rel)
+    got, want = records(trained / f"{name}.jsonl"), alone_records(tmp_path, p)
+    assert_trains_as_one_process(got, want, p.knobs)
+    loss_rel = 1e-4 if p.knobs.param_dtype == "bf16" else 1e-5
     assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=loss_rel)  # forward passes alone, pipelined
 
 

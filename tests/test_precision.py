@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fastml.plan import Knobs, Plan, Training
+from emulated_fp8 import emulated_fp8 as emulated
 from small_model import EVAL_TOKENS, SMALL
 from fastml.executor.loop.build import build_training_model
 from fastml.executor.memory.optim import AdamW
@@ -111,17 +112,10 @@ def test_bf16_state_resumes_bit_for_bit(tmp_path, knobs):
 # ---------------------------------------------------------------------------------------------------- fp8, emulated
 
 @pytest.fixture
-def emulated_fp8(monkeypatch):
-    """fp8 matmuls on a CPU: the cast by its float32 reference, the scaled GEMM as float32 products of the fp8
-    values. What this checks is the bookkeeping around them (tests/test_gpu_precision.py runs the real ones)."""
-    from fastml.executor.model import fp8
-
-    def scaled_mm(a, b, scale_a, scale_b, out_dtype, use_fast_accum=False):
-        return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
-    monkeypatch.setattr(fp8, "quantize", fp8.quantize_reference)
-    monkeypatch.setattr(fp8, "check_fp8", lambda device: None)
-    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
-    return fp8
+def emulated_fp8():
+    """fp8 matmuls on a CPU (tests/emulated_fp8.py)."""
+    with emulated() as fp8:
+        yield fp8
 
 
 def test_cached_fp8_weights_follow_the_weights_from_step_to_step(tmp_path, emulated_fp8, monkeypatch):

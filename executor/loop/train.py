@@ -44,21 +44,6 @@ class TrainingStopped(Exception):
         self.exit_code = exit_code
 
 
-def check_runs_layout(plan: Plan) -> None:
-    """What of the layouts the planner prices this executor does not run yet (issue 28): tensor and pipeline
-    parallelism with the knobs not yet tried with them."""
-    k = plan.knobs
-    untried = []
-    if k.tensor_parallel > 1:
-        untried += [("knobs.matmul_dtype", k.matmul_dtype == "fp8", "fp8 matmuls", "tensor_parallel")]
-    if k.pipeline_parallel > 1:
-        untried += [("knobs.matmul_dtype", k.matmul_dtype == "fp8", "fp8 matmuls", "pipeline_parallel")]
-    for field, used, what, knob in untried:
-        if used:
-            fail(field, f"{what} with knobs.{knob} {getattr(k, knob)}: not run by fastml's executor yet (issue 28); "
-                        f"plan without one of them")
-
-
 DEFAULT_TIMEOUT_S = 600
 """How long the ranks of a job wait for each other before it is stopped (`--timeout`); a first step that compiles
 the model can take minutes."""
@@ -93,7 +78,6 @@ def train(plan: Plan, steps: int | None = None, log_json: str | Path | None = No
 
     Rank 0 prints its report (what is in effect, the closing tables, where the record went) on stdout and its
     progress, notes and warnings on stderr; `console` receives both instead."""
-    check_runs_layout(plan)
     world = launched()
     main = world is None or world.main
     run_dir = Path(run_dir) if run_dir is not None and main else None  # rank 0's alone

@@ -200,9 +200,12 @@ class FP8FeedForward(FeedForward):
     matmuls around SwiGLU, the same bits with fewer reads."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # convert_to_fp8 sets fast_accum on both linears alike: gate_up's speaks for the two
-        return FP8FeedForwardFunction.apply(x, self.gate_up.weight, self.down.weight, self.gate_up.fast_accum,
-                                            *weight_cache(self.gate_up), *weight_cache(self.down))
+        # convert_to_fp8 sets fast_accum on both linears alike: gate_up's speaks for the two. Under tensor
+        # parallelism the fused layer is this rank's slice of the FFN, entered and left as FeedForward's linears.
+        out = FP8FeedForwardFunction.apply(self.tp.enter(x), self.gate_up.weight, self.down.weight,
+                                           self.gate_up.fast_accum, *weight_cache(self.gate_up),
+                                           *weight_cache(self.down))
+        return self.tp.leave(out)
 
 
 def block_linears(block: nn.Module) -> list[nn.Linear]:
