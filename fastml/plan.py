@@ -301,16 +301,22 @@ class Knobs:
             fail("knobs.matmul_dtype", "fp8 linears make their weights' gradients in their own backward pass, which "
                                        "zero_bubble would split: use 'bf16', or pipeline_schedule '1f1b' or "
                                        "'interleaved_1f1b'")
-        for name, why in (("compile", "torch.compile traces a block's backward pass whole, with its weights' "
-                                      "gradients (torch's own zero-bubble schedules refuse it too)"),
-                          ("offload_weights", "a streamed block's weights go back to the host once its gradients "
-                                              "are made, and its backward pass fetches the next block's meanwhile"),
-                          ("offload_gradients", "a block's gradient sums come back from the host for its backward "
-                                                "pass and go again once its gradients are made")):
-            if getattr(self, name):
-                fail(f"knobs.{name}", f"{why}; zero_bubble makes the weights' gradients a pass later: use "
+        why = {"compile": "torch.compile traces a block's backward pass whole, with its weights' gradients (torch's "
+                          "own zero-bubble schedules refuse it too)",
+               "offload_weights": "a streamed block's weights go back to the host once its gradients are made, and "
+                                  "its backward pass fetches the next block's meanwhile",
+               "offload_gradients": "a block's gradient sums come back from the host for its backward pass and go "
+                                    "again once its gradients are made"}
+        for name, needed in ZERO_BUBBLE_NEEDS.items():
+            if getattr(self, name) != needed:
+                fail(f"knobs.{name}", f"{why[name]}; zero_bubble makes the weights' gradients a pass later: use "
                                       f"pipeline_schedule '1f1b' or 'interleaved_1f1b', or {name} "
                                       f"{'false' if name == 'compile' else '0'}")
+
+
+ZERO_BUBBLE_NEEDS = {"compile": False, "offload_weights": 0.0, "offload_gradients": 0.0}
+"""The knobs a zero-bubble pipeline schedule needs at these values (`Knobs._check_zero_bubble` says why): the
+contract checks them, a pin of the schedule sets them (planner/pins.py), and so does the search (planner/search.py)."""
 
 
 def check_knob(name: str, value) -> None:

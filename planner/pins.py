@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from fastml.config import fail, from_dict
 from fastml.layout import layout_problem
-from fastml.plan import KNOBS, STREAM_MASTERS_NEEDS, ZERO_STAGES, Knobs, fp8_shape_problem, tensor_slice
+from fastml.plan import (KNOBS, STREAM_MASTERS_NEEDS, ZERO_BUBBLE_NEEDS, ZERO_STAGES, Knobs, fp8_shape_problem,
+                         tensor_slice)
 from fastml.spec import ModelSpec
 
 
@@ -145,7 +146,7 @@ def _ties(name: str, value, fixed: dict) -> dict[str, object]:
     if name == "matmul_dtype":
         return {"param_dtype": "fp32" if value == "fp32" else "bf16"}
     if name == "pipeline_schedule" and value == "zero_bubble":  # what its split backward pass does not compose with
-        return {"compile": False, "offload_weights": 0.0, "offload_gradients": 0.0}
+        return dict(ZERO_BUBBLE_NEEDS)
     if name in ("tensor_parallel", "pipeline_parallel") and value > 1:  # what a layout does not compose with (Knobs)
         return {"comm": "nccl", "share_host_weights": False} | ({"shard_weights": False, "offload_weights": 0.0,
                                                                  "offload_residuals": 0.0}

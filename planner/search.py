@@ -15,8 +15,8 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fastml.plan import (KNOBS, OFFLOAD_FRACTIONS, ZERO_STAGES, Knobs, fp8_cached_blocks, fp8_shape_problem,
-                         master_streamed_groups, tensor_slice)
+from fastml.plan import (KNOBS, OFFLOAD_FRACTIONS, ZERO_BUBBLE_NEEDS, ZERO_STAGES, Knobs, fp8_cached_blocks,
+                         fp8_shape_problem, master_streamed_groups, tensor_slice)
 from fastml.layout import interleaved_rounds, layout_problem
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import Memory, has_fp32_masters
@@ -150,7 +150,7 @@ def with_layout(problem: Problem, values: dict) -> dict:
         virtual = 1
     schedule = fixed["pipeline_schedule"]
     if schedule == "zero_bubble" and pipeline > 1:  # pinned: with the knobs it goes with (fastml.plan.Knobs)
-        fixed |= {"compile": False, "offload_weights": 0.0, "offload_gradients": 0.0}
+        fixed |= ZERO_BUBBLE_NEEDS
         if fixed["matmul_dtype"] == "fp8":
             fixed["matmul_dtype"] = "bf16"
     elif schedule != "gpipe":
