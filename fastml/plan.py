@@ -278,13 +278,10 @@ class Knobs:
             fail("knobs.share_host_weights", "shares the host weights of data-parallel ranks that hold the same "
                                              "blocks; not with tensor or pipeline parallelism")
         if self.pipeline_parallel > 1:
-            for name, why in (("shard_weights", "ZeRO-3 would gather every stage's weights again for each "
-                                                "micro-batch"),
-                              ("offload_residuals", "a block's input is kept in host memory for one micro-batch at "
-                                                    "a time, and a pipeline stage holds several")):
-                if getattr(self, name):
-                    fail(f"knobs.{name}", f"{why}: pipeline_parallel {self.pipeline_parallel} takes "
-                                          f"{'false' if name == 'shard_weights' else '0'}")
+            if self.offload_residuals:
+                fail("knobs.offload_residuals", f"a block's input is kept in host memory for one micro-batch at a "
+                                                f"time, and a pipeline stage holds several: pipeline_parallel "
+                                                f"{self.pipeline_parallel} takes 0")
             for name in OFFLOAD_FRACTIONS:
                 if 0 < getattr(self, name) < 1:
                     fail(f"knobs.{name}", f"{getattr(self, name)}: a fraction counts the model's blocks from the "
@@ -306,15 +303,17 @@ class Knobs:
                "offload_weights": "a streamed block's weights go back to the host once its gradients are made, and "
                                   "its backward pass fetches the next block's meanwhile",
                "offload_gradients": "a block's gradient sums come back from the host for its backward pass and go "
-                                    "again once its gradients are made"}
+                                    "again once its gradients are made",
+               "shard_weights": "a block's gathered weights go back to their shards once its gradients are made: "
+                                "they would stay whole from its backward pass to its weights' pass"}
         for name, needed in ZERO_BUBBLE_NEEDS.items():
             if getattr(self, name) != needed:
                 fail(f"knobs.{name}", f"{why[name]}; zero_bubble makes the weights' gradients a pass later: use "
                                       f"pipeline_schedule '1f1b' or 'interleaved_1f1b', or {name} "
-                                      f"{'false' if name == 'compile' else '0'}")
+                                      f"{'false' if isinstance(needed, bool) else '0'}")
 
 
-ZERO_BUBBLE_NEEDS = {"compile": False, "offload_weights": 0.0, "offload_gradients": 0.0}
+ZERO_BUBBLE_NEEDS = {"compile": False, "offload_weights": 0.0, "offload_gradients": 0.0, "shard_weights": False}
 """The knobs a zero-bubble pipeline schedule needs at these values (`Knobs._check_zero_bubble` says why): the
 contract checks them, a pin of the schedule sets them (planner/pins.py), and so does the search (planner/search.py)."""
 

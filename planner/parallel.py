@@ -130,17 +130,37 @@ def block_passes(spec: ModelSpec, knobs: Knobs, machine: Machine, c: Costs,
     return forward, backward
 
 
+def first_block_fetch(knobs: Knobs, c: Costs, data_parallel: int) -> tuple[float, float]:
+    """Seconds a pipeline pass waits before its first block computes, for that block's weights (forward, backward):
+    the executor fetches a block's while the block before it computes (memory/placement.py), and a pass's first
+    block has none before it in the pass. Gathered from the data-parallel ranks' shards (ZeRO-3; a streamed shard up
+    from the host first; in the backward pass, from the forward pass's host copy with cache_weights_on_host), or up
+    from the host (streamed weights: with a pipeline, every block or none)."""
+    streamed = knobs.offload_weights > 0
+    if knobs.shard_weights and data_parallel > 1:
+        gather = c.layer_weight_gather.comm_s + streamed * c.shard_h2d
+        return gather, c.layer_weights_h2d if knobs.cache_weights_on_host and not streamed else gather
+    if streamed:
+        h2d = c.layer_masters_h2d if knobs.stream_masters else c.layer_weights_h2d
+        return h2d, h2d
+    return 0.0, 0.0
+
+
 def pipeline_run(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine, c: Costs,
-                 tp: TensorParallelCosts) -> PipelineRun:
-    """The step's passes over the pipeline's ranks: each stage's blocks (`block_passes`), the head and loss with the
-    last stage's forward pass."""
+                 tp: TensorParallelCosts, data_parallel: int = 1) -> PipelineRun:
+    """The step's passes over the pipeline's ranks: each stage's blocks (`block_passes`) after its first block's
+    weights (`first_block_fetch`; the last stage's backward pass fetches them while its head runs), the head and
+    loss with the last stage's forward pass."""
     layout = layout_of_knobs(knobs, machine.num_gpus)
     forward, backward = block_passes(spec, knobs, machine, c, tp)
     per_stage = stage_layers(spec.num_layers, layout.stages)
     starts = [sum(per_stage[:s]) for s in range(layout.stages)]
-    forward_s = [sum(forward[a:a + n]) for a, n in zip(starts, per_stage)]
-    backward_s = [sum(backward[a:a + n]) for a, n in zip(starts, per_stage)]
-    forward_s[-1] += c.head_forward_backward + tp.head
+    fetch_forward, fetch_backward = first_block_fetch(knobs, c, data_parallel)
+    forward_s = [fetch_forward + sum(forward[a:a + n]) for a, n in zip(starts, per_stage)]
+    backward_s = [fetch_backward + sum(backward[a:a + n]) for a, n in zip(starts, per_stage)]
+    head = c.head_forward_backward + tp.head
+    forward_s[-1] += head
+    backward_s[-1] -= min(head, fetch_backward)
     weights = c.layer_backward * c.layer_weight_gradient_share
     return run_pipeline(knobs.pipeline_schedule, layout.pipeline, knobs.grad_accum_steps, layout.virtual,
                         forward_s, backward_s, p2p_s(spec, seq_len, knobs, machine) if layout.pipeline > 1 else 0.0,
@@ -162,7 +182,7 @@ def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine)
         return m
     layout = layout_of_knobs(knobs, machine.num_gpus)
     order_run = pipeline_run(spec, seq_len, knobs, machine, costs(sliced, seq_len, knobs, dp),
-                             TensorParallelCosts(0.0, 0.0, 0.0, 0.0))
+                             TensorParallelCosts(0.0, 0.0, 0.0, 0.0), dp.num_gpus)
     chunk_layers = max(rank_layers(spec, layout)) / layout.virtual
     tokens = knobs.micro_batch_size * seq_len
     outputs = tokens // (layout.tensor if knobs.sequence_parallel else 1) * spec.hidden_size * activation_bytes(knobs)
@@ -188,31 +208,39 @@ class LayoutStep:
     """The time that rank waits in the pipeline's step."""
     computed_less_s: float
     """What that rank computes less than the view prices: blocks of the view's rank it does not hold, or the head."""
+    first_fetch_s: float
+    """What that rank's passes wait for their first blocks' weights (`first_block_fetch`)."""
 
 
 def layout_step(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> LayoutStep:
     sliced, dp = view(spec, knobs, machine)
     c = costs(sliced, seq_len, knobs, dp)
     tp = tensor_parallel_costs(spec, seq_len, knobs, machine)
-    run = pipeline_run(spec, seq_len, knobs, machine, c, tp)
+    run = pipeline_run(spec, seq_len, knobs, machine, c, tp, dp.num_gpus)
     layout = layout_of_knobs(knobs, machine.num_gpus)
     m, busiest = knobs.grad_accum_steps, max(range(layout.pipeline), key=lambda r: run.busy_s[r])
     layers, has_head = rank_layers(spec, layout)[busiest], busiest == layout.pipeline - 1
     forward, backward = block_passes(spec, knobs, machine, c, TensorParallelCosts(0.0, 0.0, 0.0, 0.0))
     per_layer = (sum(forward) + sum(backward)) / spec.num_layers  # a block of the view's (casts averaged)
+    fetch_forward, fetch_backward = first_block_fetch(knobs, c, dp.num_gpus) if layout.pipeline > 1 else (0.0, 0.0)
+    first_fetch = layout.virtual * (fetch_forward + fetch_backward) - \
+        has_head * min(c.head_forward_backward + tp.head, fetch_backward)
     return LayoutStep(simulate(sliced, seq_len, knobs, dp),
                       m * (layers * (tp.forward + tp.backward + tp.recompute) + has_head * tp.head),
                       max(0.0, run.step_s - run.busy_s[busiest]),
-                      m * ((sliced.num_layers - layers) * per_layer + (not has_head) * c.head_forward_backward))
+                      m * ((sliced.num_layers - layers) * per_layer + (not has_head) * c.head_forward_backward),
+                      m * first_fetch)
 
 
 def layout_simulation(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Simulation:
     """The view's simulated step, its blocks' and head's passes replaced by the pipeline's (`layout_step`): tensor
     parallelism's collectives charged to exposed communication, the bubble to "other" (the compute stream waits),
-    and what the busiest rank computes less than the view taken off compute."""
+    the passes' first weights to exposed communication (gathered) or offload (streamed), and what the busiest rank
+    computes less than the view taken off compute."""
     step = layout_step(spec, seq_len, knobs, machine)
     time_s = dict(step.view.time_s)
     time_s["exposed_comm"] += step.tensor_parallel_s
+    time_s["exposed_comm" if knobs.shard_weights else "exposed_offload"] += step.first_fetch_s
     time_s["other"] += step.bubble_s
     time_s["compute"] = max(0.0, time_s["compute"] - step.computed_less_s)
     return dataclasses.replace(step.view, step_time_s=sum(time_s.values()), time_s=time_s)

@@ -98,20 +98,27 @@ LAYOUT_KNOBS = ("tensor_parallel", "sequence_parallel", "pipeline_parallel", "pi
 
 def _search(problem: Problem, fixed: dict, lower: bool, r: PlanRequest,
             on_trial) -> tuple[list[Candidate], dict[str, tuple]]:
-    """The search's candidates, ranked, and its space. Where it weighs layouts and none is pinned, the data-parallel plans are
-    searched apart too: the two kinds' fastest plans differ in most knobs (recompute, offload and ZeRO that a layout
-    no longer needs), which one search's trials would seldom both reach."""
+    """The search's candidates, ranked, and its space. Where it weighs layouts and none is pinned, it searches three
+    kinds of plan apart: data parallelism alone, tensor parallelism without a pipeline, and pipelines. Each kind's
+    fastest plans differ from the others' in most knobs (recompute, offload and ZeRO that a layout no longer needs; a
+    pipeline's micro-batches and chunks), which one search's trials would seldom all reach."""
     def space_of(p: Problem) -> dict[str, tuple]:
         return whole_rounds(pinned_space(knob_space(p, lower_precision=lower), fixed, p.spec), p)
 
-    def searched(p: Problem, suffix: str) -> list[Candidate]:
-        return search(p, space_of(p), r.trials, storage=_storage(r.study), on_trial=on_trial,
+    def searched(p: Problem, suffix: str, pipelines: tuple | None = None) -> list[Candidate]:
+        space = space_of(p)
+        if pipelines is not None:
+            space["pipeline_parallel"] = pipelines
+        return search(p, space, r.trials, storage=_storage(r.study), on_trial=on_trial,
                       study_name=_study_name(p, r.hw is None, lower) + suffix)
-    ranked = searched(problem, "")
-    if problem.layouts and not set(fixed) & set(LAYOUT_KNOBS):
-        flat = searched(dataclasses.replace(problem, layouts=False), "-data-parallel")
-        ranked = rank(problem, list({c.knobs: c for c in ranked + flat}.values()))
-    return ranked, space_of(problem)
+    if not problem.layouts or set(fixed) & set(LAYOUT_KNOBS):
+        return searched(problem, ""), space_of(problem)
+    space = space_of(problem)
+    pipelines = tuple(p for p in space.get("pipeline_parallel", ()) if p > 1)
+    ranked = [*searched(dataclasses.replace(problem, layouts=False), "-data-parallel"),
+              *(searched(problem, "-tensor-parallel", (1,)) if "tensor_parallel" in space else []),
+              *(searched(problem, "-pipeline-parallel", pipelines) if pipelines else [])]
+    return rank(problem, list({c.knobs: c for c in ranked}.values())), space
 
 
 def whole_rounds(space: dict[str, tuple], problem: Problem) -> dict[str, tuple]:

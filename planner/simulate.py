@@ -238,7 +238,8 @@ class _StepGraph:
         return self.collective(f"gather weights L{layer} {tag}", c.layer_weight_gather, [ready])
 
     def cache_weights(self, layer: int, forward_op: str) -> None:
-        """ZeRO-3 with cache_weights_on_host: a block's gathered weights go to the host after its forward pass."""
+        """ZeRO-3 with cache_weights_on_host: a block's gathered weights go to the host after its step's first forward
+        pass."""
         k = self.knobs
         if self.multi and k.shard_weights and k.cache_weights_on_host and self.groups[layer] not in \
                 self.place.streamed_weights:
@@ -278,7 +279,8 @@ class _StepGraph:
             fwd = self.compute(f"fwd L{layer} mb{m}", c.layer_forward + self.weight_casts(layer, "forward"),
                                "compute", [ready, *stepped], alloc=kept)
             self.release("weights", layer, fwd)
-            self.cache_weights(layer, fwd)
+            if m == 0:  # the step's first forward pass caches them for all its backward passes
+                self.cache_weights(layer, fwd)
             if offloaded:
                 self.add(f"d2h input L{layer} mb{m}", "d2h", c.layer_input_d2h, "offload", [fwd],
                          free=[f"input {m} {layer}"])

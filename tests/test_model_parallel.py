@@ -10,7 +10,8 @@ from fastml.layout import Action, Layout, interleaved_rounds, pipeline_order, st
 from fastml.plan import Hardware, Knobs, Plan, Training
 from fastml.planner.hardware import load_machine
 from fastml.planner.memory import layer_activation_bytes, weight_gradient_inputs_bytes
-from fastml.planner.parallel import (head_gradients_bytes, layout_memory, layout_step, rank_layers,
+from fastml.planner.costs import costs
+from fastml.planner.parallel import (head_gradients_bytes, layout_memory, layout_simulation, layout_step, rank_layers,
                                      tensor_parallel_costs, view)
 from fastml.planner.pipeline import run_pipeline
 from fastml.planner.planner import make_plan
@@ -220,8 +221,8 @@ def plan_with(num_gpus: int = 4, **knobs) -> Plan:
     ({"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b"}, "knobs.pipeline_schedule"),
     ({"pipeline_parallel": 8}, "knobs.pipeline_parallel"),
     ({"tensor_parallel": 2, "comm": "memcpy"}, "knobs.comm"),
-    ({"pipeline_parallel": 2, "shard_optimizer": True, "shard_gradients": True, "shard_weights": True},
-     "knobs.shard_weights"),
+    ({"pipeline_parallel": 2, "pipeline_schedule": "zero_bubble", "shard_optimizer": True, "shard_gradients": True,
+      "shard_weights": True}, "knobs.shard_weights"),
     ({"pipeline_parallel": 2, "offload_residuals": 1.0}, "knobs.offload_residuals"),
     ({"pipeline_schedule": "zero_bubble"}, "knobs.pipeline_schedule"),
     ({"pipeline_parallel": 2, "pipeline_schedule": "zero_bubble", "compile": True}, "knobs.compile"),
@@ -245,6 +246,29 @@ def test_the_batch_is_counted_over_the_data_parallel_ranks():
 def test_a_pinned_layout_that_does_not_divide_the_model_is_refused_before_the_search():
     with pytest.raises(UserError, match=r"knobs\.tensor_parallel: 3 must divide the model's num_heads"):
         make_plan(model="llama-3.1-8b", hw="h100-sxm", gpus=8, overrides=("knobs.tensor_parallel=3",), trials=5)
+
+
+def test_each_pipeline_pass_waits_for_its_first_blocks_gathered_weights():
+    """With ZeRO-3 a block's weights are gathered while the block before it computes, and a pipeline pass's first
+    block has none before it: each rank's passes, forward and backward, wait for one gather each (the last stage's
+    backward one partly hidden by its head), which the step counts; without sharded weights they wait for none."""
+    zero2 = Knobs(micro_batch_size=1, grad_accum_steps=8, pipeline_parallel=2, shard_optimizer=True,
+                  shard_gradients=True, recompute=("block",))
+    zero3 = dataclasses.replace(zero2, shard_weights=True)
+    spec, data_parallel = view(SPEC, zero3, H100S)
+    gather = costs(spec, 2048, zero3, data_parallel).layer_weight_gather.comm_s
+    assert layout_step(SPEC, 2048, zero2, H100S).first_fetch_s == 0
+    step = layout_step(SPEC, 2048, zero3, H100S)
+    assert 8 * gather <= step.first_fetch_s <= 8 * 2 * gather
+    assert layout_simulation(SPEC, 2048, zero3, H100S).time_s["exposed_comm"] == \
+        pytest.approx(step.view.time_s["exposed_comm"] + step.first_fetch_s)
+
+
+def test_a_pipeline_goes_with_zero_3_when_pinned():
+    result = make_plan(model="llama-3.1-70b", hw="h100-sxm", gpus=8, nodes=4, trials=5,
+                       overrides=("knobs.pipeline_parallel=2", "knobs.shard_weights=true"))
+    knobs = result.plan.knobs
+    assert knobs.pipeline_parallel == 2 and knobs.shard_weights and knobs.shard_gradients
 
 
 def test_a_pinned_zero_bubble_schedule_is_planned_with_the_knobs_it_goes_with():

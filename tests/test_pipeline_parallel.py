@@ -1,7 +1,7 @@
 """Pipeline parallelism on CPU processes over gloo: jobs of 2 ranks (PP 2 in each schedule, with a tied embedding,
-with the optimizer stepping on the CPU) and of 4 (TP 2 x PP 2 with sequence parallelism, PP 2 x DP 2 with ZeRO-2),
-each trained a few steps and compared with one process taking every micro-batch; checkpoints resumed at another
-layout.
+with the optimizer stepping on the CPU) and of 4 (TP 2 x PP 2 with sequence parallelism, PP 2 x DP 2 with ZeRO-2
+and with ZeRO-3), each trained a few steps and compared with one process taking every micro-batch; checkpoints
+resumed at another layout.
 
 Tolerances: a pipeline stage computes what one process computes, in the same order, for the same micro-batches;
 what differs is the order of sums: the gradient norm adds per-stage sums of squares (the one process adds every
@@ -69,18 +69,23 @@ FOUR_RANK_PLANS = {
     "pp2-dp2-zero-bubble-zero2": pipeline_plan(4, model=DEEP_TIED, pipeline_schedule="zero_bubble", **ZERO[2]),
     "tp2-pp2-sp-zero-bubble": pipeline_plan(4, tensor=2, sequence_parallel=True, model=DEEP_TIED,
                                             pipeline_schedule="zero_bubble", virtual_stages=2),
+    # ZeRO-3: the last stage runs every micro-batch's head before the first backward pass, which reads the final
+    # norm's gathered weight; interleaved, each block's gathered weights cached on the host once a step
+    "pp2-dp2-zero3-gpipe": pipeline_plan(4, model=DEEP_TIED, pipeline_schedule="gpipe", **ZERO[3]),
+    "pp2-dp2-zero3-interleaved-cached": pipeline_plan(4, model=DEEP_TIED, pipeline_schedule="interleaved_1f1b",
+                                                      virtual_stages=2, cache_weights_on_host=True, **ZERO[3]),
 }
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Every plan above, by its jobs (one of 2 ranks, one of 4), and checkpoints: a PP 2 run and a PP 2 x DP 2 ZeRO-2
+    """Every plan above, by its jobs (one of 2 ranks, one of 4), and checkpoints: a PP 2 run and a PP 2 x DP 2 ZeRO-3
     run saved at step 2 of 4."""
     path = tmp_path_factory.mktemp("pipeline-parallel")
     saved = with_checkpoints(pipeline_plan(2, steps=4, model=DEEP_TIED), path / "ck-pp2")
     job(path, PLANS, ranks=2, more=[{"plan": saved, "log": path / "saved.jsonl"}])
     saved_zero = with_checkpoints(pipeline_plan(4, steps=4, model=DEEP_TIED, pipeline_schedule="interleaved_1f1b",
-                                                virtual_stages=2, **ZERO[2]), path / "ck-zero")
+                                                virtual_stages=2, **ZERO[3]), path / "ck-zero")
     job(path, FOUR_RANK_PLANS, ranks=4, more=[{"plan": saved_zero, "log": path / "saved-zero.jsonl"}])
     return path
 
@@ -102,8 +107,9 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path
 
 
 def test_a_pipeline_zero_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, trained):
-    """Each rank of an interleaved PP 2 x DP 2 ZeRO-2 run writes its shard of its stages' optimizer state (the tied
-    embedding's by both stages); one process reads them whole and takes the steps the four ranks took."""
+    """Each rank of an interleaved PP 2 x DP 2 ZeRO-3 run writes its shard of its stages' optimizer state (the tied
+    embedding's by both stages) and its stages' weights gathered whole; one process reads them and takes the steps the
+    four ranks took."""
     got = resumed_alone(tmp_path, trained / "ck-zero" / "step-00000002", pipeline_plan(4, steps=4, model=DEEP_TIED))
     assert_continues(got, records(trained / "saved-zero.jsonl"))
 

@@ -74,6 +74,7 @@ class Placement:
         self._fetched: dict[str, tuple[list[torch.Tensor], object]] = {}  # group -> device tensors, work
         self._saved_by_reference = None  # the running block's saved-tensor hooks
         self._accumulated: dict[str, int] = {}  # group -> parameters whose gradient this backward has accumulated
+        self._awaiting_gradients: dict[str, int] = {}  # the head's groups: forward passes whose backward is to come
         self.micro_batch, self.last_micro_batch = 0, True
         self.overlapped = plan.knobs.overlap_cpu_step
         self.wait_for_step = lambda group: None
@@ -151,6 +152,8 @@ class Placement:
 
     def begin_step(self) -> None:
         self.offload.begin_step()
+        if self.parallel is not None:
+            self.parallel.begin_step()
 
     def begin_micro_batch(self, index: int, last: bool) -> None:
         """The passes that follow are micro-batch `index`'s, the step's `last` or not (under pipeline parallelism a
@@ -282,12 +285,15 @@ class Placement:
 
     def _acquire_head(self, tied: bool) -> None:
         """The final norm is about to run: the head's weights (and the embedding's, the head's when tied) must be
-        whole; they stay so until their gradients are made. The last block's are fetched for its backward pass
-        meanwhile."""
-        self._acquire("head")
-        if tied:
-            self._acquire("embed")
+        whole; they stay so until their gradients are made, for every micro-batch whose forward pass has run (a
+        pipeline's last stage may run several before their backward passes, whose final norm reads its weight).
+        The last block's are fetched for its backward pass meanwhile."""
+        held = ["head", "embed"] if tied else ["head"]
+        for group in held:
+            self._acquire(group)
         if torch.is_grad_enabled():
+            for group in self.fetched.intersection(held):
+                self._awaiting_gradients[group] = self._awaiting_gradients.get(group, 0) + 1
             self._fetch_for_backward(block_group(len(self.blocks) - 1))
 
     def _acquire(self, group: str) -> None:
@@ -321,6 +327,10 @@ class Placement:
             self.parallel.grads_ready(group, self.params[group], self.last_micro_batch, wait=offloaded)
         if offloaded and self.params[group][0].grad is not None:  # not scattered over the ranks
             self.offload.grads_to_host(group, self.params[group], self.last_micro_batch)
+        if self._awaiting_gradients.get(group):
+            self._awaiting_gradients[group] -= 1
+            if self._awaiting_gradients[group]:  # another micro-batch's backward pass still reads them
+                return
         self._release(group)
 
 

@@ -14,8 +14,9 @@ so that rank r owns the contiguous shard [r*S, (r+1)*S) (`Layout`), and one coll
   gradients are freed at once; the rank's shard sums the micro-batches.
 - shard_weights (ZeRO-3): a block's weights exist whole only while it computes: a rank keeps its shard, and the
   block is gathered one block ahead, in the forward pass and again in the backward pass (memory/placement.py
-  schedules it like a streamed block); with cache_weights_on_host the forward pass's gathered copy goes to host memory and the
-  backward pass fetches it from there instead of gathering again. The optimizer updates the shard in place.
+  schedules it like a streamed block); with cache_weights_on_host the gathered copy of a step's first forward pass
+  goes to host memory and the step's backward passes fetch it from there instead of gathering again. The optimizer
+  updates the shard in place.
 
 Collectives run asynchronously; at most REDUCTIONS_IN_FLIGHT (fastml.plan) reductions are in flight, each holding one
 group's flat gradients, which the planner counts as comm buffers (planner/memory.py), beside the group being reduced.
@@ -134,7 +135,7 @@ class DataParallel:
         self.shards: dict[str, torch.Tensor] = {}  # a sharded block's weight shard (on the GPU or the host)
         self.placeholders: dict[str, torch.Tensor] = {}  # a sharded block's weights while not gathered: no storage
         self.cache: dict[str, torch.Tensor] = {}  # a gathered block's forward copy, in pinned host memory
-        self.cached: dict[str, object] = {}  # the blocks whose copy there is this micro-batch's: its copy's event
+        self.cached: dict[str, object] = {}  # the blocks whose copy there is this step's: its copy's event
         self.grad_shards: dict[str, torch.Tensor] = {}
         self.in_flight: deque = deque()
 
@@ -178,7 +179,7 @@ class DataParallel:
         views = [full[o:o + n] for o, n in zip(layout.offsets(), layout.numels)]
         if backward and group in self.cached:
             event = self.copier.copy(self.copier.h2d, [(full[:layout.numel], self.cache[group])],
-                                     after=self.cached.pop(group))  # once the forward pass's copy is there
+                                     after=self.cached[group])  # once the forward pass's copy is there
             return views, CopyDone(self.copier, event)
         shard = self.shards[group]
         mine = full[self.world.rank * layout.shard_numel:(self.world.rank + 1) * layout.shard_numel]
@@ -193,8 +194,8 @@ class DataParallel:
 
     def gathered(self, group: str, tensors: list[torch.Tensor]) -> None:
         """A sharded block has computed its forward pass with `tensors`: with cache_weights_on_host they go to host
-        memory for the backward pass."""
-        if not self.cache_on_host:
+        memory for the step's backward passes, once a step (the weights change only with the optimizer's step)."""
+        if not self.cache_on_host or group in self.cached:
             return
         layout = self.layouts[group]
         if group not in self.cache:  # pinned once, reused by every micro-batch
@@ -284,6 +285,10 @@ class DataParallel:
         if group in self.host_shards:
             return (self.host_grad_shards[group] if group in self.host_events else None), True
         return self.grad_shards.get(group), False
+
+    def begin_step(self) -> None:
+        """The weights have changed since the host copies were made."""
+        self.cached.clear()
 
     def zero_grad(self) -> None:
         self.grad_shards.clear()
