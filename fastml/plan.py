@@ -278,10 +278,6 @@ class Knobs:
             fail("knobs.share_host_weights", "shares the host weights of data-parallel ranks that hold the same "
                                              "blocks; not with tensor or pipeline parallelism")
         if self.pipeline_parallel > 1:
-            if self.offload_residuals:
-                fail("knobs.offload_residuals", f"a block's input is kept in host memory for one micro-batch at a "
-                                                f"time, and a pipeline stage holds several: pipeline_parallel "
-                                                f"{self.pipeline_parallel} takes 0")
             for name in OFFLOAD_FRACTIONS:
                 if 0 < getattr(self, name) < 1:
                     fail(f"knobs.{name}", f"{getattr(self, name)}: a fraction counts the model's blocks from the "

@@ -24,8 +24,8 @@ from fastml.plan import Knobs, block_group, fp8_cached_blocks, tensor_slice
 from fastml.spec import ModelSpec
 from fastml.planner.costs import Costs, costs, link_bytes_per_s, recomputed_weight_share
 from fastml.planner.hardware import Machine
-from fastml.planner.memory import (Memory, activation_bytes, head_weight_gradient_bytes, layer_activation_bytes,
-                                  memory, weight_gradient_inputs_bytes)
+from fastml.planner.memory import (Memory, activation_bytes, block_input_bytes, head_weight_gradient_bytes,
+                                  layer_activation_bytes, memory, weight_gradient_inputs_bytes)
 from fastml.planner.pipeline import PipelineRun, run_pipeline
 from fastml.planner.simulate import Simulation, simulate
 
@@ -175,7 +175,8 @@ def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine)
     until that micro-batch's backward pass. Under zero bubble each micro-batch awaiting its weights' pass keeps its
     blocks' linears' inputs and output gradients (`weight_gradient_inputs_bytes`). The most a rank holds of all
     these at once is the layout's, a bound where a rank's most in flight and most awaiting come at different
-    times."""
+    times. With offload_residuals (every block's, with a pipeline) each block input in flight is in host memory
+    instead, a buffer each in every GPU's process."""
     sliced, dp = view(spec, knobs, machine)
     m = memory(sliced, seq_len, knobs, dp.num_gpus, machine.gpus_per_node, machine.device, machine.calibration)
     if knobs.pipeline_parallel == 1:
@@ -186,16 +187,20 @@ def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine)
     chunk_layers = max(rank_layers(spec, layout)) / layout.virtual
     tokens = knobs.micro_batch_size * seq_len
     outputs = tokens // (layout.tensor if knobs.sequence_parallel else 1) * spec.hidden_size * activation_bytes(knobs)
-    activations = layer_activation_bytes(sliced, knobs, tokens, machine.device)
+    on_host = knobs.offload_residuals * block_input_bytes(sliced, knobs, tokens)
+    activations = layer_activation_bytes(sliced, knobs, tokens, machine.device) - on_host
     kept_for_weights = weight_gradient_inputs_bytes(sliced, knobs, tokens)
     extra = int(max(max(0, in_flight - layout.virtual) * chunk_layers * activations + in_flight * outputs +
                     awaiting * chunk_layers * kept_for_weights
                     for in_flight, awaiting in zip(order_run.in_flight, order_run.awaiting_weights)))
     if knobs.pipeline_schedule == "gpipe":  # the last stage runs every loss before the first backward pass
         extra += (knobs.grad_accum_steps - 1) * head_gradients_bytes(sliced, knobs, tokens)
+    extra_host = int(max(0, max(order_run.in_flight) - layout.virtual) * chunk_layers * on_host *
+                     machine.gpus_per_node)
     return dataclasses.replace(m, gpu_peak=m.gpu_peak + extra,
                                gpu=m.gpu | {"activations": m.gpu["activations"] + extra},
-                               peak_phase=m.peak_phase | {"activations": m.peak_phase["activations"] + extra})
+                               peak_phase=m.peak_phase | {"activations": m.peak_phase["activations"] + extra},
+                               host=m.host | {"activations": m.host["activations"] + extra_host})
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ def pinned_space(space: dict[str, tuple], fixed: dict, spec: ModelSpec) -> dict[
     if fixed.get("comm") == "memcpy" or fixed.get("share_host_weights"):
         space |= {name: (1,) for name in ("tensor_parallel", "pipeline_parallel") if name in space}
     fractions = [fixed[name] for name in OFFLOAD_FRACTIONS if name in fixed]
-    if (fixed.get("offload_residuals") or any(0 < f < 1 for f in fractions)) and "pipeline_parallel" in space:
+    if any(0 < f < 1 for f in fractions) and "pipeline_parallel" in space:
         space["pipeline_parallel"] = (1,)
     # Knobs that must offload at least one block: a CPU step to overlap, a block to stream the masters of.
     needed = (("offload_optimizer",) if fixed.get("overlap_cpu_step") else ()) + \
@@ -148,8 +148,7 @@ def _ties(name: str, value, fixed: dict) -> dict[str, object]:
     if name == "pipeline_schedule" and value == "zero_bubble":  # what its split backward pass does not compose with
         return dict(ZERO_BUBBLE_NEEDS)
     if name in ("tensor_parallel", "pipeline_parallel") and value > 1:  # what a layout does not compose with (Knobs)
-        return {"comm": "nccl", "share_host_weights": False} | ({"offload_residuals": 0.0}
-                                                                if name == "pipeline_parallel" else {})
+        return {"comm": "nccl", "share_host_weights": False}
     if name == "param_dtype" and value == "fp32":
         return {"matmul_dtype": "fp32"}
     return {}

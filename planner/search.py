@@ -137,8 +137,8 @@ def with_layout(problem: Problem, values: dict) -> dict:
     chunks per rank (interleaved schedules) only with a pipeline, at most a block each, and a whole number of rounds
     of micro-batches; zero bubble (pinned) with the knobs it composes with (fastml.plan.Knobs); sequence parallelism
     only with tensor parallelism; a drawn fp8 only where a rank's slices suit it; and the knobs a layout does
-    not compose with at their defaults (fastml.plan.Knobs: the memcpy collectives and shared host weights, and with a
-    pipeline, block inputs in host memory and offload fractions other than 0 and 1). With the
+    not compose with at their defaults (fastml.plan.Knobs: the memcpy collectives and shared host weights), and with a
+    pipeline, offload fractions made 0 or 1. With the
     grad_accum_steps of the data-parallel rank's sequences."""
     fixed = dict(values)
     tensor, pipeline, virtual = fixed["tensor_parallel"], fixed["pipeline_parallel"], fixed["virtual_stages"]
@@ -163,7 +163,6 @@ def with_layout(problem: Problem, values: dict) -> dict:
     if fixed["matmul_dtype"] == "fp8" and fp8_shape_problem(tensor_slice(problem.spec, tensor), problem.seq_len):
         fixed["matmul_dtype"] = "bf16"  # a pinned tensor_parallel's slices (layout_choices offers none such)
     if pipeline > 1:
-        fixed["offload_residuals"] = 0.0
         fixed |= {name: float(fixed[name] > 0) for name in OFFLOAD_FRACTIONS}  # whole or none (fastml.plan.Knobs)
     return fixed
 

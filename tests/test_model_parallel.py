@@ -9,7 +9,7 @@ from fastml.config import UserError
 from fastml.layout import Action, Layout, interleaved_rounds, pipeline_order, stage_layers
 from fastml.plan import Hardware, Knobs, Plan, Training
 from fastml.planner.hardware import load_machine
-from fastml.planner.memory import layer_activation_bytes, weight_gradient_inputs_bytes
+from fastml.planner.memory import block_input_bytes, layer_activation_bytes, weight_gradient_inputs_bytes
 from fastml.planner.costs import costs
 from fastml.planner.parallel import (head_gradients_bytes, layout_memory, layout_simulation, layout_step, rank_layers,
                                      tensor_parallel_costs, view)
@@ -223,7 +223,7 @@ def plan_with(num_gpus: int = 4, **knobs) -> Plan:
     ({"tensor_parallel": 2, "comm": "memcpy"}, "knobs.comm"),
     ({"pipeline_parallel": 2, "pipeline_schedule": "zero_bubble", "shard_optimizer": True, "shard_gradients": True,
       "shard_weights": True}, "knobs.shard_weights"),
-    ({"pipeline_parallel": 2, "offload_residuals": 1.0}, "knobs.offload_residuals"),
+    ({"pipeline_parallel": 2, "offload_residuals": 0.5}, "knobs.offload_residuals"),
     ({"pipeline_schedule": "zero_bubble"}, "knobs.pipeline_schedule"),
     ({"pipeline_parallel": 2, "pipeline_schedule": "zero_bubble", "compile": True}, "knobs.compile"),
     ({"pipeline_parallel": 2, "pipeline_schedule": "zero_bubble", "matmul_dtype": "fp8"}, "knobs.matmul_dtype"),
@@ -262,6 +262,20 @@ def test_each_pipeline_pass_waits_for_its_first_blocks_gathered_weights():
     assert 8 * gather <= step.first_fetch_s <= 8 * 2 * gather
     assert layout_simulation(SPEC, 2048, zero3, H100S).time_s["exposed_comm"] == \
         pytest.approx(step.view.time_s["exposed_comm"] + step.first_fetch_s)
+
+
+def test_a_pipelines_block_inputs_in_flight_go_to_the_host():
+    """offload_residuals with a pipeline: each block input of the micro-batches a rank holds at once is in host memory
+    (a buffer each in every GPU's process) instead of on the GPU. The first stage of four holds four micro-batches;
+    at its peak, in a backward pass, the inputs of that pass's micro-batch are back on the GPU, the other three's
+    not."""
+    knobs = Knobs(micro_batch_size=1, grad_accum_steps=8, pipeline_parallel=4, recompute=("block",))
+    on_gpu, on_host = (layout_memory(SPEC, 2048, dataclasses.replace(knobs, offload_residuals=f), H100S)
+                       for f in (0.0, 1.0))
+    spec, _ = view(SPEC, knobs, H100S)
+    inputs = block_input_bytes(spec, knobs, 2048) * spec.num_layers  # a micro-batch's, of the stage's blocks
+    assert on_gpu.gpu_peak - on_host.gpu_peak == pytest.approx(3 * inputs, rel=0.01)
+    assert on_host.host["activations"] - on_gpu.host["activations"] == 4 * inputs * H100S.gpus_per_node
 
 
 def test_a_pipeline_goes_with_zero_3_when_pinned():

@@ -1,5 +1,5 @@
 """Pipeline parallelism on CPU processes over gloo: jobs of 2 ranks (PP 2 in each schedule, with a tied embedding,
-with the optimizer stepping on the CPU) and of 4 (TP 2 x PP 2 with sequence parallelism, PP 2 x DP 2 with ZeRO-2
+with the optimizer stepping on the CPU, with block inputs in host memory) and of 4 (TP 2 x PP 2 with sequence parallelism, PP 2 x DP 2 with ZeRO-2
 and with ZeRO-3), each trained a few steps and compared with one process taking every micro-batch; checkpoints
 resumed at another layout.
 
@@ -54,6 +54,11 @@ PLANS = {
     "pp2-zero-bubble": pipeline_plan(2, model=DEEP_TIED, pipeline_schedule="zero_bubble"),
     "pp2-zero-bubble-interleaved": pipeline_plan(2, model=DEEP_TIED, pipeline_schedule="zero_bubble",
                                                  virtual_stages=2, recompute=("block",), offload_optimizer=1.0),
+    # block inputs in host memory, several micro-batches' at once: every forward pass before the first backward
+    # pass; with zero bubble and recompute, interleaved
+    "pp2-gpipe-host-inputs": pipeline_plan(2, pipeline_schedule="gpipe", offload_residuals=1.0),
+    "pp2-zero-bubble-host-inputs": pipeline_plan(2, model=DEEP_TIED, pipeline_schedule="zero_bubble", virtual_stages=2,
+                                                 offload_residuals=1.0, recompute=("block",)),
     # fp8 matmuls (emulated on the CPU: tests/emulated_fp8.py), their weights cast once a step
     "pp2-fp8": pipeline_plan(2, model=DEEP_TIED, pipeline_schedule="interleaved_1f1b", virtual_stages=2,
                              param_dtype="bf16", matmul_dtype="fp8", cache_fp8_weights=True),

@@ -13,7 +13,9 @@ Per block (a parameter group, `fastml.plan.layer_of`), as `fastml.plan.offloaded
   GPU (`grads_to_host`). Micro-batches after the first fetch the sum so far back (`fetch_grad_sums`), so that
   backward adds into it as it would without offload (the same arithmetic, bit for bit).
 - offload_residuals: a block's input (the residual stream, all that block recompute keeps) goes to the host after the
-  block's forward, its GPU storage freed, and comes back before the block's backward.
+  block's forward, its GPU storage freed, and comes back before the block's backward. Each micro-batch's input has
+  a host buffer of its own while it is there (a pipeline stage holds several micro-batches' at once); a buffer its
+  input has come back from serves the next.
 Master weights and Adam states are the optimizer's (optim.py). On a CPU plan the "GPU" is the CPU: the same code runs
 with plain copies, which is how CI tests it.
 """
@@ -77,9 +79,12 @@ class HostOffload:
         self.masters = {name: pinned_empty(shape.numel(), torch.float32, copier.cuda).view(shape)
                         for name, shape in self._shapes(self.master_streamed).items()}
         self.grads = _Flat(self._shapes(self.grads_out), dtype, copier.cuda) if self.grads_out else None
-        self.residuals: dict[str, torch.Tensor] = {}
-        self._residual_events: dict[str, object] = {}  # group -> event of its input's latest copy
-        self._saved_inputs: dict[str, torch.Tensor] = {}  # group -> the block input whose storage went to the host
+        # Keyed by (group, micro-batch): a block input's host buffer, its latest copy's event, and the input itself,
+        # whose storage went to the host; then (group -> [(buffer, event of the copy back)]) the buffers free again.
+        self.residuals: dict[tuple[str, int], torch.Tensor] = {}
+        self._residual_events: dict[tuple[str, int], object] = {}
+        self._saved_inputs: dict[tuple[str, int], torch.Tensor] = {}
+        self._free_residuals: dict[str, list[tuple[torch.Tensor, object]]] = {}
         self._grad_events: dict[str, object] = {}  # group -> event of its gradients' copy to the host
         self._grad_sums: dict[str, tuple[list[torch.Tensor], object]] = {}  # group -> sums so far on the GPU, event
         self.grad_norms: dict[nn.Parameter, torch.Tensor] = {}  # offloaded gradients' norms, taken on the GPU
@@ -147,31 +152,43 @@ class HostOffload:
 
     # --- residuals ----------------------------------------------------------------------------------------------
 
-    def residual_to_host(self, group: str, x: torch.Tensor) -> None:
-        """A block's input goes to the host once its forward pass is queued; its GPU storage is freed (autograd's
-        saved views of it included) until `fetch_residual`."""
+    def residual_to_host(self, group: str, micro_batch: int, x: torch.Tensor) -> None:
+        """A block's input of a micro-batch goes to the host once its forward pass is queued; its GPU storage is freed
+        (autograd's saved views of it included) until `fetch_residual`."""
         storage = x.untyped_storage()
         if not x.is_contiguous() or storage.nbytes() != x.nbytes:
             raise RuntimeError(f"{group}: its input does not own its storage; offload_residuals cannot move it")
-        host = self.residuals.get(group)
-        if host is None or host.shape != x.shape:
-            host = self.residuals[group] = pinned_empty(x.numel(), x.dtype, self.copier.cuda).view(x.shape)
-        self._residual_events[group] = self.copier.copy(self.copier.d2h, [(host, x.detach())])
+        free = [(h, e) for h, e in self._free_residuals.get(group, []) if h.shape == x.shape and h.dtype == x.dtype]
+        host, copied_back = free[0] if free else (None, None)
+        if host is None:
+            host = pinned_empty(x.numel(), x.dtype, self.copier.cuda).view(x.shape)
+        else:
+            self._free_residuals[group].remove(free[0])
+        key = (group, micro_batch)
+        self.residuals[key] = host
+        # once the buffer's last input has come back from it
+        self._residual_events[key] = self.copier.copy(self.copier.d2h, [(host, x.detach())], after=copied_back)
         self.copier.keep_until_copied(x, self.copier.d2h)
         storage.resize_(0)
-        self._saved_inputs[group] = x
+        self._saved_inputs[key] = x
 
-    def fetch_residual(self, group: str) -> None:
-        x = self._saved_inputs.pop(group, None)
+    def fetch_residual(self, group: str, micro_batch: int) -> None:
+        key = (group, micro_batch)
+        x = self._saved_inputs.pop(key, None)
         if x is None:
             return
         x.untyped_storage().resize_(x.nbytes)
         # Written through `.data`, which does not count as a change of x: autograd's saved views of x stay valid.
-        self._residual_events[group] = self.copier.copy(self.copier.h2d, [(x.data, self.residuals[group])],
-                                                        after=self._residual_events.get(group))
+        self._residual_events[key] = self.copier.copy(self.copier.h2d, [(x.data, self.residuals[key])],
+                                                      after=self._residual_events.get(key))
 
-    def wait_residual(self, group: str) -> None:
-        self.copier.wait(self._residual_events.pop(group, None))
+    def wait_residual(self, group: str, micro_batch: int) -> None:
+        """The block's backward pass is next: its input must be back; its host buffer is free for another's."""
+        key = (group, micro_batch)
+        event = self._residual_events.pop(key, None)
+        self.copier.wait(event)
+        if key in self.residuals and key not in self._saved_inputs:
+            self._free_residuals.setdefault(group, []).append((self.residuals.pop(key), event))
 
     # --- gradients ----------------------------------------------------------------------------------------------
 
@@ -226,5 +243,6 @@ class HostOffload:
         """The pinned host buffers by memory category."""
         tensors = {"weights": [self.weights.buffer, *self.masters.values()],
                    "gradients": [self.grads.buffer] if self.grads else [],
-                   "activations": list(self.residuals.values())}
+                   "activations": [*self.residuals.values(),
+                                   *(h for free in self._free_residuals.values() for h, _ in free)]}
         return {k: v for k, v in tensors.items() if v}

@@ -230,7 +230,7 @@ class Placement:
             if not training:
                 return out
             if group in self.offload.residuals_out:
-                self.offload.residual_to_host(group, args[0])
+                self.offload.residual_to_host(group, self.micro_batch, args[0])
             return _BeforeBackward.apply(out, lambda: self._before_backward(index))
         return hook
 
@@ -240,14 +240,14 @@ class Placement:
         group = block_group(index)
         self._fetch_for_backward(group)
         self._acquire(group)
-        self.offload.wait_residual(group)
+        self.offload.wait_residual(group, self.micro_batch)
         self.offload.take_grad_sums(group, self.params[group])
         if block_group(index - 1) in self.params:  # not the first block, nor (a pipeline stage's) one held elsewhere
             self._fetch_for_backward(block_group(index - 1))
 
     def _fetch_for_backward(self, group: str) -> None:
         self._fetch_weights(group, backward=True)
-        self.offload.fetch_residual(group)
+        self.offload.fetch_residual(group, self.micro_batch)
         if group in self.offload.grads_out and self.micro_batch > 0:  # later micro-batches add into the sum so far
             self.offload.fetch_grad_sums(group)
 
