@@ -130,37 +130,42 @@ def block_passes(spec: ModelSpec, knobs: Knobs, machine: Machine, c: Costs,
     return forward, backward
 
 
-def first_block_fetch(knobs: Knobs, c: Costs, data_parallel: int) -> tuple[float, float]:
-    """Seconds a pipeline pass waits before its first block computes, for that block's weights (forward, backward):
-    the executor fetches a block's while the block before it computes (memory/placement.py), and a pass's first
-    block has none before it in the pass. Gathered from the data-parallel ranks' shards (ZeRO-3; a streamed shard up
-    from the host first; in the backward pass, from the forward pass's host copy with cache_weights_on_host), or up
-    from the host (streamed weights: with a pipeline, every block or none)."""
+def first_block_waits(knobs: Knobs, c: Costs, data_parallel: int, head_s: float) -> tuple[float, float, float]:
+    """Seconds a pipeline pass waits before its first block computes, for what that block needs: (a forward pass's,
+    a backward pass's, the last stage's backward pass's). The executor fetches a block's weights while the block
+    before it computes (memory/placement.py), and a pass's first block has none before it in the pass: its weights
+    are gathered from the data-parallel ranks' shards (ZeRO-3; a streamed shard up from the host first; in the
+    backward pass, from the step's host copy with cache_weights_on_host), or come up from the host (streamed
+    weights: with a pipeline, every block or none); its input comes back from the host for the backward pass
+    (offload_residuals), the two counted one after the other. The last stage's head fetches its last block's for
+    the backward pass while it runs (under GPipe, the next micro-batch's forward pass takes them first)."""
     streamed = knobs.offload_weights > 0
     if knobs.shard_weights and data_parallel > 1:
-        gather = c.layer_weight_gather.comm_s + streamed * c.shard_h2d
-        return gather, c.layer_weights_h2d if knobs.cache_weights_on_host and not streamed else gather
-    if streamed:
-        h2d = c.layer_masters_h2d if knobs.stream_masters else c.layer_weights_h2d
-        return h2d, h2d
-    return 0.0, 0.0
+        forward_s = c.layer_weight_gather.comm_s + streamed * c.shard_h2d
+        backward_s = c.layer_weights_h2d if (knobs.cache_weights_on_host and not streamed) else forward_s
+    elif streamed:
+        forward_s = backward_s = c.layer_masters_h2d if knobs.stream_masters else c.layer_weights_h2d
+    else:
+        forward_s = backward_s = 0.0
+    backward_s += knobs.offload_residuals * c.layer_input_h2d
+    hidden_s = 0.0 if knobs.pipeline_schedule == "gpipe" else min(head_s, backward_s)
+    return forward_s, backward_s, backward_s - hidden_s
 
 
 def pipeline_run(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine, c: Costs,
-                 tp: TensorParallelCosts, data_parallel: int = 1) -> PipelineRun:
+                 tp: TensorParallelCosts, data_parallel: int) -> PipelineRun:
     """The step's passes over the pipeline's ranks: each stage's blocks (`block_passes`) after its first block's
-    weights (`first_block_fetch`; the last stage's backward pass fetches them while its head runs), the head and
-    loss with the last stage's forward pass."""
+    weights and input (`first_block_waits`), the head and loss with the last stage's forward pass."""
     layout = layout_of_knobs(knobs, machine.num_gpus)
     forward, backward = block_passes(spec, knobs, machine, c, tp)
     per_stage = stage_layers(spec.num_layers, layout.stages)
     starts = [sum(per_stage[:s]) for s in range(layout.stages)]
-    fetch_forward, fetch_backward = first_block_fetch(knobs, c, data_parallel)
-    forward_s = [fetch_forward + sum(forward[a:a + n]) for a, n in zip(starts, per_stage)]
-    backward_s = [fetch_backward + sum(backward[a:a + n]) for a, n in zip(starts, per_stage)]
-    head = c.head_forward_backward + tp.head
-    forward_s[-1] += head
-    backward_s[-1] -= min(head, fetch_backward)
+    head_s = c.head_forward_backward + tp.head
+    wait_forward_s, wait_backward_s, wait_last_backward_s = first_block_waits(knobs, c, data_parallel, head_s)
+    forward_s = [wait_forward_s + sum(forward[a:a + n]) for a, n in zip(starts, per_stage)]
+    backward_s = [wait_backward_s + sum(backward[a:a + n]) for a, n in zip(starts, per_stage)]
+    forward_s[-1] += head_s
+    backward_s[-1] += wait_last_backward_s - wait_backward_s
     weights = c.layer_backward * c.layer_weight_gradient_share
     return run_pipeline(knobs.pipeline_schedule, layout.pipeline, knobs.grad_accum_steps, layout.virtual,
                         forward_s, backward_s, p2p_s(spec, seq_len, knobs, machine) if layout.pipeline > 1 else 0.0,
@@ -187,20 +192,20 @@ def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine)
     chunk_layers = max(rank_layers(spec, layout)) / layout.virtual
     tokens = knobs.micro_batch_size * seq_len
     outputs = tokens // (layout.tensor if knobs.sequence_parallel else 1) * spec.hidden_size * activation_bytes(knobs)
-    on_host = knobs.offload_residuals * block_input_bytes(sliced, knobs, tokens)
-    activations = layer_activation_bytes(sliced, knobs, tokens, machine.device) - on_host
+    on_host_bytes = knobs.offload_residuals * block_input_bytes(sliced, knobs, tokens)
+    activations = layer_activation_bytes(sliced, knobs, tokens, machine.device) - on_host_bytes
     kept_for_weights = weight_gradient_inputs_bytes(sliced, knobs, tokens)
     extra = int(max(max(0, in_flight - layout.virtual) * chunk_layers * activations + in_flight * outputs +
                     awaiting * chunk_layers * kept_for_weights
                     for in_flight, awaiting in zip(order_run.in_flight, order_run.awaiting_weights)))
     if knobs.pipeline_schedule == "gpipe":  # the last stage runs every loss before the first backward pass
         extra += (knobs.grad_accum_steps - 1) * head_gradients_bytes(sliced, knobs, tokens)
-    extra_host = int(max(0, max(order_run.in_flight) - layout.virtual) * chunk_layers * on_host *
-                     machine.gpus_per_node)
+    extra_host_bytes = int(max(0, max(order_run.in_flight) - layout.virtual) * chunk_layers * on_host_bytes *
+                           machine.gpus_per_node)
     return dataclasses.replace(m, gpu_peak=m.gpu_peak + extra,
                                gpu=m.gpu | {"activations": m.gpu["activations"] + extra},
                                peak_phase=m.peak_phase | {"activations": m.peak_phase["activations"] + extra},
-                               host=m.host | {"activations": m.host["activations"] + extra_host})
+                               host=m.host | {"activations": m.host["activations"] + extra_host_bytes})
 
 
 @dataclass(frozen=True)
@@ -213,8 +218,8 @@ class LayoutStep:
     """The time that rank waits in the pipeline's step."""
     computed_less_s: float
     """What that rank computes less than the view prices: blocks of the view's rank it does not hold, or the head."""
-    first_fetch_s: float
-    """What that rank's passes wait for their first blocks' weights (`first_block_fetch`)."""
+    first_block_waits_s: float
+    """What that rank's passes wait for their first blocks' weights and inputs (`first_block_waits`)."""
 
 
 def layout_step(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> LayoutStep:
@@ -227,25 +232,26 @@ def layout_step(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -
     layers, has_head = rank_layers(spec, layout)[busiest], busiest == layout.pipeline - 1
     forward, backward = block_passes(spec, knobs, machine, c, TensorParallelCosts(0.0, 0.0, 0.0, 0.0))
     per_layer = (sum(forward) + sum(backward)) / spec.num_layers  # a block of the view's (casts averaged)
-    fetch_forward, fetch_backward = first_block_fetch(knobs, c, dp.num_gpus) if layout.pipeline > 1 else (0.0, 0.0)
-    first_fetch = layout.virtual * (fetch_forward + fetch_backward) - \
-        has_head * min(c.head_forward_backward + tp.head, fetch_backward)
+    forward_s, backward_s, last_backward_s = first_block_waits(knobs, c, dp.num_gpus, c.head_forward_backward +
+                                                               tp.head) if layout.pipeline > 1 else (0.0, 0.0, 0.0)
+    first_waits_s = layout.virtual * (forward_s + backward_s) + has_head * (last_backward_s - backward_s)
     return LayoutStep(simulate(sliced, seq_len, knobs, dp),
                       m * (layers * (tp.forward + tp.backward + tp.recompute) + has_head * tp.head),
                       max(0.0, run.step_s - run.busy_s[busiest]),
                       m * ((sliced.num_layers - layers) * per_layer + (not has_head) * c.head_forward_backward),
-                      m * first_fetch)
+                      m * first_waits_s)
 
 
 def layout_simulation(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine) -> Simulation:
     """The view's simulated step, its blocks' and head's passes replaced by the pipeline's (`layout_step`): tensor
     parallelism's collectives charged to exposed communication, the bubble to "other" (the compute stream waits),
-    the passes' first weights to exposed communication (gathered) or offload (streamed), and what the busiest rank
-    computes less than the view taken off compute."""
+    the passes' first blocks' waits to exposed communication (gathered) or offload (from the host), and what the
+    busiest rank computes less than the view taken off compute."""
     step = layout_step(spec, seq_len, knobs, machine)
     time_s = dict(step.view.time_s)
     time_s["exposed_comm"] += step.tensor_parallel_s
-    time_s["exposed_comm" if knobs.shard_weights else "exposed_offload"] += step.first_fetch_s
+    gathered = knobs.shard_weights and layout_of_knobs(knobs, machine.num_gpus).data > 1
+    time_s["exposed_comm" if gathered else "exposed_offload"] += step.first_block_waits_s
     time_s["other"] += step.bubble_s
     time_s["compute"] = max(0.0, time_s["compute"] - step.computed_less_s)
     return dataclasses.replace(step.view, step_time_s=sum(time_s.values()), time_s=time_s)

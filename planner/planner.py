@@ -116,7 +116,7 @@ def _search(problem: Problem, fixed: dict, lower: bool, r: PlanRequest,
     space = space_of(problem)
     pipelines = tuple(p for p in space.get("pipeline_parallel", ()) if p > 1)
     ranked = [*searched(dataclasses.replace(problem, layouts=False), "-data-parallel"),
-              *(searched(problem, "-tensor-parallel", (1,)) if "tensor_parallel" in space else []),
+              *(searched(problem, "-tensor-parallel", (1,)) if max(space.get("tensor_parallel", (1,))) > 1 else []),
               *(searched(problem, "-pipeline-parallel", pipelines) if pipelines else [])]
     return rank(problem, list({c.knobs: c for c in ranked}.values())), space
 

@@ -138,8 +138,7 @@ def with_layout(problem: Problem, values: dict) -> dict:
     of micro-batches; zero bubble (pinned) with the knobs it composes with (fastml.plan.Knobs); sequence parallelism
     only with tensor parallelism; a drawn fp8 only where a rank's slices suit it; and the knobs a layout does
     not compose with at their defaults (fastml.plan.Knobs: the memcpy collectives and shared host weights), and with a
-    pipeline, offload fractions made 0 or 1. With the
-    grad_accum_steps of the data-parallel rank's sequences."""
+    pipeline, offload fractions made 0 or 1. With the grad_accum_steps of the data-parallel rank's sequences."""
     fixed = dict(values)
     tensor, pipeline, virtual = fixed["tensor_parallel"], fixed["pipeline_parallel"], fixed["virtual_stages"]
     while problem.machine.num_gpus % (tensor * pipeline):

@@ -225,3 +225,27 @@ def test_weights_loaded_into_streamed_masters_are_rounded_as_the_weights():
     _load_model(model, source.__getitem__)
     for name, t in model.state_dict().items():
         assert torch.equal(t, source[name].to(torch.bfloat16).to(t.dtype)), name
+
+
+def test_block_inputs_in_flight_each_have_a_host_buffer_reused_once_back():
+    """A pipeline stage holds several micro-batches' block inputs at once (under GPipe every forward pass comes before
+    the first backward pass): each goes to a host buffer of its own, comes back whole, and the next step's inputs
+    reuse those buffers."""
+    from fastml.executor.memory.offload import HostOffload
+    from fastml.executor.memory.streams import Copier
+
+    cpu = torch.device("cpu")
+    offload = HostOffload(cpu_plan(offload_residuals=1.0), {"blocks.0": {}}, cpu, Copier(cpu), torch.float32)
+    first_buffers = None
+    for step in range(2):
+        inputs = [torch.full((2, 3), 10.0 * step + m) for m in range(3)]
+        for m, x in enumerate(inputs):
+            offload.residual_to_host("blocks.0", m, x)
+        assert all(x.untyped_storage().nbytes() == 0 for x in inputs)  # gone from the "GPU"
+        for m in reversed(range(3)):
+            offload.fetch_residual("blocks.0", m)
+            offload.wait_residual("blocks.0", m)
+            assert torch.equal(inputs[m], torch.full((2, 3), 10.0 * step + m))
+        buffers = {t.data_ptr() for t in offload.host_tensors()["activations"]}
+        assert len(buffers) == 3 and buffers == (first_buffers or buffers)
+        first_buffers = buffers

@@ -1,7 +1,7 @@
 """Pipeline parallelism on CPU processes over gloo: jobs of 2 ranks (PP 2 in each schedule, with a tied embedding,
-with the optimizer stepping on the CPU, with block inputs in host memory) and of 4 (TP 2 x PP 2 with sequence parallelism, PP 2 x DP 2 with ZeRO-2
-and with ZeRO-3), each trained a few steps and compared with one process taking every micro-batch; checkpoints
-resumed at another layout.
+with the optimizer stepping on the CPU, with block inputs in host memory) and of 4 (TP 2 x PP 2 with sequence
+parallelism, PP 2 x DP 2 with ZeRO-2 and with ZeRO-3), each trained a few steps and compared with one process taking
+every micro-batch; checkpoints resumed at another layout.
 
 Tolerances: a pipeline stage computes what one process computes, in the same order, for the same micro-batches;
 what differs is the order of sums: the gradient norm adds per-stage sums of squares (the one process adds every
@@ -35,6 +35,12 @@ DEEP_TIED = dataclasses.replace(DEEP, tied_embeddings=True, qkv_bias=True, qk_no
 
 def pipeline_plan(ranks: int, tensor: int = 1, steps: int = 3, model=DEEP, **knobs):
     return layout_plan(ranks, tensor, steps, model, pipeline_parallel=2, **knobs)
+
+
+def evaluated_every_step(p):
+    """The validation loss after every step, not only the last: a step's passes then follow forward passes without
+    gradients, which leave the head's gathered weights as they found them."""
+    return dataclasses.replace(p, training=dataclasses.replace(p.training, eval_interval=1))
 
 
 PLANS = {
@@ -76,7 +82,8 @@ FOUR_RANK_PLANS = {
                                             pipeline_schedule="zero_bubble", virtual_stages=2),
     # ZeRO-3: the last stage runs every micro-batch's head before the first backward pass, which reads the final
     # norm's gathered weight; interleaved, each block's gathered weights cached on the host once a step
-    "pp2-dp2-zero3-gpipe": pipeline_plan(4, model=DEEP_TIED, pipeline_schedule="gpipe", **ZERO[3]),
+    "pp2-dp2-zero3-gpipe": evaluated_every_step(pipeline_plan(4, model=DEEP_TIED, pipeline_schedule="gpipe",
+                                                              **ZERO[3])),
     "pp2-dp2-zero3-interleaved-cached": pipeline_plan(4, model=DEEP_TIED, pipeline_schedule="interleaved_1f1b",
                                                       virtual_stages=2, cache_weights_on_host=True, **ZERO[3]),
 }
@@ -84,14 +91,16 @@ FOUR_RANK_PLANS = {
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Every plan above, by its jobs (one of 2 ranks, one of 4), and checkpoints: a PP 2 run and a PP 2 x DP 2 ZeRO-3
-    run saved at step 2 of 4."""
+    """Every plan above, by its jobs (one of 2 ranks, one of 4), and checkpoints: a PP 2 run and PP 2 x DP 2 ZeRO-2
+    and ZeRO-3 runs saved at step 2 of 4."""
     path = tmp_path_factory.mktemp("pipeline-parallel")
     saved = with_checkpoints(pipeline_plan(2, steps=4, model=DEEP_TIED), path / "ck-pp2")
     job(path, PLANS, ranks=2, more=[{"plan": saved, "log": path / "saved.jsonl"}])
-    saved_zero = with_checkpoints(pipeline_plan(4, steps=4, model=DEEP_TIED, pipeline_schedule="interleaved_1f1b",
-                                                virtual_stages=2, **ZERO[3]), path / "ck-zero")
-    job(path, FOUR_RANK_PLANS, ranks=4, more=[{"plan": saved_zero, "log": path / "saved-zero.jsonl"}])
+    saved_zero = [{"plan": with_checkpoints(pipeline_plan(4, steps=4, model=DEEP_TIED, virtual_stages=2,
+                                                          pipeline_schedule="interleaved_1f1b", **ZERO[stage]),
+                                            path / f"ck-zero{stage}"), "log": path / f"saved-zero{stage}.jsonl"}
+                  for stage in (2, 3)]
+    job(path, FOUR_RANK_PLANS, ranks=4, more=saved_zero)
     return path
 
 
@@ -111,12 +120,14 @@ def test_a_pipeline_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path
     assert_continues(got, records(trained / "saved.jsonl"))
 
 
-def test_a_pipeline_zero_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, trained):
-    """Each rank of an interleaved PP 2 x DP 2 ZeRO-3 run writes its shard of its stages' optimizer state (the tied
-    embedding's by both stages) and its stages' weights gathered whole; one process reads them and takes the steps the
-    four ranks took."""
-    got = resumed_alone(tmp_path, trained / "ck-zero" / "step-00000002", pipeline_plan(4, steps=4, model=DEEP_TIED))
-    assert_continues(got, records(trained / "saved-zero.jsonl"))
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_pipeline_zero_checkpoint_resumes_in_one_process_on_the_same_curve(tmp_path, trained, stage):
+    """Each rank of an interleaved PP 2 x DP 2 ZeRO-2 or ZeRO-3 run writes its shard of its stages' optimizer state
+    (the tied embedding's by both stages), with ZeRO-3 its stages' weights gathered whole; one process reads them and
+    takes the steps the four ranks took."""
+    got = resumed_alone(tmp_path, trained / f"ck-zero{stage}" / "step-00000002",
+                        pipeline_plan(4, steps=4, model=DEEP_TIED))
+    assert_continues(got, records(trained / f"saved-zero{stage}.jsonl"))
 
 
 def test_one_process_checkpoint_resumes_at_pipeline_parallel_2(tmp_path):

@@ -158,12 +158,10 @@ class HostOffload:
         storage = x.untyped_storage()
         if not x.is_contiguous() or storage.nbytes() != x.nbytes:
             raise RuntimeError(f"{group}: its input does not own its storage; offload_residuals cannot move it")
-        free = [(h, e) for h, e in self._free_residuals.get(group, []) if h.shape == x.shape and h.dtype == x.dtype]
-        host, copied_back = free[0] if free else (None, None)
-        if host is None:
-            host = pinned_empty(x.numel(), x.dtype, self.copier.cuda).view(x.shape)
-        else:
-            self._free_residuals[group].remove(free[0])
+        free = self._free_residuals.setdefault(group, [])
+        fitting = next((i for i, (h, _) in enumerate(free) if h.shape == x.shape and h.dtype == x.dtype), None)
+        host, copied_back = free.pop(fitting) if fitting is not None else \
+            (pinned_empty(x.numel(), x.dtype, self.copier.cuda).view(x.shape), None)
         key = (group, micro_batch)
         self.residuals[key] = host
         # once the buffer's last input has come back from it

@@ -184,6 +184,10 @@ class Placement:
             raise RuntimeError(f"{unfinished[0]}: {self._accumulated[unfinished[0]]} of its "
                                f"{len(self.params[unfinished[0]])} parameters had a gradient in this backward pass; "
                                f"every parameter must take part in the loss")
+        awaiting = [group for group, count in self._awaiting_gradients.items() if count]
+        if awaiting:  # kept whole, the next step would compute with these weights as they were before its update
+            raise RuntimeError(f"{awaiting[0]}: {self._awaiting_gradients[awaiting[0]]} forward passes of this step "
+                               f"had no backward pass")
         if self.parallel is not None:
             self.parallel.finish()
         self.offload.finish()
