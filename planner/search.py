@@ -446,10 +446,11 @@ def _climb(space: dict[str, tuple], current: dict, best: float, speed: Callable[
 
 def _steps_to_less_memory(space: dict[str, tuple], current: dict, skip: str):
     """(knob, value): for each knob but `skip`, its neighbouring choice toward the one that needs the least memory
-    (`smallest_choice`), where it is not there yet."""
+    (`smallest_choice`), where it is not there yet (nor at a value `with_layout` made of a choice, such as a pipeline
+    shortened to divide the GPUs)."""
     least = smallest_choice(space)
     for name, choices in space.items():
-        if name != skip and current[name] != least[name]:
+        if name != skip and current[name] != least[name] and current[name] in choices:
             here, there = choices.index(current[name]), choices.index(least[name])
             yield name, choices[here + (1 if there > here else -1)]
 
