@@ -9,6 +9,7 @@ point-to-point sends the traffic that crosses nodes best.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -110,6 +111,16 @@ def pipeline_order(schedule: str, pipeline: int, micro_batches: int, virtual: in
     """Per pipeline rank, its passes in the order it runs them. 1F1B's, interleaved 1F1B's and zero bubble's are
     torch.distributed.pipelining's (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble;
     tests/test_model_parallel.py compares them)."""
+    return [list(actions) for actions in _pipeline_order(schedule, pipeline, micro_batches, virtual)]
+
+
+@functools.lru_cache(maxsize=256)
+def _pipeline_order(schedule: str, pipeline: int, micro_batches: int, virtual: int) -> tuple[tuple[Action, ...], ...]:
+    """`pipeline_order`, kept: the planner prices the same few orders for many plans."""
+    return tuple(map(tuple, _order(schedule, pipeline, micro_batches, virtual)))
+
+
+def _order(schedule: str, pipeline: int, micro_batches: int, virtual: int) -> list[list[Action]]:
     if schedule == "gpipe":
         return [[Action("F", j, r) for j in range(micro_batches)] + [Action("B", j, r) for j in range(micro_batches)]
                 for r in range(pipeline)]

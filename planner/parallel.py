@@ -26,7 +26,7 @@ from fastml.planner.costs import Costs, costs, link_bytes_per_s, recomputed_weig
 from fastml.planner.hardware import Machine
 from fastml.planner.memory import (Memory, activation_bytes, block_input_bytes, head_weight_gradient_bytes,
                                   layer_activation_bytes, memory, weight_gradient_inputs_bytes)
-from fastml.planner.pipeline import PipelineRun, run_pipeline
+from fastml.planner.pipeline import PipelineRun, held_at_once, run_pipeline
 from fastml.planner.simulate import Simulation, simulate
 
 LOSS_STATISTICS = 3
@@ -187,8 +187,8 @@ def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine)
     if knobs.pipeline_parallel == 1:
         return m
     layout = layout_of_knobs(knobs, machine.num_gpus)
-    order_run = pipeline_run(spec, seq_len, knobs, machine, costs(sliced, seq_len, knobs, dp),
-                             TensorParallelCosts(0.0, 0.0, 0.0, 0.0), dp.num_gpus)
+    in_flights, awaitings = held_at_once(knobs.pipeline_schedule, layout.pipeline, knobs.grad_accum_steps,
+                                         layout.virtual)
     chunk_layers = max(rank_layers(spec, layout)) / layout.virtual
     tokens = knobs.micro_batch_size * seq_len
     outputs = tokens // (layout.tensor if knobs.sequence_parallel else 1) * spec.hidden_size * activation_bytes(knobs)
@@ -197,10 +197,10 @@ def layout_memory(spec: ModelSpec, seq_len: int, knobs: Knobs, machine: Machine)
     kept_for_weights = weight_gradient_inputs_bytes(sliced, knobs, tokens)
     extra = int(max(max(0, in_flight - layout.virtual) * chunk_layers * activations + in_flight * outputs +
                     awaiting * chunk_layers * kept_for_weights
-                    for in_flight, awaiting in zip(order_run.in_flight, order_run.awaiting_weights)))
+                    for in_flight, awaiting in zip(in_flights, awaitings)))
     if knobs.pipeline_schedule == "gpipe":  # the last stage runs every loss before the first backward pass
         extra += (knobs.grad_accum_steps - 1) * head_gradients_bytes(sliced, knobs, tokens)
-    extra_host_bytes = int(max(0, max(order_run.in_flight) - layout.virtual) * chunk_layers * on_host_bytes *
+    extra_host_bytes = int(max(0, max(in_flights) - layout.virtual) * chunk_layers * on_host_bytes *
                            machine.gpus_per_node)
     return dataclasses.replace(m, gpu_peak=m.gpu_peak + extra,
                                gpu=m.gpu | {"activations": m.gpu["activations"] + extra},

@@ -11,6 +11,7 @@ the closed forms.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from fastml.layout import Action, pipeline_order, splits_backward
@@ -64,8 +65,15 @@ def run_pipeline(schedule: str, pipeline: int, micro_batches: int, virtual: int,
         if not progressed:
             raise ValueError(f"the {schedule} order deadlocks: rank passes wait on each other")
     busy = [sum(seconds_of[a.kind][a.stage] for a in actions) for actions in order]
-    return PipelineRun(max(rank_free), tuple(busy), tuple(_most_between(actions, "F", "B") for actions in order),
-                       tuple(_most_between(actions, "B", "W") if splits_backward(schedule) else 0 for actions in order))
+    return PipelineRun(max(rank_free), tuple(busy), *held_at_once(schedule, pipeline, micro_batches, virtual))
+
+
+@functools.lru_cache(maxsize=256)
+def held_at_once(schedule: str, pipeline: int, micro_batches: int, virtual: int) -> tuple[tuple[int, ...], ...]:
+    """`PipelineRun.in_flight` and `.awaiting_weights`: what the order alone decides, whatever the passes' times."""
+    order = pipeline_order(schedule, pipeline, micro_batches, virtual)
+    return (tuple(_most_between(actions, "F", "B") for actions in order),
+            tuple(_most_between(actions, "B", "W") if splits_backward(schedule) else 0 for actions in order))
 
 
 def _input_ready(action: Action, stages: int, pipeline: int, done: dict[Action, float],
