@@ -46,8 +46,7 @@ def main() -> None:
         rows.append(chosen(request))
         row = rows[-1]
         print(f"{request['model']} on {request['gpus'] * request.get('nodes', 1)} GPUs {request.get('overrides', '')}: "
-              f"{row['kind']} "
-              f"{row['layout']}, {row['tokens_per_s']:,.0f} tokens/s", flush=True)
+              f"{row['kind']} {row['layout']}, {row['tokens_per_s']:,.0f} tokens/s", flush=True)
     write_result("layout_choices.json", {"choices": rows})
 
 

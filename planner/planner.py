@@ -105,19 +105,18 @@ def _search(problem: Problem, fixed: dict, lower: bool, r: PlanRequest,
     def space_of(p: Problem) -> dict[str, tuple]:
         return whole_rounds(pinned_space(knob_space(p, lower_precision=lower), fixed, p.spec), p)
 
-    def searched(p: Problem, suffix: str, pipelines: tuple | None = None) -> list[Candidate]:
-        space = space_of(p)
-        if pipelines is not None:
-            space["pipeline_parallel"] = pipelines
+    def searched(p: Problem, space: dict[str, tuple], suffix: str) -> list[Candidate]:
         return search(p, space, r.trials, storage=_storage(r.study), on_trial=on_trial,
                       study_name=_study_name(p, r.hw is None, lower) + suffix)
-    if not problem.layouts or set(fixed) & set(LAYOUT_KNOBS):
-        return searched(problem, ""), space_of(problem)
     space = space_of(problem)
+    if not problem.layouts or set(fixed) & set(LAYOUT_KNOBS):
+        return searched(problem, space, ""), space
+    flat = dataclasses.replace(problem, layouts=False)
     pipelines = tuple(p for p in space.get("pipeline_parallel", ()) if p > 1)
-    ranked = [*searched(dataclasses.replace(problem, layouts=False), "-data-parallel"),
-              *(searched(problem, "-tensor-parallel", (1,)) if max(space.get("tensor_parallel", (1,))) > 1 else []),
-              *(searched(problem, "-pipeline-parallel", pipelines) if pipelines else [])]
+    ranked = [*searched(flat, space_of(flat), "-data-parallel"),
+              *(searched(problem, space | {"pipeline_parallel": (1,)}, "-tensor-parallel")
+                if max(space.get("tensor_parallel", (1,))) > 1 else []),
+              *(searched(problem, space | {"pipeline_parallel": pipelines}, "-pipeline-parallel") if pipelines else [])]
     return rank(problem, list({c.knobs: c for c in ranked}.values())), space
 
 
