@@ -41,31 +41,51 @@ def run_pipeline(schedule: str, pipeline: int, micro_batches: int, virtual: int,
     """The step of `pipeline` ranks, each virtual stage s's forward and backward pass taking forward_s[s] and
     backward_s[s] (the last stage's forward pass with the loss); weights_s[s] of that backward pass makes the
     weights' gradients, a pass of its own where the schedule splits them off (`splits_backward`)."""
-    order = pipeline_order(schedule, pipeline, micro_batches, virtual)
     weights_s = weights_s if weights_s is not None and splits_backward(schedule) else [0.0] * len(backward_s)
     seconds_of = {"F": forward_s, "B": [b - w for b, w in zip(backward_s, weights_s)], "W": weights_s}
-    stages = pipeline * virtual
-    done: dict[Action, float] = {}
     rank_free = [0.0] * pipeline
-    position = [0] * pipeline
-    remaining = sum(map(len, order))
-    while remaining:
-        progressed = False
-        for rank in range(pipeline):
-            while position[rank] < len(order[rank]):
-                action = order[rank][position[rank]]
-                ready = _input_ready(action, stages, pipeline, done, p2p_s)
-                if ready is None:
-                    break
-                start = max(rank_free[rank], ready)
-                done[action] = rank_free[rank] = start + seconds_of[action.kind][action.stage]
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise ValueError(f"the {schedule} order deadlocks: rank passes wait on each other")
-    busy = [sum(seconds_of[a.kind][a.stage] for a in actions) for actions in order]
+    busy = [0.0] * pipeline
+    done: list[float] = []
+    for rank, kind, stage, source, same_rank in zip(*_passes_in_order(schedule, pipeline, micro_batches, virtual)):
+        ready = 0.0 if source < 0 else done[source] + (0.0 if same_rank else p2p_s)
+        seconds = seconds_of[kind][stage]
+        rank_free[rank] = max(rank_free[rank], ready) + seconds
+        done.append(rank_free[rank])
+        busy[rank] += seconds
     return PipelineRun(max(rank_free), tuple(busy), *held_at_once(schedule, pipeline, micro_batches, virtual))
+
+
+@functools.lru_cache(maxsize=32)
+def _passes_in_order(schedule: str, pipeline: int, micro_batches: int,
+                     virtual: int) -> tuple[tuple, tuple, tuple, tuple, tuple]:
+    """Every pass of the step as columns (rank, kind, stage, source, same_rank), each after the pass before it on its rank
+    and after `source`, the index of the pass whose output it takes (-1 for none; `same_rank` where that pass ran
+    on its rank, so no send): one walk over it prices a step, whatever order the ranks' clocks interleave in. The
+    planner prices the same few orders for many plans, and found which pass waits on which at every step before
+    (28.8 million such lookups to plan 1,024 GPUs)."""
+    order = pipeline_order(schedule, pipeline, micro_batches, virtual)
+    stages = pipeline * virtual
+    index: dict[Action, int] = {}
+    passes = []
+    position = [0] * pipeline
+    blocked_on: dict[Action, list[int]] = {}  # a pass not placed yet: the ranks whose next pass waits for it
+    runnable = list(range(pipeline))
+    while runnable:
+        rank = runnable.pop()
+        while position[rank] < len(order[rank]):
+            action = order[rank][position[rank]]
+            source = _source(action, stages)
+            if source is not None and source not in index:
+                blocked_on.setdefault(source, []).append(rank)
+                break
+            index[action] = len(passes)
+            passes.append((rank, action.kind, action.stage, -1 if source is None else index[source],
+                           source is not None and source.stage % pipeline == rank))
+            position[rank] += 1
+            runnable.extend(blocked_on.pop(action, ()))
+    if len(passes) < sum(map(len, order)):
+        raise ValueError(f"the {schedule} order deadlocks: rank passes wait on each other")
+    return tuple(zip(*passes))
 
 
 @functools.lru_cache(maxsize=256)
@@ -76,23 +96,15 @@ def held_at_once(schedule: str, pipeline: int, micro_batches: int, virtual: int)
             tuple(_most_between(actions, "B", "W") if splits_backward(schedule) else 0 for actions in order))
 
 
-def _input_ready(action: Action, stages: int, pipeline: int, done: dict[Action, float],
-                 p2p_s: float) -> float | None:
-    """When the pass's input is on its rank, or None where the pass it waits for has not run yet."""
+def _source(action: Action, stages: int) -> Action | None:
+    """The pass whose output `action` takes as its input, or None for a first stage's forward pass."""
     if action.kind == "W":  # its own backward pass's
-        source = action._replace(kind="B")
-    elif action.kind == "F":
-        source = Action("F", action.micro_batch, action.stage - 1) if action.stage > 0 else None
-    elif action.stage == stages - 1:  # the loss's gradient, made by this stage's own forward pass
-        source = Action("F", action.micro_batch, action.stage)
-    else:
-        source = Action("B", action.micro_batch, action.stage + 1)
-    if source is None:
-        return 0.0
-    if source not in done:
-        return None
-    same_rank = source.stage % pipeline == action.stage % pipeline
-    return done[source] + (0.0 if same_rank else p2p_s)
+        return action._replace(kind="B")
+    if action.kind == "F":
+        return Action("F", action.micro_batch, action.stage - 1) if action.stage > 0 else None
+    if action.stage == stages - 1:  # the loss's gradient, made by this stage's own forward pass
+        return Action("F", action.micro_batch, action.stage)
+    return Action("B", action.micro_batch, action.stage + 1)
 
 
 def _most_between(actions: list[Action], opens: str, closes: str) -> int:

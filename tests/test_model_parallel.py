@@ -7,7 +7,7 @@ import pytest
 
 from fastml.config import UserError
 from fastml.layout import Action, Layout, interleaved_rounds, pipeline_order, stage_layers
-from fastml.plan import Hardware, Knobs, Plan, Training
+from fastml.plan import ZERO_STAGES, Hardware, Knobs, Plan, Training
 from fastml.planner.costs import costs
 from fastml.planner.hardware import load_machine
 from fastml.planner.memory import block_input_bytes, layer_activation_bytes, weight_gradient_inputs_bytes
@@ -15,7 +15,7 @@ from fastml.planner.parallel import (first_block_waits, head_gradients_bytes, la
                                      layout_step, rank_layers, tensor_parallel_costs, view)
 from fastml.planner.pipeline import run_pipeline
 from fastml.planner.planner import make_plan
-from fastml.planner.search import Problem, layout_choices, make_knobs
+from fastml.planner.search import Problem, _least_sharding, fits, knob_space, layout_choices, make_knobs
 from fastml.spec import PRESETS
 
 
@@ -300,6 +300,25 @@ def test_a_pinned_zero_bubble_schedule_is_planned_with_the_knobs_it_goes_with():
     assert not knobs.compile and knobs.offload_weights == knobs.offload_gradients == 0
 
 
+def test_footholds_are_the_plans_at_the_edge_of_what_fits():
+    """Each plan `_least_sharding` finds fits, and does not with one ZeRO stage fewer; each recomputes more and
+    shards less than the one before it. The search starts each layout from them."""
+    problem = Problem(SPEC, 2048, 2**20, H100S, layouts=True)
+    space = knob_space(problem, lower_precision=False)
+    base = {n: c[0] for n, c in space.items()} | {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batch_size": 8}
+    corners = _least_sharding(problem, space, base)
+    assert len(corners) >= 2
+    stages = [sum(corner[n] for n in ZERO_STAGES) for corner in corners]
+    recomputes = [space["recompute"].index(corner["recompute"]) for corner in corners]
+    assert stages == sorted(stages, reverse=True) and len(set(stages)) == len(stages)
+    assert recomputes == sorted(recomputes) and len(set(recomputes)) == len(recomputes)
+    for corner, stage in zip(corners, stages):
+        assert fits(problem, make_knobs(problem, corner))
+        if stage:
+            fewer = corner | {n: i < stage - 1 for i, n in enumerate(ZERO_STAGES)}
+            assert not fits(problem, make_knobs(problem, fewer))
+
+
 def test_fp8_goes_with_a_layout_whose_slices_suit_it():
     """A drawn fp8 stays fp8 with tensor and pipeline parallelism, but not with a pinned zero bubble (fp8 linears
     make their weight gradients in their own backward pass); a tensor-parallel size whose slices do not suit fp8
@@ -317,10 +336,13 @@ def test_fp8_goes_with_a_layout_whose_slices_suit_it():
 
 def test_the_planner_weighs_layouts_for_other_hardware():
     """A 70B on 16 nodes of 8 H100s at a million tokens a step (8 sequences a GPU) is predicted faster with tensor and
-    pipeline parallelism, and the plan says why; an 8B on one node stays data parallel."""
+    pipeline parallelism, and the plan says why; so is a 72B on 4 nodes, whose data-parallel plans need ZeRO-3; an 8B
+    on one node stays data parallel."""
     big = make_plan(model="llama-3.1-70b", hw="h100-sxm", gpus=8, nodes=16, global_batch_tokens=2**20, trials=40)
     assert big.plan.knobs.tensor_parallel * big.plan.knobs.pipeline_parallel > 1
     assert any(note.startswith("layout tensor") and "data-parallel plan" in note for note in big.notes)
+    qwen = make_plan(model="qwen2.5-72b", hw="h100-sxm", gpus=8, nodes=4, global_batch_tokens=2**20, trials=40)
+    assert qwen.plan.knobs.tensor_parallel > 1 and qwen.plan.knobs.pipeline_parallel > 1
     small = make_plan(model="llama-3.1-8b", hw="h100-sxm", gpus=8, trials=40)
     assert small.plan.knobs.tensor_parallel == small.plan.knobs.pipeline_parallel == 1
     assert any(note.startswith("data parallel alone") for note in small.notes)
