@@ -12,6 +12,7 @@ the closed forms.
 from __future__ import annotations
 
 import functools
+from array import array
 from dataclasses import dataclass
 
 from fastml.layout import Action, pipeline_order, splits_backward
@@ -42,7 +43,7 @@ def run_pipeline(schedule: str, pipeline: int, micro_batches: int, virtual: int,
     backward_s[s] (the last stage's forward pass with the loss); weights_s[s] of that backward pass makes the
     weights' gradients, a pass of its own where the schedule splits them off (`splits_backward`)."""
     weights_s = weights_s if weights_s is not None and splits_backward(schedule) else [0.0] * len(backward_s)
-    seconds_of = {"F": forward_s, "B": [b - w for b, w in zip(backward_s, weights_s)], "W": weights_s}
+    seconds_of = (forward_s, [b - w for b, w in zip(backward_s, weights_s)], weights_s)  # by PASS_KINDS
     rank_free = [0.0] * pipeline
     busy = [0.0] * pipeline
     done: list[float] = []
@@ -55,14 +56,17 @@ def run_pipeline(schedule: str, pipeline: int, micro_batches: int, virtual: int,
     return PipelineRun(max(rank_free), tuple(busy), *held_at_once(schedule, pipeline, micro_batches, virtual))
 
 
-@functools.lru_cache(maxsize=32)
-def _passes_in_order(schedule: str, pipeline: int, micro_batches: int,
-                     virtual: int) -> tuple[tuple, tuple, tuple, tuple, tuple]:
-    """Every pass of the step as columns (rank, kind, stage, source, same_rank), each after the pass before it on its rank
-    and after `source`, the index of the pass whose output it takes (-1 for none; `same_rank` where that pass ran
-    on its rank, so no send): one walk over it prices a step, whatever order the ranks' clocks interleave in. The
-    planner prices the same few orders for many plans, and found which pass waits on which at every step before
-    (28.8 million such lookups to plan 1,024 GPUs)."""
+PASS_KINDS = "FBW"
+
+
+@functools.lru_cache(maxsize=16)
+def _passes_in_order(schedule: str, pipeline: int, micro_batches: int, virtual: int) -> tuple[array, ...]:
+    """Every pass of the step as columns (rank, kind, stage, source, same_rank), each pass after the one before it
+    on its rank and after `source`, the index of the pass whose output it takes (-1 for none; `same_rank` where that
+    pass ran on its rank, so no send); `kind` indexes PASS_KINDS. One walk over it prices a step, whatever order the
+    ranks' clocks interleave in. The planner prices the same few orders for many plans, and found which pass waits
+    on which at every step before (28.8 million such lookups to plan 1,024 GPUs). Arrays, not tuples: the sampler
+    draws pipelines of millions of passes."""
     order = pipeline_order(schedule, pipeline, micro_batches, virtual)
     stages = pipeline * virtual
     index: dict[Action, int] = {}
@@ -79,13 +83,14 @@ def _passes_in_order(schedule: str, pipeline: int, micro_batches: int,
                 blocked_on.setdefault(source, []).append(rank)
                 break
             index[action] = len(passes)
-            passes.append((rank, action.kind, action.stage, -1 if source is None else index[source],
-                           source is not None and source.stage % pipeline == rank))
+            same_rank = source is not None and source.stage % pipeline == rank
+            passes.append((rank, PASS_KINDS.index(action.kind), action.stage,
+                           -1 if source is None else index[source], same_rank))
             position[rank] += 1
             runnable.extend(blocked_on.pop(action, ()))
     if len(passes) < sum(map(len, order)):
         raise ValueError(f"the {schedule} order deadlocks: rank passes wait on each other")
-    return tuple(zip(*passes))
+    return tuple(array(code, column) for code, column in zip("iBiqB", zip(*passes)))
 
 
 @functools.lru_cache(maxsize=256)

@@ -110,7 +110,7 @@ def _search(problem: Problem, fixed: dict, lower: bool, r: PlanRequest,
         return search(p, space, r.trials, storage=_storage(r.study), on_trial=on_trial,
                       study_name=_study_name(p, r.hw is None, lower) + suffix)
     space = space_of(problem)
-    if not problem.layouts or set(fixed) & set(LAYOUT_KNOBS):
+    if set(fixed) & set(LAYOUT_KNOBS) or not set(space) & {"tensor_parallel", "pipeline_parallel"}:
         return searched(problem, space, ""), space
     flat = dataclasses.replace(problem, layouts=False)
     ranked = searched(flat, space_of(flat), "-data-parallel") + searched(problem, space, "-layouts")

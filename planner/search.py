@@ -224,7 +224,7 @@ def _over_bytes(problem: Problem, m: Memory) -> tuple[int, int]:
     return m.gpu_peak - problem.gpu_budget(), m.host_total - problem.host_budget()
 
 
-def fits(problem: Problem, knobs: Knobs) -> bool:
+def fits_in_memory(problem: Problem, knobs: Knobs) -> bool:
     """Whether the plan fits the GPU and the host, without simulating its step."""
     return max(_over_bytes(problem, memory_any(problem.spec, problem.seq_len, knobs, problem.machine))) <= 0
 
@@ -466,13 +466,13 @@ def _steps_to_less_memory(space: dict[str, tuple], current: dict, skip: str):
 
 
 def _core_leaders(problem: Problem, space: dict[str, tuple], count: int = 5) -> list[tuple[dict, Candidate]]:
-    """Footholds for the sampler and the climbs (`search`): for each layout and micro-batch size, the plans that
-    offload and lower nothing (every knob but the batch, recompute, ZeRO and layout ones at its first choice) and fit
-    with the least ZeRO stage for their recompute (`_least_sharding`); of those, the fastest of each layout (of each
-    micro-batch size where the layout is fixed), the fastest `count` of them. The sampler would seldom draw that
-    many knobs at zero together, and the climbs move one knob at a time where changing the layout takes the batch,
-    recompute and ZeRO knobs along (qwen2.5-72b on 32 H100s: a climb from the best data-parallel plan never reaches
-    the pipeline 1.14x faster)."""
+    """Footholds for the sampler and the climbs (`search`): for each tensor x pipeline size and micro-batch size the
+    space offers, the plans that offload and lower nothing (every knob but those, recompute and ZeRO at its first
+    choice) and fit with the least ZeRO stage for their recompute (`_least_sharding`); of those, the first in `rank`'s
+    order of each layout (of each micro-batch size where the space offers one layout), the first `count` of them.
+    The sampler would seldom draw that many knobs at zero together, and the climbs move one knob at a time where
+    changing the layout takes the batch, recompute and ZeRO knobs along (qwen2.5-72b on 32 H100s: the climbs from
+    the sampler's best plans never reached the pipelines 1.14x faster than data parallelism)."""
     layouts = list(itertools.product(space.get("tensor_parallel", (1,)), space.get("pipeline_parallel", (1,))))
     first = {name: choices[0] for name, choices in space.items()}
     corners = []
@@ -480,45 +480,52 @@ def _core_leaders(problem: Problem, space: dict[str, tuple], count: int = 5) -> 
         layout = {n: v for n, v in (("tensor_parallel", tensor), ("pipeline_parallel", pipeline)) if n in space}
         for micro in space["micro_batch_size"]:
             corners += _least_sharding(problem, space, {**first, **layout, "micro_batch_size": micro})
-    fastest = {}
+    leaders = {}
     for choice, candidate in _ranked_choices(problem, corners, feasible_only=True):
         k = candidate.knobs
-        fastest.setdefault((k.tensor_parallel, k.pipeline_parallel) if len(layouts) > 1 else k.micro_batch_size,
+        leaders.setdefault((k.tensor_parallel, k.pipeline_parallel) if len(layouts) > 1 else k.micro_batch_size,
                            (choice, candidate))
-    return list(fastest.values())[:count]
+    return list(leaders.values())[:count]
 
 
 FOOTHOLD_PIPELINE_PASSES = 8192
 """The most micro-batch chunks a step's pipeline ranks run together (ranks x micro-batches x chunks a rank) in a
-foothold (`_core_leaders`). Pricing a step walks every pass (planner/pipeline.py), and 1,024 GPUs offer layouts of a
-million (64 ranks, 8,192 micro-batches) whose bubble a shorter step already makes small; the sampler still draws
+foothold (`_core_leaders`). Pricing a step walks every pass (planner/pipeline.py), and 1,024 GPUs offer layouts of
+a million (64 ranks, 8,192 micro-batches) whose bubble a shorter step already makes small; the sampler still draws
 them."""
 
 
 def _least_sharding(problem: Problem, space: dict[str, tuple], base: dict) -> list[dict]:
-    """`base` with each recompute choice (least recompute first) and the least ZeRO stage that fits with it, where
-    that stage is less than the one the recompute before needs (else the plan recomputes more for nothing): the
-    corners of the plans that fit, found by walking their edge, one memory estimate a step."""
+    """`base` with each recompute choice (in the space's order, which frees more memory as it goes) and the least ZeRO
+    stage that fits with it, where that stage is less than the choice before needs (else the plan recomputes more for
+    nothing): the corners of the plans that fit, found by walking their edge, one memory estimate a step. The walk
+    takes more sharding to need no more memory, and more recompute no more either; where either does not hold
+    (ZeRO's gathered head at two data-parallel ranks), it misses a corner, which only costs the search a foothold."""
     knobs = make_knobs(problem, base)
-    if knobs.pipeline_parallel * knobs.grad_accum_steps * knobs.virtual_stages > FOOTHOLD_PIPELINE_PASSES:
+    if knobs.pipeline_parallel > 1 and \
+            knobs.pipeline_parallel * knobs.grad_accum_steps * knobs.virtual_stages > FOOTHOLD_PIPELINE_PASSES:
         return []
     shards = [n for n in ZERO_STAGES if n in space]
-    stages = sorted({tuple(with_zero_stages({**base, **dict(zip(shards, drawn))})[n] for n in shards)
+    unsharded = {**dict.fromkeys(ZERO_STAGES, False), **base}
+    levels = sorted({tuple(with_zero_stages({**unsharded, **dict(zip(shards, drawn))})[n] for n in shards)
                      for drawn in itertools.product(*(space[n] for n in shards))}, key=sum)
-    recomputes = space.get("recompute", (base.get("recompute"),))
+    recomputes = space.get("recompute", (None,))
 
-    def plan(recompute: int, stage: int) -> dict:
-        return {**base, **dict(zip(shards, stages[stage])), **({"recompute": recomputes[recompute]}
-                                                                if "recompute" in space else {})}
-    corners, stage, least_so_far = [], len(stages) - 1, len(stages)
+    def plan(recompute_index: int, level_index: int) -> dict:
+        return {**base, **dict(zip(shards, levels[level_index])),
+                **({"recompute": recomputes[recompute_index]} if "recompute" in space else {})}
+
+    def fits_at(recompute_index: int, level_index: int) -> bool:
+        return fits_in_memory(problem, make_knobs(problem, plan(recompute_index, level_index)))
+    corners, level, least_so_far = [], len(levels) - 1, len(levels)
     for recompute in range(len(recomputes)):
-        if not fits(problem, make_knobs(problem, plan(recompute, stage))):
+        if not fits_at(recompute, level):
             continue
-        while stage > 0 and fits(problem, make_knobs(problem, plan(recompute, stage - 1))):
-            stage -= 1
-        if stage < least_so_far:
-            corners.append(plan(recompute, stage))
-            least_so_far = stage
+        while level > 0 and fits_at(recompute, level - 1):
+            level -= 1
+        if level < least_so_far:
+            corners.append(plan(recompute, level))
+            least_so_far = level
     return corners
 
 
