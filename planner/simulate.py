@@ -176,11 +176,14 @@ class _StepGraph:
         are ready; `blocker` is the op whose end it waited for last."""
         start, blocker = self.resource_free.get(resource, (0.0, None))
         ops = self.ops
+        kept = []
         for dep in deps:
-            if dep is not None and ops[dep].end > start:
-                start, blocker = ops[dep].end, dep
-        op = ops[name] = Op(resource, duration_s, category, tuple(d for d in deps if d is not None) if None in deps
-                            else tuple(deps), start, blocker, alloc, free, micro_batch)
+            if dep is not None:
+                kept.append(dep)
+                end = ops[dep].end
+                if end > start:
+                    start, blocker = end, dep
+        op = ops[name] = Op(resource, duration_s, category, tuple(kept), start, blocker, alloc, free, micro_batch)
         self.resource_free[resource] = (op.end, name)
         return name
 
