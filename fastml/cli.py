@@ -41,7 +41,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     results = []
     for hw in hardware:
         try:
-            with _trial_progress(console, args.trials, hw) as on_trial:
+            with _trial_progress(console, hw) as on_trial:
                 results.append((hw, make_plan(dataclasses.replace(request, hw=hw), on_trial=on_trial), ""))
         except NoFeasiblePlan as e:
             if len(hardware) == 1:
@@ -165,7 +165,8 @@ def check_data(data, seq_len: int, vocab_size: int) -> None:
 
 class SearchProgress:
     """The search's trials so far and the best tokens/s, once it has run for SHOW_AFTER_S: a live line on a
-    terminal, else (a pipe, a log file) a plain line every LOG_EVERY_S. Called as `on_trial(done, best)`.
+    terminal, else (a pipe, a log file) a plain line every LOG_EVERY_S. Called as `on_trial(done, trials, best)`
+    (fastml.planner.planner.make_plan).
 
     rich draws a live display only on a terminal: the progress bar this replaces showed nothing in a pipe or a log
     but a blank line, and sat at 0 while the search seeded itself."""
@@ -173,19 +174,19 @@ class SearchProgress:
     SHOW_AFTER_S = 1.0
     LOG_EVERY_S = 5.0
 
-    def __init__(self, console, trials: int, hw: str | None, clock=time.monotonic):
-        self.console, self.trials, self.clock = console, trials, clock
+    def __init__(self, console, hw: str | None, clock=time.monotonic):
+        self.console, self.clock = console, clock
         self.where = hw or "this machine"
         self.started_s = clock()
         self.live = None
         self.logged_s = None
 
-    def __call__(self, done: int, best_tokens_per_s: float) -> None:
+    def __call__(self, done: int, trials: int, best_tokens_per_s: float) -> None:
         elapsed_s = self.clock() - self.started_s
         if elapsed_s < self.SHOW_AFTER_S:
             return
         best = f"best {best_tokens_per_s:,.0f} tokens/s" if best_tokens_per_s else "nothing fits yet"
-        line = f"planning on {self.where}: trial {done}/{self.trials}, {best} ({elapsed_s:.0f} s)"
+        line = f"planning on {self.where}: trial {done}/{trials}, {best} ({elapsed_s:.0f} s)"
         if self.console.is_terminal and not self.console.is_dumb_terminal:
             self._show_live(line)
         elif self.logged_s is None or elapsed_s - self.logged_s >= self.LOG_EVERY_S:
@@ -208,9 +209,9 @@ class SearchProgress:
 
 
 @contextlib.contextmanager
-def _trial_progress(console, trials: int, hw: str | None):
+def _trial_progress(console, hw: str | None):
     """The search's progress (`SearchProgress`), as a context manager yielding the per-trial callback."""
-    progress = SearchProgress(console, trials, hw)
+    progress = SearchProgress(console, hw)
     try:
         yield progress
     finally:

@@ -7,6 +7,7 @@ the planner expects of it (`predicted`). It is validated on load and read-only a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -443,9 +444,13 @@ def offloaded_groups(knobs: Knobs, name: str, num_layers: int) -> frozenset[str]
     """The parameter groups that offload knob `name` places in host memory (for offload_residuals: the blocks whose
     input activations go to the host; for offload_gradients with sharded gradients, the blocks whose reduced shard of
     the gradients sums the micro-batches in host memory)."""
-    fraction = getattr(knobs, name)
+    return _first_groups(getattr(knobs, name), name in WHOLE_MODEL_OFFLOAD, num_layers)
+
+
+@functools.lru_cache(maxsize=1024)  # the planner asks for the same few sets for every plan it weighs
+def _first_groups(fraction: float, whole_model: bool, num_layers: int) -> frozenset[str]:
     groups = {block_group(i) for i in range(round(fraction * num_layers))}
-    if fraction == 1.0 and name in WHOLE_MODEL_OFFLOAD:
+    if fraction == 1.0 and whole_model:
         groups |= {"embed", "head"}
     return frozenset(groups)
 

@@ -13,7 +13,11 @@ import itertools
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# At import, not in `search`: optuna keeps the error of an optional import it lacks (redis), and with it the frames
+# that were running, so a `search` that imported it first would keep its every candidate alive to the end.
+import optuna
 
 from fastml.plan import (KNOBS, OFFLOAD_FRACTIONS, ZERO_BUBBLE_NEEDS, ZERO_STAGES, Knobs, fp8_cached_blocks,
                          fp8_shape_problem, master_streamed_groups, tensor_slice)
@@ -55,6 +59,17 @@ class Problem:
     layouts: bool = False
     """Search tensor and pipeline parallelism too (`layout_choices`): plans for other hardware alone, while the
     executor's layouts have run on CPU processes only, not yet on GPUs (issue 28)."""
+    # What this problem's plans were found to need and do, by knobs: the footholds' walks, the climbs and the
+    # planner's searches weigh many plans more than once. Not copied by dataclasses.replace, which may change what
+    # they depend on.
+    _knobs: dict[tuple, Knobs] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _memory: dict[Knobs, Memory] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _evaluated: dict[Knobs, Candidate] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def memory(self, knobs: Knobs) -> Memory:
+        if knobs not in self._memory:
+            self._memory[knobs] = memory_any(self.spec, self.seq_len, knobs, self.machine)
+        return self._memory[knobs]
 
     @property
     def sequences_per_gpu(self) -> int:
@@ -127,9 +142,12 @@ def space_size(space: dict[str, tuple]) -> int:
 
 
 def make_knobs(problem: Problem, choice: dict) -> Knobs:
-    defaults = {f.name: f.default for f in dataclasses.fields(Knobs)}
-    values = with_zero_stages({**defaults, **choice})
-    return Knobs(**without_no_ops(problem.spec, with_layout(problem, values), problem.machine.num_gpus))
+    key = tuple(choice.items())
+    if key not in problem._knobs:
+        defaults = {f.name: f.default for f in dataclasses.fields(Knobs)}
+        values = with_zero_stages({**defaults, **choice})
+        problem._knobs[key] = Knobs(**without_no_ops(problem.spec, with_layout(problem, values), problem.machine.num_gpus))
+    return problem._knobs[key]
 
 
 def with_layout(problem: Problem, values: dict) -> dict:
@@ -208,12 +226,15 @@ def without_no_ops(spec: ModelSpec, values: dict, num_gpus: int) -> dict:
 
 def evaluate(problem: Problem, knobs: Knobs) -> Candidate:
     """Memory first; only knobs that fit are simulated."""
-    m = memory_any(problem.spec, problem.seq_len, knobs, problem.machine)
-    gpu_over, host_over = _over_bytes(problem, m)
-    sim = None
-    if gpu_over <= 0 and host_over <= 0:
-        sim = simulate_any(problem.spec, problem.seq_len, knobs, problem.machine)
-    return Candidate(knobs=knobs, memory=m, simulation=sim, gpu_over_bytes=gpu_over, host_over_bytes=host_over)
+    if knobs not in problem._evaluated:
+        m = problem.memory(knobs)
+        gpu_over, host_over = _over_bytes(problem, m)
+        sim = None
+        if gpu_over <= 0 and host_over <= 0:
+            sim = simulate_any(problem.spec, problem.seq_len, knobs, problem.machine)
+        problem._evaluated[knobs] = Candidate(knobs=knobs, memory=m, simulation=sim, gpu_over_bytes=gpu_over,
+                                              host_over_bytes=host_over)
+    return problem._evaluated[knobs]
 
 
 def _over_bytes(problem: Problem, m: Memory) -> tuple[int, int]:
@@ -226,7 +247,7 @@ def _over_bytes(problem: Problem, m: Memory) -> tuple[int, int]:
 
 def fits_in_memory(problem: Problem, knobs: Knobs) -> bool:
     """Whether the plan fits the GPU and the host, without simulating its step."""
-    return max(_over_bytes(problem, memory_any(problem.spec, problem.seq_len, knobs, problem.machine))) <= 0
+    return max(_over_bytes(problem, problem.memory(knobs))) <= 0
 
 
 def evaluate_choice(problem: Problem, choice: dict) -> Candidate:
@@ -348,8 +369,6 @@ def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: 
            on_trial: Callable[[int, float], None] | None = None) -> list[Candidate]:
     """Runs the Optuna study; returns its distinct candidates ranked (`rank`), feasible ones first.
     `on_trial(trials_done, best_tokens_per_s)` is called after each trial (best 0 while nothing fits)."""
-    import optuna
-
     # ERROR: a trial that raises is logged at WARNING with its traceback before the error propagates, and a user's
     # error is one line (the CLI prints it).
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -382,7 +401,7 @@ def search(problem: Problem, space: dict[str, tuple], num_trials: int, storage: 
         return speed
 
     study.optimize(objective, n_trials=num_trials)
-    for trial in study.trials:  # trials of an earlier session of a resumed study
+    for trial in study.get_trials(deepcopy=False):  # trials of an earlier session of a resumed study
         if trial.params and set(trial.params) == set(encoded):
             choice = {n: _decode(n, v) for n, v in trial.params.items()}
             knobs = make_knobs(problem, choice)

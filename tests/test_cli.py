@@ -162,12 +162,12 @@ def test_search_progress_shows_after_a_second_then_every_few_seconds():
 
     out = io.StringIO()
     seconds = iter([0.0, 0.5, 1.2, 3.0, 6.5])
-    progress = SearchProgress(Console(file=out, width=200), 300, "h200", clock=lambda: next(seconds))
-    progress(1, 0.0)
+    progress = SearchProgress(Console(file=out, width=200), "h200", clock=lambda: next(seconds))
+    progress(1, 300, 0.0)
     assert out.getvalue() == ""
-    progress(2, 0.0)
-    progress(3, 1500.0)
-    progress(4, 2000.0)
+    progress(2, 300, 0.0)
+    progress(3, 300, 1500.0)
+    progress(4, 300, 2000.0)
     progress.close()
     assert out.getvalue().splitlines() == ["planning on h200: trial 2/300, nothing fits yet (1 s)",
                                            "planning on h200: trial 4/300, best 2,000 tokens/s (6 s)"]
@@ -179,11 +179,11 @@ def test_search_progress_is_a_live_line_on_a_terminal():
 
     out = io.StringIO()
     seconds = iter([0.0, 0.5, 1.5])
-    progress = SearchProgress(Console(file=out, width=200, force_terminal=True), 300, None,
+    progress = SearchProgress(Console(file=out, width=200, force_terminal=True), None,
                               clock=lambda: next(seconds))
-    progress(1, 100.0)
+    progress(1, 300, 100.0)
     assert out.getvalue() == ""
-    progress(2, 1234.0)
+    progress(2, 300, 1234.0)
     progress.close()
     assert "planning on this machine: trial 2/300, best 1,234 tokens/s" in out.getvalue()
 

@@ -2,6 +2,7 @@
 compose, and as the planner prices them (planner/pipeline.py, planner/parallel.py)."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -14,7 +15,7 @@ from fastml.planner.memory import block_input_bytes, layer_activation_bytes, wei
 from fastml.planner.parallel import (first_block_waits, head_gradients_bytes, layout_memory, layout_simulation,
                                      layout_step, rank_layers, tensor_parallel_costs, view)
 from fastml.planner.pipeline import run_pipeline
-from fastml.planner.planner import make_plan
+from fastml.planner.planner import DATA_PARALLEL_TRIALS, make_plan
 from fastml.planner.search import Problem, _least_sharding, fits_in_memory, knob_space, layout_choices, make_knobs
 from fastml.spec import PRESETS
 
@@ -345,3 +346,15 @@ def test_the_planner_weighs_layouts_for_other_hardware():
     small = make_plan(model="llama-3.1-8b", hw="h100-sxm", gpus=8, trials=40)
     assert small.plan.knobs.tensor_parallel == small.plan.knobs.pipeline_parallel == 1
     assert any(note.startswith("data parallel alone") for note in small.notes)
+
+
+def test_the_searches_report_their_trials_as_one_count():
+    """Where layouts are weighed, a data-parallel search and a layouts search run one after the other
+    (planner/planner.py `_search`): the progress counts their trials together, toward their sum, with the best so
+    far never going down."""
+    reports = []
+    make_plan(model="tiny", hw="h200", gpus=8, trials=6, on_trial=lambda *report: reports.append(report))
+    total = math.ceil(6 * DATA_PARALLEL_TRIALS) + 6
+    assert [(done, trials) for done, trials, _ in reports] == [(done, total) for done in range(1, total + 1)]
+    bests = [best for *_, best in reports]
+    assert bests == sorted(bests) and bests[0] > 0
