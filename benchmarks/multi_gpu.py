@@ -6,6 +6,8 @@
   memory, as on consumer GPUs, and the planner sees no P2P), fastml's memcpy collectives against NCCL, on the plan
   the planner picks for that topology and on a communication-bound one (ZeRO-3, micro-batch 1): the same knobs but
   `comm` (tokens/s; the goal is 1.3x);
+- `layouts_vs_zero3`: tensor parallelism over both GPUs, and a pipeline of both, against ZeRO-3 (tokens/s; the
+  planner picks each one's other knobs; issue 28);
 - `plans`: every run's knobs, and its predicted beside its measured step time and peak GPU memory (rank 0's).
 
 Each case is `fastml plan` then `fastml run --steps N`, whose launcher starts one worker per GPU. Writes
@@ -39,6 +41,9 @@ CASES = {
     "no P2P, planned, nccl": (2, NO_P2P, [], "nccl"),
     "no P2P, ZeRO-3 mb 1, memcpy": (2, NO_P2P, ZERO_3 + ["knobs.micro_batch_size=1"], "memcpy"),
     "no P2P, ZeRO-3 mb 1, nccl": (2, NO_P2P, ZERO_3 + ["knobs.micro_batch_size=1"], "nccl"),
+    "ZeRO-3": (2, {}, ZERO_3, None),
+    "TP 2": (2, {}, ["knobs.tensor_parallel=2"], None),
+    "PP 2": (2, {}, ["knobs.pipeline_parallel=2"], None),
 }
 
 
@@ -98,6 +103,8 @@ def main() -> None:
     write_result(path.name, {
         "scaling_2_vs_1": ratio(runs, "2 GPUs", "1 GPU"),
         "memcpy_vs_nccl_no_p2p": {"planned": planned[0], "zero3_micro_batch_1": planned[1]},
+        "layouts_vs_zero3": {"tensor_parallel_2": ratio(runs, "TP 2", "ZeRO-3"),
+                             "pipeline_parallel_2": ratio(runs, "PP 2", "ZeRO-3")},
         "plans": {name: {k: run[k] for k in ("knobs", "step_time_s", "peak_gpu_memory_bytes")} for name, run in
                   runs.items() if run["gpus"] > 1},
         "runs": runs})
