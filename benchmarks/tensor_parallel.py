@@ -153,7 +153,7 @@ def worker(rank: int, size: int, device_kind: str, port: int, shape: tuple, iter
             raise SystemExit(f"rank {rank}: the two ways disagree ({losses}); their timings would mean nothing")
         times = {way: _timed(model, mine, iterations, device) for way, model in
                  (("explicit", explicit), ("dtensor", by_dtensor))}
-        results["tensor+sequence parallel" if sequence else "tensor parallel"] = {"losses": losses, "ms": times}
+        results["tensor_and_sequence_parallel" if sequence else "tensor_parallel"] = {"losses": losses, "ms": times}
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
