@@ -151,8 +151,7 @@ def worker(rank: int, size: int, device_kind: str, port: int, shape: tuple, iter
         losses = {way: _loss(model, mine).item() for way, model in (("explicit", explicit), ("dtensor", by_dtensor))}
         if abs(losses["explicit"] - losses["dtensor"]) > LOSS_AGREES[dtype] * abs(losses["explicit"]):
             raise SystemExit(f"rank {rank}: the two ways disagree ({losses}); their timings would mean nothing")
-        times = {way: _timed(model, mine, iterations, device) for way, model in
-                 (("explicit", explicit), ("dtensor", by_dtensor))}
+        times = _timed({"explicit": explicit, "dtensor": by_dtensor}, mine, iterations, device)
         results["tensor_and_sequence_parallel" if sequence else "tensor_parallel"] = {"losses": losses, "ms": times}
     if rank == 0:
         torch.save(results, out)
@@ -172,21 +171,23 @@ def _loss(blocks: list[Block], x: torch.Tensor) -> torch.Tensor:
     return x.float().square().mean()
 
 
-def _timed(blocks: list[Block], x: torch.Tensor, iterations: int, device: torch.device) -> list[float]:
-    """Milliseconds of each of `iterations` forward and backward passes, after two to warm up."""
-    times = []
+def _timed(ways: dict[str, list[Block]], x: torch.Tensor, iterations: int, device: torch.device) -> dict:
+    """Milliseconds of each of `iterations` forward and backward passes of each way, after two to warm up; the ways
+    take turns, so that a change in the machine's speed falls on both."""
+    times = {way: [] for way in ways}
     for i in range(iterations + 2):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        _loss(blocks, x).backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:
-            times.append((time.perf_counter() - start) * 1e3)
-    for block in blocks:
-        block.zero_grad(set_to_none=True)
+        for way, blocks in ways.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            _loss(blocks, x).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:
+                times[way].append((time.perf_counter() - start) * 1e3)
+            for block in blocks:
+                block.zero_grad(set_to_none=True)
     return times
 
 
@@ -194,7 +195,7 @@ def main() -> None:
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args.add_argument("--ranks", type=int, default=2)
-    args.add_argument("--iterations", type=int, default=10)
+    args.add_argument("--iterations", type=int, default=20)
     a = args.parse_args()
     if a.device == "cuda" and torch.cuda.device_count() < a.ranks:
         raise SystemExit(f"needs {a.ranks} GPUs; this machine has {torch.cuda.device_count()}")
