@@ -141,9 +141,9 @@ def worker(rank: int, size: int, device_kind: str, port: int, shape: tuple, iter
     for sequence in (False, True):
         spec = PRESETS["tiny"]  # TensorParallel reads only its vocabulary's size from it, which these blocks lack
         tp = TensorParallel(spec, size=size, rank=rank, group=None, sequence=sequence)
-        explicit = [sliced(w, tp, (hidden, heads, ffn)).to(device, dtype) for w in wholes]
-        by_dtensor = [parallelize_module(Block(hidden, heads, ffn).to(device, dtype), mesh, dtensor_plan(sequence))
-                      for _ in range(blocks)]
+        explicit = nn.Sequential(*(sliced(w, tp, (hidden, heads, ffn)).to(device, dtype) for w in wholes))
+        by_dtensor = nn.Sequential(*(parallelize_module(Block(hidden, heads, ffn).to(device, dtype), mesh,
+                                                        dtensor_plan(sequence)) for _ in range(blocks)))
         for model, whole in zip(by_dtensor, wholes):  # the same weights: DTensor cuts the whole ones itself
             for name, param in model.named_parameters():
                 param.data.copy_(_distribute_like(whole.get_parameter(name).data, param.data))
@@ -151,8 +151,11 @@ def worker(rank: int, size: int, device_kind: str, port: int, shape: tuple, iter
         losses = {way: _loss(model, mine).item() for way, model in (("explicit", explicit), ("dtensor", by_dtensor))}
         if abs(losses["explicit"] - losses["dtensor"]) > LOSS_AGREES[dtype] * abs(losses["explicit"]):
             raise SystemExit(f"rank {rank}: the two ways disagree ({losses}); their timings would mean nothing")
-        times = _timed({"explicit": explicit, "dtensor": by_dtensor}, mine, iterations, device)
-        results["tensor_and_sequence_parallel" if sequence else "tensor_parallel"] = {"losses": losses, "ms": times}
+        ways = {"explicit": explicit, "dtensor": by_dtensor}
+        collectives = {way: _collectives(blocks, mine) for way, blocks in ways.items()}
+        times = _timed(ways, mine, iterations, device)
+        results["tensor_and_sequence_parallel" if sequence else "tensor_parallel"] = {
+            "losses": losses, "ms": times, "collectives": collectives}
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
@@ -165,13 +168,22 @@ def _distribute_like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(whole, param.device_mesh, param.placements) if isinstance(param, DTensor) else whole
 
 
-def _loss(blocks: list[Block], x: torch.Tensor) -> torch.Tensor:
-    for block in blocks:
-        x = block(x)
-    return x.float().square().mean()
+def _loss(blocks: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    return blocks(x).float().square().mean()
 
 
-def _timed(ways: dict[str, list[Block]], x: torch.Tensor, iterations: int, device: torch.device) -> dict:
+def _collectives(blocks: nn.Sequential, x: torch.Tensor) -> dict[str, int]:
+    """The collectives of one forward and backward pass, by op (DTensor's CommDebugMode sees torch.distributed's
+    calls and DTensor's own)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with CommDebugMode() as comm:
+        _loss(blocks, x).backward()
+    blocks.zero_grad(set_to_none=True)
+    return {str(op): count for op, count in comm.get_comm_counts().items()}
+
+
+def _timed(ways: dict[str, nn.Sequential], x: torch.Tensor, iterations: int, device: torch.device) -> dict:
     """Milliseconds of each of `iterations` forward and backward passes of each way, after two to warm up; the ways
     take turns, so that a change in the machine's speed falls on both."""
     times = {way: [] for way in ways}
@@ -186,8 +198,7 @@ def _timed(ways: dict[str, list[Block]], x: torch.Tensor, iterations: int, devic
                 torch.cuda.synchronize()
             if i >= 2:
                 times[way].append((time.perf_counter() - start) * 1e3)
-            for block in blocks:
-                block.zero_grad(set_to_none=True)
+            blocks.zero_grad(set_to_none=True)
     return times
 
 
@@ -208,9 +219,10 @@ def main() -> None:
     for mode, r in results.items():
         explicit, dtensor = statistics.median(r["ms"]["explicit"]), statistics.median(r["ms"]["dtensor"])
         rows[mode] = {"explicit_ms": explicit, "dtensor_ms": dtensor, "dtensor_over_explicit": dtensor / explicit,
-                      "rank0_losses": r["losses"], "runs_ms": r["ms"]}
+                      "rank0_losses": r["losses"], "collectives_per_pass": r["collectives"], "runs_ms": r["ms"]}
         print(f"{mode}: explicit {explicit:.1f} ms, DTensor {dtensor:.1f} ms ({dtensor / explicit:.2f}x); "
-              f"rank 0's losses {r['losses']['explicit']:.6g} and {r['losses']['dtensor']:.6g}")
+              f"rank 0's losses {r['losses']['explicit']:.6g} and {r['losses']['dtensor']:.6g}; collectives of a "
+              f"pass {r['collectives']}")
     from record import write_result
 
     hidden, heads, ffn, blocks, batch, seq = SHAPES[a.device]
@@ -218,7 +230,7 @@ def main() -> None:
         "ranks": a.ranks, "shape": {"hidden": hidden, "heads": heads, "ffn": ffn, "blocks": blocks, "batch": batch,
                                     "seq": seq}, "iterations": a.iterations, "modes": rows,
         "meaning": "milliseconds of one forward and backward pass of the blocks on each rank (median); losses of "
-                   "rank 0 before timing, to agree between the two ways"})
+                   "rank 0 before timing, to agree between the two ways; the collectives of one pass, by op"})
     print(f"wrote {path}")
 
 
