@@ -3,13 +3,15 @@
 GPU measured on first use), trained a few steps in its own process, and scored: predicted against measured step time
 and peak GPU memory, and the rank of throughput within each model.
 
-    python benchmarks/fidelity.py run [--parts planner,pinned,lower,grid,calibration] [--out DIR] [--deadline S]  # GPU
+    python benchmarks/fidelity.py run [--parts planner,pinned,lower,grid,calibration,two_gpus] [--out DIR] \
+        [--deadline S]                             # on a GPU machine (two_gpus: on one of two GPUs)
     python benchmarks/fidelity.py score            # anywhere: the runs predicted with their first-use profile
     python benchmarks/fidelity.py score --shipped  # anywhere: the runs predicted with hwprofiles/h200.json as shipped
     python benchmarks/fidelity.py calibrate-shipped  # anywhere: h200.json's calibration fitted to its own runs
 
-`run` writes into DIR (default benchmarks/results) `fidelity-runs-<gpu>.jsonl`, one line per run as it ends, and
-`fidelity-profile-<gpu>.json`, the profile `fastml plan` measured on its first use in this benchmark's own empty
+`run` writes into DIR (default benchmarks/results) `fidelity-runs-<machine>.jsonl`, one line per run as it ends, and
+`fidelity-profile-<machine>.json` (<machine>: `h200`, or `h200x2` on two GPUs, whose profile measures the links
+between them), the profile `fastml plan` measured on its first use in this benchmark's own empty
 cache (a later call, with that file in DIR, plans with it again rather than measuring twice). Runs already in DIR's
 file are not run again, so that the benchmark can be spread over several calls of a limited length (`--deadline`).
 Each run is its own `fastml run` process, so that its cap, pinned memory and peak are its own. `score` re-predicts
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastml.config import gib
-from record import RESULTS, _commit, gpu_tag, write_result
+from record import RESULTS, _commit, machine_tag, write_result
 
 STEPS = 4  # the first compiles and is left out: the median of three steady steps
 TARGETS = {"step_time_mape": 0.04, "shipped_step_time_mape": 0.06, "peak_memory_mape": 0.03,
@@ -56,6 +58,7 @@ class Case:
     gpu_mem: str | None = None
     grid: str | None = None
     """The planner's case this one is a neighbour of (pinned from its knobs with one change)."""
+    gpus: int = 1
 
 
 def pin(**knobs) -> dict:
@@ -130,11 +133,36 @@ CALIBRATION = [  # the shipped profile's calibration set (`calibrate-shipped`), 
     Case("c-1.1b-s4096-mb2-norm", "tinyllama-1.1b", 4096, 8, pin(micro_batch_size=2, recompute=["norm"])),
 ]
 
+def on_two(name: str, model: str, seq_len: int, sequences: int, knobs: dict | None = None) -> Case:
+    return Case(name, model, seq_len, sequences, knobs, gpus=2)
+
+
+ZERO_1, ZERO_2 = pin(shard_optimizer=True), pin(shard_optimizer=True, shard_gradients=True)
+ZERO_3 = pin(shard_optimizer=True, shard_gradients=True, shard_weights=True)
+TWO_GPUS = [  # issue 27: ZeRO 1-3, offload with sharding, memcpy and NCCL, of models that load in seconds (a device
+    # session is short); the sequences are the step's, both GPUs'
+    on_two("t-1.1b-s2048", "tinyllama-1.1b", 2048, 64),
+    on_two("t-3b-s2048-zero1-nccl", "llama-3.2-3b", 2048, 32, pin(micro_batch_size=4, comm="nccl", **ZERO_1)),
+    on_two("t-3b-s2048-zero2-memcpy", "llama-3.2-3b", 2048, 32, pin(micro_batch_size=4, comm="memcpy", **ZERO_2)),
+    on_two("t-3b-s2048-zero3-nccl", "llama-3.2-3b", 2048, 32, pin(micro_batch_size=4, comm="nccl", **ZERO_3)),
+    on_two("t-3b-s2048-zero3-memcpy", "llama-3.2-3b", 2048, 32, pin(micro_batch_size=4, comm="memcpy", **ZERO_3)),
+    on_two("t-3b-s2048-zero3-host-cache", "llama-3.2-3b", 2048, 16,
+           pin(micro_batch_size=2, recompute=["block"], comm="nccl", cache_weights_on_host=True, **ZERO_3)),
+    on_two("t-3b-s2048-zero1-cpu-adam", "llama-3.2-3b", 2048, 16,
+           pin(micro_batch_size=2, recompute=["block"], comm="memcpy", offload_optimizer=1.0, offload_master=1.0,
+               **ZERO_1)),
+    on_two("t-3b-s2048-zero3-streamed-shards", "llama-3.2-3b", 2048, 16,
+           pin(micro_batch_size=2, recompute=["block"], comm="nccl", offload_weights=1.0, **ZERO_3)),
+    on_two("t-3b-s2048-zero2-host-gradient-shards", "llama-3.2-3b", 2048, 16,
+           pin(micro_batch_size=2, comm="memcpy", offload_gradients=1.0, offload_optimizer=1.0, **ZERO_2)),
+]
+
 GRID_CENTRES = ("p-1.1b-s2048",)
-SETS = {"planner": PLANNER, "pinned": PINNED, "lower": LOWER_PRECISION}
+SETS = {"planner": PLANNER, "pinned": PINNED, "lower": LOWER_PRECISION, "two_gpus": TWO_GPUS}
 PARTS = (*SETS, "grid", "calibration")
-DEFAULT_PARTS = tuple(SETS)
-"""The grid (the planner's neighbours) only when asked: it answers another question than the prediction's error."""
+DEFAULT_PARTS = ("planner", "pinned", "lower")
+"""The grid (the planner's neighbours) only when asked: it answers another question than the prediction's error;
+two GPUs' plans only on a machine of two."""
 RUN_TIMEOUT_S = 240
 """One run's limit: a hung run is a finding, and the benchmark goes on."""
 
@@ -168,7 +196,7 @@ def run_parts(parts: list[str], out: Path, deadline_s: float, again: frozenset =
     started = time.perf_counter()
     # An empty cache, as on a fresh machine: the first plan measures this machine as a new user's does.
     os.environ["FASTML_CACHE"] = tempfile.mkdtemp(prefix="fastml-cache-")
-    profile_path = out / f"fidelity-profile-{gpu_tag()}.json"
+    profile_path = out / f"fidelity-profile-{machine_tag()}.json"
     if profile_path.is_file():  # measured by an earlier call of this benchmark
         hwprofiles.save_machine_profile(json.loads(profile_path.read_text()))
     done = {r["name"]: r for part in parts for r in _rows(runs_file(out, part)) if r["name"] not in again}
@@ -176,6 +204,9 @@ def run_parts(parts: list[str], out: Path, deadline_s: float, again: frozenset =
     for part in parts:
         for case in _cases(part, done):
             if case.name in done:
+                continue
+            if case.gpus > _gpus_here():
+                print(f"skipping {case.name}: it needs {case.gpus} GPUs")
                 continue
             if time.perf_counter() - started + longest > deadline_s:
                 print(f"stopping before {case.name}: the deadline ({deadline_s:.0f} s) is near")
@@ -189,7 +220,14 @@ def run_parts(parts: list[str], out: Path, deadline_s: float, again: frozenset =
 
 def runs_file(out: Path, part: str) -> Path:
     """Where a part's rows go: the calibration set's apart, for `calibrate-shipped`."""
-    return out / f"{'calibration' if part == 'calibration' else 'fidelity'}-runs-{gpu_tag()}.jsonl"
+    return out / f"{'calibration' if part == 'calibration' else 'fidelity'}-runs-{machine_tag()}.jsonl"
+
+
+def _gpus_here() -> int:
+    """The GPUs of this machine; a CPU runs a plan for N GPUs as N processes (a dry run)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2**10
 
 
 def _cases(part: str, done: dict) -> list[Case]:
@@ -212,11 +250,11 @@ def run_case(case: Case, runs: Path) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix=f"{case.name}-"))
     row = {"name": case.name, "model": case.model, "seq_len": case.seq_len, "sequences": case.sequences,
-           "pins": case.knobs, "gpu_mem": case.gpu_mem, "grid": case.grid, "git_commit": _commit()}
+           "pins": case.knobs, "gpu_mem": case.gpu_mem, "grid": case.grid, "gpus": case.gpus, "git_commit": _commit()}
     started = time.perf_counter()
     try:
         plan = make_plan(model=case.model, seq_len=case.seq_len, global_batch_tokens=case.sequences * case.seq_len,
-                         steps=STEPS, gpus=1, gpu_mem=case.gpu_mem, lower_precision=False,
+                         steps=STEPS, gpus=case.gpus, gpu_mem=case.gpu_mem, lower_precision=False,
                          overrides=() if case.knobs is None else tuple(pinned(**case.knobs))).plan
     except Exception as e:  # a pinned plan that does not fit is a finding, not a crash of the benchmark
         row["error"] = f"planning: {str(e).splitlines()[0]}"
@@ -277,18 +315,22 @@ def _read(rows: list[dict]) -> tuple[dict, list[dict]]:
 # -------------------------------------------------------------------------------------------------------- score
 
 
-def score(runs: Path, profile: dict, which: str, filename: str) -> None:
-    """Predicts every run with `profile` as it is (nothing fitted to the runs), and writes the table, its errors and
-    the plot into `filename` and a PNG beside it. `which`: the profile's kind, 'first-use' or 'shipped'."""
-    rows = {r["name"]: r for r in _latest(_rows(runs))}
-    records, unreadable = _read(list(rows.values()))
-    plans = [_scored(rows[name], record, profile) for name, record in records.items()]
-    failed = [{"name": r["name"], "error": r["error"]} for r in rows.values() if "error" in r] + unreadable
+def score(sources: list[tuple[Path, dict]], which: str, filename: str) -> None:
+    """Predicts every run of each (runs file, profile) with that profile as it is (nothing fitted to the runs), and
+    writes the table, its errors and the plot into `filename` and a PNG beside it. `which`: the profiles' kind,
+    'first-use' or 'shipped'."""
+    plans, failed, commits, measured_s = [], [], set(), []
+    for runs, profile in sources:
+        rows = {r["name"]: r for r in _latest(_rows(runs))}
+        records, unreadable = _read(list(rows.values()))
+        plans += [_scored(rows[name], record, profile) for name, record in records.items()]
+        commits |= {rows[name]["git_commit"] for name in records}
+        failed += [{"name": r["name"], "error": r["error"]} for r in rows.values() if "error" in r] + unreadable
+        measured_s.append(profile.get("measured", {}).get("seconds"))
     figures = {"profile": which, "plans": plans, "failed": failed, "targets": TARGETS, "scored_plans": len(plans),
-               "planner_plans": sum(p["chosen_by"] == "planner" for p in plans),
-               "run_commits": sorted({rows[p["name"]]["git_commit"] for p in plans}),
+               "planner_plans": sum(p["chosen_by"] == "planner" for p in plans), "run_commits": sorted(commits),
                **_errors(plans, "predicted"), "grids": _grids(plans),
-               "profile_measured_s": profile.get("measured", {}).get("seconds")}
+               "profile_measured_s": measured_s[0] if len(measured_s) == 1 else measured_s}
     path = write_result(filename, figures, machine=plans[0]["machine"] if plans else None)
     _plot(plans, path.with_suffix(".png"), which)
     print(f"wrote {path} and its PNG: {len(plans)} plans with the {which} profile, step time MAPE "
@@ -341,7 +383,7 @@ def _scored(row: dict, record, profile: dict) -> dict:
 
     p, m = _predict(record.plan, profile), record.measured
     return {"name": row["name"], "chosen_by": "planner" if row["pins"] is None else "pinned", "grid": row["grid"],
-            "model": row["model"], "seq_len": row["seq_len"], "gpu_mem": row["gpu_mem"],
+            "gpus": record.plan.hardware.num_gpus, "model": row["model"], "seq_len": row["seq_len"], "gpu_mem": row["gpu_mem"],
             "machine": record.machine.device_name, "knobs": row["knobs"],
             "predicted": {"step_time_s": p.step_s, "peak_memory_bytes": p.peak_bytes,
                           "tokens_per_s": record.plan.training.global_batch_tokens / p.step_s},
@@ -445,7 +487,8 @@ def main() -> None:
                                                         "runs (results/calibration-runs-h200.jsonl)")
     fitting.add_argument("--runs", type=Path, default=RESULTS / "calibration-runs-h200.jsonl")
     scoring = sub.add_parser("score")
-    scoring.add_argument("--runs", type=Path, default=RESULTS / "fidelity-runs-h200.jsonl")
+    scoring.add_argument("--runs", type=Path, action="append", help="repeatable (default: the H200's runs, on one "
+                                                                     "GPU and on two)")
     scoring.add_argument("--shipped", action="store_true",
                          help="predict every run with the shipped profile (hwprofiles/h200.json) rather than the "
                               "first-use one measured beside the runs")
@@ -462,12 +505,15 @@ def main() -> None:
         run_parts(parts, args.out, args.deadline, frozenset(args.again))
     elif args.command == "calibrate-shipped":
         calibrate_shipped(args.runs, "h200")
-    elif args.shipped:
-        from fastml import hwprofiles
-
-        score(args.runs, hwprofiles.load("h200"), "shipped", "fidelity-shipped.json")
     else:
-        score(args.runs, first_use_profile(args.runs), "first-use", "fidelity.json")
+        runs = args.runs or [p for p in (RESULTS / "fidelity-runs-h200.jsonl", RESULTS / "fidelity-runs-h200x2.jsonl")
+                             if p.is_file()]
+        if args.shipped:
+            from fastml import hwprofiles
+
+            score([(r, hwprofiles.load("h200")) for r in runs], "shipped", "fidelity-shipped.json")
+        else:
+            score([(r, first_use_profile(r)) for r in runs], "first-use", "fidelity.json")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The GPU check at every hand-over: every GPU test, then a short training smoke run, on the lent GPU.
 
 Runs `pytest -m gpu` (the tests CI skips for want of a GPU) and a 30-step run of the plan `fastml plan` makes for
-this machine, and writes benchmarks/results/gpu_check.json: the commit, machine and date, passed / failed / skipped
+this machine, and writes benchmarks/results/gpu_check.json (on a machine of several GPUs gpu_check-<gpu>x<N>.json,
+apart from the one-GPU check of the hand-over): the commit, machine and date, passed / failed / skipped
 with the name of every test that did not pass, and the smoke run's steady tokens/s. Exits 1 when a test failed.
 
     GIT_COMMIT=<the commit> python benchmarks/gpu_check.py    # on the GPU machine: its copy of the tree has no
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from record import write_result
+from record import machine_tag, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE_STEPS = 30
@@ -71,7 +72,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tests = run_gpu_tests(Path(tmp) / "junit.xml")
         smoke = None if tests_only else smoke_run(Path(tmp))
-    path = write_result("gpu_check.json", {**tests, "smoke_run": smoke})
+    name = f"gpu_check-{machine_tag()}.json" if torch.cuda.device_count() > 1 else "gpu_check.json"
+    path = write_result(name, {**tests, "smoke_run": smoke})
     ran = "no smoke run (--tests-only)" if smoke is None else f"smoke run {smoke['tokens_per_s']:,.0f} tokens/s"
     print(f"gpu_check: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped; {ran}; "
           f"wrote {path}")

@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from record import RESULTS, _commit, write_result
+from record import RESULTS, _commit, machine_tag, write_result
 
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # the lent machines' rule
 NO_P2P = {"NCCL_P2P_DISABLE": "1"}
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--case", action="append", choices=list(CASES), help="run only these (repeatable)")
     args = parser.parse_args()
-    tag = "cpu" if args.device == "cpu" else _gpu_tag()
+    tag = "cpu" if args.device == "cpu" else machine_tag()
     path = RESULTS / f"multi_gpu-{tag}.json"
     runs = json.loads(path.read_text())["runs"] if path.is_file() else {}
     for name in args.case or CASES:
@@ -109,12 +109,6 @@ def main() -> None:
                   runs.items() if run["gpus"] > 1},
         "runs": runs})
     print(f"wrote {path}", file=sys.stderr)
-
-
-def _gpu_tag() -> str:
-    import torch
-
-    return f"{torch.cuda.get_device_name().split()[-1].lower()}x{torch.cuda.device_count()}"
 
 
 if __name__ == "__main__":

@@ -45,6 +45,15 @@ def gpu_tag() -> str:
     return hwprofiles.for_device_name(name) or name.split()[-1].lower()
 
 
+def machine_tag() -> str:
+    """`gpu_tag`, with the number of GPUs where there are several ('h200x2'): what ran on two GPUs is kept apart
+    from what ran on one."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    return gpu_tag() + (f"x{count}" if count > 1 else "")
+
+
 def _commit() -> str | None:
     """$GIT_COMMIT (the GPU machine's copy of the tree carries no trustworthy history), else HEAD, marked "+dirty"
     when tracked files differ from it: a figure is never credited to a commit whose code did not run."""
