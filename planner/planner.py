@@ -26,7 +26,7 @@ from fastml.hwprofiles.profile import measure_on_first_use, this_cpu_profile
 from fastml.planner.request import DEFAULT_MODEL, SEQUENCES_PER_STEP, PlanRequest
 from fastml.planner.pins import Device, checked_pins, pinned_space
 from fastml.planner.search import (HOST_USABLE_FRACTION, MAX_MICRO_BATCH, Candidate, Problem, evaluate, knob_space,
-                                   make_knobs, rank, search, smallest_choice, tokens_per_s)
+                                   make_knobs, rank, search, smallest_choice, space_size, tokens_per_s)
 from fastml.spec import PRESETS, ModelSpec, resolve_model
 from fastml.weights import check_same_model, spec_of_weights
 
@@ -58,7 +58,8 @@ CPU_DTYPES = (CPU_KNOBS["matmul_dtype"],)
 def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) -> Planned:
     """The fastest plan that fits for `request` (or a PlanRequest of `fields`); `on_trial(done, trials, best)` is
     called after each search trial (`_search`: the trials done of the search's `trials`, and the best tokens/s so
-    far, 0 while nothing fits). What the request asks is checked before this machine's CPU is measured or anything is searched."""
+    far, 0 while nothing fits; counted afresh where nothing fit and lower precision is searched). What the request
+    asks is checked before this machine's CPU is measured or anything is searched."""
     r = dataclasses.replace(request or PlanRequest(), **fields)
     spec, init_from = requested_model(r)
     spec = reshaped_model(spec, r.overrides)
@@ -96,11 +97,12 @@ def make_plan(request: PlanRequest | None = None, /, on_trial=None, **fields) ->
 
 
 LAYOUT_KNOBS = ("tensor_parallel", "sequence_parallel", "pipeline_parallel", "pipeline_schedule", "virtual_stages")
+LAYOUT_SIZE_KNOBS = ("tensor_parallel", "pipeline_parallel")
 DATA_PARALLEL_TRIALS = 0.5
-"""The data-parallel search's trials, as a share of --trials (`_search`): its space lacks the layout knobs. At half,
-it found the same plans as at the whole for the 8B on one node, the 70B on 1,024 GPUs and the 72B on 32
-(benchmarks/NOTES.md, issue 28 part 8), and the two searches took a quarter less time; at 0.3 it missed the 70B's
-and the 72B's fastest data-parallel plans by 5%."""
+"""The data-parallel search's trials, as a share of --trials (`_search`; all of them where they enumerate its space):
+its space lacks the layout knobs. At half, the fastest plans found for the 8B on one node, the 70B on 1,024 GPUs and
+the 72B on 32 were as fast as at the whole, and so were the data-parallel plans the 70B's and 72B's layouts were
+weighed against (benchmarks/NOTES.md, issue 28 part 8); the two searches took a quarter less time."""
 
 
 def _search(problem: Problem, fixed: dict, lower: bool, r: PlanRequest,
@@ -110,21 +112,27 @@ def _search(problem: Problem, fixed: dict, lower: bool, r: PlanRequest,
     recompute, offload and ZeRO stage a layout no longer needs), and the layouts' search, which starts from each
     layout's footholds (planner/search.py `_core_leaders`), seldom reaches them: without it, the plan's note priced
     a 72B's pipeline against data-parallel plans 1.2x slower than this search finds. That search takes
-    DATA_PARALLEL_TRIALS of the trials."""
+    DATA_PARALLEL_TRIALS of the trials. `on_trial` counts the trials of both as one search's (a search that
+    enumerates its space runs no more trials than it has plans)."""
     space = whole_rounds(pinned_space(knob_space(problem, lower_precision=lower), fixed, problem.spec), problem)
     searches = [(space, "", r.trials)]
-    if not set(fixed) & set(LAYOUT_KNOBS) and set(space) & {"tensor_parallel", "pipeline_parallel"}:
+    if not set(fixed) & set(LAYOUT_KNOBS) and any(len(space.get(n, ())) > 1 for n in LAYOUT_SIZE_KNOBS):
         flat = {name: choices for name, choices in space.items() if name not in LAYOUT_KNOBS}
-        searches = [(flat, "-data-parallel", math.ceil(r.trials * DATA_PARALLEL_TRIALS)), (space, "-layouts", r.trials)]
-    total, done, best, ranked = sum(trials for *_, trials in searches), 0, 0.0, []
+        flat_size = space_size(flat)
+        flat_trials = flat_size if flat_size <= r.trials else math.ceil(r.trials * DATA_PARALLEL_TRIALS)
+        searches = [(flat, "-data-parallel", flat_trials), (space, "-layouts", r.trials)]
+    total = sum(min(trials, space_size(searched)) for searched, _, trials in searches)
+    before, last, best, ranked = 0, 0, 0.0, []  # the trials of the searches before this one, this one's last
 
-    def reported(trial: int, search_best: float) -> None:  # the searches' trials counted as one search's
+    def reported(trial: int, search_best: float) -> None:
+        nonlocal last
+        last = trial
         if on_trial:
-            on_trial(done + trial, total, max(best, search_best))
-    for searched_space, suffix, trials in searches:
-        ranked += search(problem, searched_space, trials, storage=_storage(r.study), on_trial=reported,
+            on_trial(before + trial, total, max(best, search_best))
+    for searched, suffix, trials in searches:
+        ranked += search(problem, searched, trials, storage=_storage(r.study), on_trial=reported,
                          study_name=_study_name(problem, r.hw is None, lower) + suffix)
-        done, best = done + trials, max([best, *(tokens_per_s(problem, c) for c in ranked)])
+        before, last, best = before + last, 0, max([best, *(tokens_per_s(problem, c) for c in ranked)])
     return rank(problem, list({c.knobs: c for c in ranked}.values())), space
 
 

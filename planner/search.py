@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # At import, not in `search`: optuna keeps the error of an optional import it lacks (redis), and with it the frames
-# that were running, so a `search` that imported it first would keep its every candidate alive to the end.
+# that were running and their locals to the process's end, here those of whoever imports this module first (the
+# CLI's `cmd_plan`: its plan), where a `search` that imported it kept every candidate it weighed alive.
 import optuna
 
 from fastml.plan import (KNOBS, OFFLOAD_FRACTIONS, ZERO_BUBBLE_NEEDS, ZERO_STAGES, Knobs, fp8_cached_blocks,
@@ -146,7 +147,8 @@ def make_knobs(problem: Problem, choice: dict) -> Knobs:
     if key not in problem._knobs:
         defaults = {f.name: f.default for f in dataclasses.fields(Knobs)}
         values = with_zero_stages({**defaults, **choice})
-        problem._knobs[key] = Knobs(**without_no_ops(problem.spec, with_layout(problem, values), problem.machine.num_gpus))
+        values = without_no_ops(problem.spec, with_layout(problem, values), problem.machine.num_gpus)
+        problem._knobs[key] = Knobs(**values)
     return problem._knobs[key]
 
 
@@ -264,11 +266,10 @@ def evaluate_choice(problem: Problem, choice: dict) -> Candidate:
                             problem.machine.num_gpus)
     if not values["overlap_cpu_step"]:  # nothing to overlap
         return candidate
-    overlapped = Knobs(**values)
-    sim = simulate_any(problem.spec, problem.seq_len, overlapped, problem.machine)
-    if sim.step_time_s >= candidate.simulation.step_time_s:
+    overlapped = evaluate(problem, Knobs(**values))
+    if not overlapped.feasible or overlapped.simulation.step_time_s >= candidate.simulation.step_time_s:
         return candidate
-    return dataclasses.replace(candidate, knobs=overlapped, simulation=sim)
+    return overlapped
 
 
 def tokens_per_s(problem: Problem, candidate: Candidate) -> float:

@@ -8,7 +8,7 @@ import pytest
 
 from fastml.config import UserError
 from fastml.layout import Action, Layout, interleaved_rounds, pipeline_order, stage_layers
-from fastml.plan import ZERO_STAGES, Hardware, Knobs, Plan, Training
+from fastml.plan import OFFLOAD_FRACTIONS, ZERO_STAGES, Hardware, Knobs, Plan, Training
 from fastml.planner.costs import costs
 from fastml.planner.hardware import load_machine
 from fastml.planner.memory import block_input_bytes, layer_activation_bytes, weight_gradient_inputs_bytes
@@ -348,13 +348,26 @@ def test_the_planner_weighs_layouts_for_other_hardware():
     assert any(note.startswith("data parallel alone") for note in small.notes)
 
 
-def test_the_searches_report_their_trials_as_one_count():
+SMALL_DATA_PARALLEL_SPACE = ("knobs.compile=false", "knobs.recompute=[]", "knobs.lm_head_chunks=1", "knobs.comm=nccl",
+                             "knobs.shard_weights=false", "knobs.shard_gradients=false",
+                             *(f"knobs.{name}=0" for name in OFFLOAD_FRACTIONS))
+
+
+@pytest.mark.parametrize("pins", [(), SMALL_DATA_PARALLEL_SPACE])
+def test_the_searches_report_their_trials_as_one_count(pins):
     """Where layouts are weighed, a data-parallel search and a layouts search run one after the other
     (planner/planner.py `_search`): the progress counts their trials together, toward their sum, with the best so
-    far never going down."""
+    far never going down. With DATA_PARALLEL_TRIALS of the trials, or where those would enumerate its space (pinned
+    down here to fewer plans than --trials), as many trials as it has plans."""
     reports = []
-    make_plan(model="tiny", hw="h200", gpus=8, trials=6, on_trial=lambda *report: reports.append(report))
-    total = math.ceil(6 * DATA_PARALLEL_TRIALS) + 6
+    make_plan(model="tiny", hw="h200", gpus=8, trials=100, overrides=pins,
+              on_trial=lambda *report: reports.append(report))
+    total = reports[-1][1]
     assert [(done, trials) for done, trials, _ in reports] == [(done, total) for done in range(1, total + 1)]
+    data_parallel_trials = total - 100
+    if pins:
+        assert data_parallel_trials < 100 and data_parallel_trials != math.ceil(100 * DATA_PARALLEL_TRIALS)
+    else:
+        assert data_parallel_trials == math.ceil(100 * DATA_PARALLEL_TRIALS)
     bests = [best for *_, best in reports]
     assert bests == sorted(bests) and bests[0] > 0
