@@ -29,8 +29,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-# name -> (hidden, heads, ffn width, blocks, batch, sequence) by device
-SHAPES = {"cpu": (512, 8, 1536, 4, 2, 512), "cuda": (4096, 32, 14336, 4, 1, 8192)}
+# (hidden, heads, key/value heads, ffn width, blocks, batch, sequence) by device: on a GPU, Llama-3.1-8B's blocks
+SHAPES = {"cpu": (512, 8, 4, 1536, 4, 2, 512), "cuda": (4096, 32, 8, 14336, 4, 1, 8192)}
 ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}  # the lent machines' rule
 # How closely the two ways' losses agree: the same products summed in another order (a few roundings of the dtype
 # per block, far below these).
@@ -38,15 +38,16 @@ LOSS_AGREES = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int):
+    def __init__(self, hidden: int, heads: int, kv_heads: int):
         super().__init__()
         self.head_dim = hidden // heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(hidden, hidden, bias=False) for _ in range(4))
+        self.wq, self.wo = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden, bias=False)
+        self.wk, self.wv = (nn.Linear(hidden, kv_heads * self.head_dim, bias=False) for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # a rank's heads: -1 above
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # a rank's heads: -1 above
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -64,10 +65,10 @@ class Block(nn.Module):
     """A Llama block of plain modules; `tp` (fastml's TensorParallel) wraps its column-parallel inputs and
     row-parallel outputs with the executor's collectives, where None DTensor's styles do (`dtensor_plan`)."""
 
-    def __init__(self, hidden: int, heads: int, ffn: int, tp=None):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, tp=None):
         super().__init__()
         self.attention_norm, self.ffn_norm = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
-        self.attention, self.feed_forward = Attention(hidden, heads), FeedForward(hidden, ffn)
+        self.attention, self.feed_forward = Attention(hidden, heads, kv_heads), FeedForward(hidden, ffn)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,24 +89,25 @@ ROW = ("attention.wo", "feed_forward.w2")
 
 
 def dtensor_plan(sequence: bool) -> dict:
+    """DTensor's styles for a block, as torchtitan lays out a Llama block. The attention's and the FFN's input made a
+    DTensor once for their linears (PrepareModuleInput), so that the gradients of q, k and v, and of gate and up, are
+    summed once: without it each ColwiseParallel linear sums its own (7 all-reduces a block where 4 do)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
 
+    arrives = Shard(1) if sequence else Replicate()  # sequence parallel: each rank's slice of the sequence
     plan = {name: ColwiseParallel() for name in COLUMN}
-    if not sequence:
-        return plan | {name: RowwiseParallel() for name in ROW}
-    plan |= {name: RowwiseParallel(output_layouts=Shard(1)) for name in ROW}
-    plan |= {norm: SequenceParallel() for norm in ("attention_norm", "ffn_norm")}
-    return plan | {part: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-                   for part in ("attention", "feed_forward")}
+    plan |= {name: RowwiseParallel(output_layouts=arrives) for name in ROW}
+    plan |= {part: PrepareModuleInput(input_layouts=(arrives,), desired_input_layouts=(Replicate(),))
+             for part in ("attention", "feed_forward")}
+    return plan | ({norm: SequenceParallel() for norm in ("attention_norm", "ffn_norm")} if sequence else {})
 
 
 def sliced(whole: Block, tp, shape) -> Block:
     """The block of rank tp.rank under the explicit collectives: column-parallel weights cut by output, row-parallel
     ones by input."""
-    hidden, heads, ffn = shape
-    mine = Block(hidden, heads, ffn, tp)
+    mine = Block(*shape, tp)
     state = {}
     for name, tensor in whole.state_dict().items():
         part = name.removesuffix(".weight")
@@ -132,17 +134,18 @@ def worker(rank: int, size: int, device_kind: str, port: int, shape: tuple, iter
     device = torch.device(device_kind, rank if device_kind == "cuda" else None)
     dist.init_process_group("nccl" if device_kind == "cuda" else "gloo", rank=rank, world_size=size)
     mesh = init_device_mesh(device_kind, (size,))
-    hidden, heads, ffn, blocks, batch, seq = shape
+    hidden, heads, kv_heads, ffn, blocks, batch, seq = shape
+    block_shape = (hidden, heads, kv_heads, ffn)
     dtype = torch.bfloat16 if device_kind == "cuda" else torch.float32
     torch.manual_seed(0)
-    wholes = [Block(hidden, heads, ffn).to(device, dtype) for _ in range(blocks)]
+    wholes = [Block(*block_shape).to(device, dtype) for _ in range(blocks)]
     x = torch.randn(batch, seq, hidden, device=device, dtype=dtype)
     results = {}
     for sequence in (False, True):
         spec = PRESETS["tiny"]  # TensorParallel reads only its vocabulary's size from it, which these blocks lack
         tp = TensorParallel(spec, size=size, rank=rank, group=None, sequence=sequence)
-        explicit = nn.Sequential(*(sliced(w, tp, (hidden, heads, ffn)).to(device, dtype) for w in wholes))
-        by_dtensor = nn.Sequential(*(parallelize_module(Block(hidden, heads, ffn).to(device, dtype), mesh,
+        explicit = nn.Sequential(*(sliced(w, tp, block_shape).to(device, dtype) for w in wholes))
+        by_dtensor = nn.Sequential(*(parallelize_module(Block(*block_shape).to(device, dtype), mesh,
                                                         dtensor_plan(sequence)) for _ in range(blocks)))
         for model, whole in zip(by_dtensor, wholes):  # the same weights: DTensor cuts the whole ones itself
             for name, param in model.named_parameters():
@@ -172,33 +175,46 @@ def _loss(blocks: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     return blocks(x).float().square().mean()
 
 
+def _train_pass(blocks: nn.Sequential, x: torch.Tensor) -> None:
+    """A forward and backward pass, its gradients whole on every rank as an optimizer step needs them: DTensor
+    leaves those of the sequence-parallel norms' weights partial sums (Partial) until asked, where the executor sums
+    them in the backward pass."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    _loss(blocks, x).backward()
+    for param in blocks.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)
+
+
 def _collectives(blocks: nn.Sequential, x: torch.Tensor) -> dict[str, int]:
-    """The collectives of one forward and backward pass, by op (DTensor's CommDebugMode sees torch.distributed's
-    calls and DTensor's own)."""
+    """The collectives of a pass (`_train_pass`), by op (DTensor's CommDebugMode sees torch.distributed's calls and
+    DTensor's own)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     with CommDebugMode() as comm:
-        _loss(blocks, x).backward()
+        _train_pass(blocks, x)
     blocks.zero_grad(set_to_none=True)
     return {str(op): count for op, count in comm.get_comm_counts().items()}
 
 
 def _timed(ways: dict[str, nn.Sequential], x: torch.Tensor, iterations: int, device: torch.device) -> dict:
-    """Milliseconds of each of `iterations` forward and backward passes of each way, after two to warm up; the ways
-    take turns, so that a change in the machine's speed falls on both."""
+    """Milliseconds of each of `iterations` passes (`_train_pass`) of each way, after two to warm up; the ways take
+    turns, each going first every other time, so that a change in the machine's speed falls on both."""
     times = {way: [] for way in ways}
     for i in range(iterations + 2):
-        for way, blocks in ways.items():
+        for way in list(ways)[::1 if i % 2 else -1]:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dist.barrier()
             start = time.perf_counter()
-            _loss(blocks, x).backward()
+            _train_pass(ways[way], x)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i >= 2:
                 times[way].append((time.perf_counter() - start) * 1e3)
-            blocks.zero_grad(set_to_none=True)
+            ways[way].zero_grad(set_to_none=True)
     return times
 
 
@@ -206,7 +222,7 @@ def main() -> None:
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args.add_argument("--ranks", type=int, default=2)
-    args.add_argument("--iterations", type=int, default=20)
+    args.add_argument("--iterations", type=int, default=30)
     a = args.parse_args()
     if a.device == "cuda" and torch.cuda.device_count() < a.ranks:
         raise SystemExit(f"needs {a.ranks} GPUs; this machine has {torch.cuda.device_count()}")
@@ -218,18 +234,23 @@ def main() -> None:
     rows = {}
     for mode, r in results.items():
         explicit, dtensor = statistics.median(r["ms"]["explicit"]), statistics.median(r["ms"]["dtensor"])
-        rows[mode] = {"explicit_ms": explicit, "dtensor_ms": dtensor, "dtensor_over_explicit": dtensor / explicit,
+        ratios = [d / e for d, e in zip(r["ms"]["dtensor"], r["ms"]["explicit"])]  # each turn's pair
+        quartiles = statistics.quantiles(ratios, n=4)
+        rows[mode] = {"explicit_ms": explicit, "dtensor_ms": dtensor,
+                      "dtensor_over_explicit": statistics.median(ratios),
+                      "dtensor_over_explicit_quartiles": [quartiles[0], quartiles[2]],
                       "rank0_losses": r["losses"], "collectives_per_pass": r["collectives"], "runs_ms": r["ms"]}
-        print(f"{mode}: explicit {explicit:.1f} ms, DTensor {dtensor:.1f} ms ({dtensor / explicit:.2f}x); "
+        print(f"{mode}: explicit {explicit:.1f} ms, DTensor {dtensor:.1f} ms (each turn's ratio: median "
+              f"{statistics.median(ratios):.3f}, quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}); "
               f"rank 0's losses {r['losses']['explicit']:.6g} and {r['losses']['dtensor']:.6g}; collectives of a "
               f"pass {r['collectives']}")
     from record import write_result
 
-    hidden, heads, ffn, blocks, batch, seq = SHAPES[a.device]
+    shape = dict(zip(("hidden", "heads", "kv_heads", "ffn", "blocks", "batch", "seq"), SHAPES[a.device]))
     path = write_result(f"tensor_parallel-{a.device}.json", {
-        "ranks": a.ranks, "shape": {"hidden": hidden, "heads": heads, "ffn": ffn, "blocks": blocks, "batch": batch,
-                                    "seq": seq}, "iterations": a.iterations, "modes": rows,
-        "meaning": "milliseconds of one forward and backward pass of the blocks on each rank (median); losses of "
+        "ranks": a.ranks, "shape": shape, "iterations": a.iterations, "modes": rows,
+        "meaning": "milliseconds of one forward and backward pass of the blocks on rank 0, its gradients whole "
+                   "(median); dtensor_over_explicit: the median of each turn's ratio, with its quartiles; losses of "
                    "rank 0 before timing, to agree between the two ways; the collectives of one pass, by op"})
     print(f"wrote {path}")
 
