@@ -10,8 +10,9 @@ and peak GPU memory, and the rank of throughput within each model.
     python benchmarks/fidelity.py calibrate-shipped  # anywhere: h200.json's calibration fitted to its own runs
 
 `run` writes into DIR (default benchmarks/results) `fidelity-runs-<machine>.jsonl`, one line per run as it ends, and
-`fidelity-profile-<machine>.json` (<machine>: `h200`, or `h200x2` on two GPUs, whose profile measures the links
-between them), the profile `fastml plan` measured on its first use in this benchmark's own empty
+`fidelity-profile-<machine>.json` (<machine>: `h200`, or `h200x2` for the two_gpus part, run alone on a machine of
+two GPUs, whose profile measures the links between them; `score` puts those runs in a section of their own), the
+profile `fastml plan` measured on its first use in this benchmark's own empty
 cache (a later call, with that file in DIR, plans with it again rather than measuring twice). Runs already in DIR's
 file are not run again, so that the benchmark can be spread over several calls of a limited length (`--deadline`).
 Each run is its own `fastml run` process, so that its cap, pinned memory and peak are its own. `score` re-predicts
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastml.config import gib
-from record import RESULTS, _commit, machine_tag, write_result
+from record import RESULTS, _commit, gpu_tag, write_result
 
 STEPS = 4  # the first compiles and is left out: the median of three steady steps
 TARGETS = {"step_time_mape": 0.04, "shipped_step_time_mape": 0.06, "peak_memory_mape": 0.03,
@@ -196,7 +197,7 @@ def run_parts(parts: list[str], out: Path, deadline_s: float, again: frozenset =
     started = time.perf_counter()
     # An empty cache, as on a fresh machine: the first plan measures this machine as a new user's does.
     os.environ["FASTML_CACHE"] = tempfile.mkdtemp(prefix="fastml-cache-")
-    profile_path = out / f"fidelity-profile-{machine_tag()}.json"
+    profile_path = out / f"fidelity-profile-{_tag(parts[0])}.json"  # `main`: two_gpus goes alone
     if profile_path.is_file():  # measured by an earlier call of this benchmark
         hwprofiles.save_machine_profile(json.loads(profile_path.read_text()))
     done = {r["name"]: r for part in parts for r in _rows(runs_file(out, part)) if r["name"] not in again}
@@ -204,9 +205,6 @@ def run_parts(parts: list[str], out: Path, deadline_s: float, again: frozenset =
     for part in parts:
         for case in _cases(part, done):
             if case.name in done:
-                continue
-            if case.gpus > _gpus_here():
-                print(f"skipping {case.name}: it needs {case.gpus} GPUs")
                 continue
             if time.perf_counter() - started + longest > deadline_s:
                 print(f"stopping before {case.name}: the deadline ({deadline_s:.0f} s) is near")
@@ -219,15 +217,20 @@ def run_parts(parts: list[str], out: Path, deadline_s: float, again: frozenset =
 
 
 def runs_file(out: Path, part: str) -> Path:
-    """Where a part's rows go: the calibration set's apart, for `calibrate-shipped`."""
-    return out / f"{'calibration' if part == 'calibration' else 'fidelity'}-runs-{machine_tag()}.jsonl"
+    """Where a part's rows go: the calibration set's apart, for `calibrate-shipped`; two GPUs' apart from one's."""
+    return out / f"{'calibration' if part == 'calibration' else 'fidelity'}-runs-{_tag(part)}.jsonl"
+
+
+def _tag(part: str) -> str:
+    """The runs' machine in file names: `gpu_tag`, with 'x2' for the two_gpus part (`h200x2`)."""
+    return gpu_tag() + ("x2" if part == "two_gpus" else "")
 
 
 def _gpus_here() -> int:
     """The GPUs of this machine; a CPU runs a plan for N GPUs as N processes (a dry run)."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2**10
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
 def _cases(part: str, done: dict) -> list[Case]:
@@ -315,30 +318,39 @@ def _read(rows: list[dict]) -> tuple[dict, list[dict]]:
 # -------------------------------------------------------------------------------------------------------- score
 
 
-def score(sources: list[tuple[Path, dict]], which: str, filename: str) -> None:
-    """Predicts every run of each (runs file, profile) with that profile as it is (nothing fitted to the runs), and
-    writes the table, its errors and the plot into `filename` and a PNG beside it. `which`: the profiles' kind,
-    'first-use' or 'shipped'."""
-    plans, failed, commits, measured_s = [], [], set(), []
-    for runs, profile in sources:
-        rows = {r["name"]: r for r in _latest(_rows(runs))}
-        records, unreadable = _read(list(rows.values()))
-        plans += [_scored(rows[name], record, profile) for name, record in records.items()]
-        commits |= {rows[name]["git_commit"] for name in records}
-        failed += [{"name": r["name"], "error": r["error"]} for r in rows.values() if "error" in r] + unreadable
-        measured_s.append(profile.get("measured", {}).get("seconds"))
-    figures = {"profile": which, "plans": plans, "failed": failed, "targets": TARGETS, "scored_plans": len(plans),
-               "planner_plans": sum(p["chosen_by"] == "planner" for p in plans), "run_commits": sorted(commits),
-               **_errors(plans, "predicted"), "grids": _grids(plans),
-               "profile_measured_s": measured_s[0] if len(measured_s) == 1 else measured_s}
+def score(runs: Path, profile: dict, which: str, filename: str, two_gpus: tuple[Path, dict] | None = None) -> None:
+    """Predicts every run with `profile` as it is (nothing fitted to the runs), and writes the table, its errors and
+    the plot into `filename` and a PNG beside it; `two_gpus`, (runs, profile) of the two_gpus part, scored alike
+    into a section of its own. `which`: the profile's kind, 'first-use' or 'shipped'."""
+    figures = _scored_runs(runs, profile)
+    figures = {"profile": which, **figures, "targets": TARGETS, "grids": _grids(figures["plans"]),
+               "profile_measured_s": profile.get("measured", {}).get("seconds")}
+    if two_gpus is not None:
+        figures["two_gpus"] = _scored_runs(*two_gpus)
+    plans = figures["plans"] + figures.get("two_gpus", {}).get("plans", [])
     path = write_result(filename, figures, machine=plans[0]["machine"] if plans else None)
     _plot(plans, path.with_suffix(".png"), which)
-    print(f"wrote {path} and its PNG: {len(plans)} plans with the {which} profile, step time MAPE "
-          f"{figures['step_time_mape']:.1%}, peak memory MAPE {figures['peak_memory_mape'] or 0:.1%} (lowest "
-          f"{figures['peak_memory_lowest'] or 0:+.1%}), Spearman within model {figures['spearman_within_model']:.3f}")
+    for section, scored in (("one GPU", figures), ("two GPUs", figures.get("two_gpus"))):
+        if scored:
+            print(f"{section}: {scored['scored_plans']} plans with the {which} profile, step time MAPE "
+                  f"{scored['step_time_mape']:.1%}, peak memory MAPE {scored['peak_memory_mape'] or 0:.1%} (lowest "
+                  f"{scored['peak_memory_lowest'] or 0:+.1%}), Spearman within model "
+                  f"{scored['spearman_within_model']}")
     for g in figures["grids"]:
         print(f"grid around {g['centre']}: the planner's plan reaches {g['share_of_best']:.1%} of the best "
               f"({g['best']})")
+    print(f"wrote {path} and its PNG")
+
+
+def _scored_runs(runs: Path, profile: dict) -> dict:
+    """The runs of one file predicted with `profile`: each plan's row (`_scored`), the failed runs, and the errors."""
+    rows = {r["name"]: r for r in _latest(_rows(runs))}
+    records, unreadable = _read(list(rows.values()))
+    plans = [_scored(rows[name], record, profile) for name, record in records.items()]
+    failed = [{"name": r["name"], "error": r["error"]} for r in rows.values() if "error" in r] + unreadable
+    return {"plans": plans, "failed": failed, "scored_plans": len(plans),
+            "planner_plans": sum(p["chosen_by"] == "planner" for p in plans),
+            "run_commits": sorted({rows[p["name"]]["git_commit"] for p in plans}), **_errors(plans, "predicted")}
 
 
 def first_use_profile(runs: Path) -> dict:
@@ -383,7 +395,8 @@ def _scored(row: dict, record, profile: dict) -> dict:
 
     p, m = _predict(record.plan, profile), record.measured
     return {"name": row["name"], "chosen_by": "planner" if row["pins"] is None else "pinned", "grid": row["grid"],
-            "gpus": record.plan.hardware.num_gpus, "model": row["model"], "seq_len": row["seq_len"], "gpu_mem": row["gpu_mem"],
+            "gpus": record.plan.hardware.num_gpus, "model": row["model"], "seq_len": row["seq_len"],
+            "gpu_mem": row["gpu_mem"],
             "machine": record.machine.device_name, "knobs": row["knobs"],
             "predicted": {"step_time_s": p.step_s, "peak_memory_bytes": p.peak_bytes,
                           "tokens_per_s": record.plan.training.global_batch_tokens / p.step_s},
@@ -487,8 +500,8 @@ def main() -> None:
                                                         "runs (results/calibration-runs-h200.jsonl)")
     fitting.add_argument("--runs", type=Path, default=RESULTS / "calibration-runs-h200.jsonl")
     scoring = sub.add_parser("score")
-    scoring.add_argument("--runs", type=Path, action="append", help="repeatable (default: the H200's runs, on one "
-                                                                     "GPU and on two)")
+    scoring.add_argument("--runs", type=Path, default=RESULTS / "fidelity-runs-h200.jsonl",
+                         help="one GPU's runs; two GPUs' beside them (-h200x2.jsonl) are scored too where they are")
     scoring.add_argument("--shipped", action="store_true",
                          help="predict every run with the shipped profile (hwprofiles/h200.json) rather than the "
                               "first-use one measured beside the runs")
@@ -499,6 +512,9 @@ def main() -> None:
         unknown = set(parts) - set(PARTS)
         if unknown:
             parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
+        if "two_gpus" in parts and (len(parts) > 1 or _gpus_here() < 2):
+            parser.error("--parts two_gpus runs alone (its profile measures the links between the GPUs), on a "
+                         "machine of two GPUs")
         names = {case.name for cases in [*SETS.values(), CALIBRATION] for case in cases}
         if set(args.again) - names:
             parser.error(f"--again: no case named {', '.join(sorted(set(args.again) - names))}")
@@ -506,14 +522,13 @@ def main() -> None:
     elif args.command == "calibrate-shipped":
         calibrate_shipped(args.runs, "h200")
     else:
-        runs = args.runs or [p for p in (RESULTS / "fidelity-runs-h200.jsonl", RESULTS / "fidelity-runs-h200x2.jsonl")
-                             if p.is_file()]
-        if args.shipped:
-            from fastml import hwprofiles
+        from fastml import hwprofiles
 
-            score([(r, hwprofiles.load("h200")) for r in runs], "shipped", "fidelity-shipped.json")
-        else:
-            score([(r, first_use_profile(r)) for r in runs], "first-use", "fidelity.json")
+        two = args.runs.with_name(args.runs.name.replace(".jsonl", "x2.jsonl"))
+        profile_of = (lambda runs: hwprofiles.load("h200")) if args.shipped else first_use_profile
+        score(args.runs, profile_of(args.runs), "shipped" if args.shipped else "first-use",
+              "fidelity-shipped.json" if args.shipped else "fidelity.json",
+              (two, profile_of(two)) if two.is_file() else None)
 
 
 if __name__ == "__main__":
