@@ -226,11 +226,11 @@ def _tag(part: str) -> str:
     return gpu_tag() + ("x2" if part == "two_gpus" else "")
 
 
-def _gpus_here() -> int:
-    """The GPUs of this machine; a CPU runs a plan for N GPUs as N processes (a dry run)."""
+def _gpus_here() -> int | None:
+    """The GPUs this process sees; None on a CPU, which runs a plan for N GPUs as N processes (a dry run)."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+    return torch.cuda.device_count() if torch.cuda.is_available() else None
 
 
 def _cases(part: str, done: dict) -> list[Case]:
@@ -331,11 +331,13 @@ def score(runs: Path, profile: dict, which: str, filename: str, two_gpus: tuple[
     path = write_result(filename, figures, machine=plans[0]["machine"] if plans else None)
     _plot(plans, path.with_suffix(".png"), which)
     for section, scored in (("one GPU", figures), ("two GPUs", figures.get("two_gpus"))):
-        if scored:
+        if scored and scored["plans"]:
             print(f"{section}: {scored['scored_plans']} plans with the {which} profile, step time MAPE "
                   f"{scored['step_time_mape']:.1%}, peak memory MAPE {scored['peak_memory_mape'] or 0:.1%} (lowest "
                   f"{scored['peak_memory_lowest'] or 0:+.1%}), Spearman within model "
-                  f"{scored['spearman_within_model']}")
+                  f"{scored['spearman_within_model'] or 0:.3f}")
+        elif scored:
+            print(f"{section}: no run to score ({len(scored['failed'])} failed)")
     for g in figures["grids"]:
         print(f"grid around {g['centre']}: the planner's plan reaches {g['share_of_best']:.1%} of the best "
               f"({g['best']})")
@@ -466,10 +468,14 @@ def _plot(scored: list[dict], path: Path, which: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 5))
     for ax, key, unit, scale in ((axes[0], "step_time_s", "step time (s)", 1), (axes[1], "peak_memory_bytes",
                                                                                "peak GPU memory (GiB)", 2**30)):
-        for chosen_by, marker in (("planner", "o"), ("pinned", "s")):
-            points = [p for p in scored if p["chosen_by"] == chosen_by and p["measured"][key]]
-            ax.scatter([p["measured"][key] / scale for p in points], [p["predicted"][key] / scale for p in points],
-                       marker=marker, label=f"{chosen_by} ({len(points)})")
+        for label, marker, chosen_by, gpus in (("planner", "o", "planner", 1), ("pinned", "s", "pinned", 1),
+                                               ("two GPUs, planner", "^", "planner", 2),
+                                               ("two GPUs, pinned", "v", "pinned", 2)):
+            points = [p for p in scored if p["chosen_by"] == chosen_by and p["gpus"] == gpus and p["measured"][key]]
+            if points:
+                ax.scatter([p["measured"][key] / scale for p in points],
+                           [p["predicted"][key] / scale for p in points], marker=marker,
+                           label=f"{label} ({len(points)})")
         values = [p[s][key] / scale for p in scored for s in ("measured", "predicted") if p["measured"][key]]
         if not values:
             continue
@@ -512,9 +518,13 @@ def main() -> None:
         unknown = set(parts) - set(PARTS)
         if unknown:
             parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
-        if "two_gpus" in parts and (len(parts) > 1 or _gpus_here() < 2):
-            parser.error("--parts two_gpus runs alone (its profile measures the links between the GPUs), on a "
-                         "machine of two GPUs")
+        # The first plan measures the GPUs this process sees, and the profile file is named for the part's count.
+        gpus, wanted = _gpus_here(), 2 if "two_gpus" in parts else 1
+        if "two_gpus" in parts and len(parts) > 1:
+            parser.error("--parts two_gpus runs alone: its profile measures the links between the GPUs")
+        if gpus not in (None, wanted):
+            parser.error(f"these parts run on {wanted} GPU{'s' * (wanted > 1)} and {gpus} are visible: set "
+                         f"CUDA_VISIBLE_DEVICES={','.join(map(str, range(wanted)))}")
         names = {case.name for cases in [*SETS.values(), CALIBRATION] for case in cases}
         if set(args.again) - names:
             parser.error(f"--again: no case named {', '.join(sorted(set(args.again) - names))}")

@@ -5,9 +5,11 @@
 Issue 28 let the executor take either, "your choice, measured". It took the explicit collectives for what DTensor
 could not do (fastml's fused q/k/v and gate/up weights cut wrongly by ColwiseParallel, its custom ops refused on
 DTensors: benchmarks/NOTES.md, issue 28 section 2); this measures what that choice costs or saves where both run:
-plain, unfused Llama blocks (norms, attention on SDPA, SwiGLU), the forward and backward passes of a stack of them
-on random inputs, every rank's loss checked to agree between the two ways before they are timed. Writes
-benchmarks/results/tensor_parallel-<device>.json.
+plain, unfused Llama blocks (norms, grouped-query attention on SDPA, SwiGLU), the forward and backward passes of a
+stack of them on random inputs, their gradients whole at the end as an optimizer step needs them. DTensor's styles
+take the attention's and the FFN's input once (PrepareModuleInput), as the executor's `enter` does, so that both
+ways run the same collectives (counted, by op); every rank's loss is checked to agree between the two ways before
+they are timed, taking turns. Writes benchmarks/results/tensor_parallel-<device>.json.
 
     python benchmarks/tensor_parallel.py                      # 2 CPU processes over gloo
     python benchmarks/tensor_parallel.py --device cuda        # one process per GPU over NCCL (needs 2 GPUs)
@@ -89,9 +91,10 @@ ROW = ("attention.wo", "feed_forward.w2")
 
 
 def dtensor_plan(sequence: bool) -> dict:
-    """DTensor's styles for a block, as torchtitan lays out a Llama block. The attention's and the FFN's input made a
-    DTensor once for their linears (PrepareModuleInput), so that the gradients of q, k and v, and of gate and up, are
-    summed once: without it each ColwiseParallel linear sums its own (7 all-reduces a block where 4 do)."""
+    """DTensor's styles for a block: with sequence parallelism as torchtitan lays out a Llama block, without it the
+    same with whole inputs. The attention's and the FFN's input made a DTensor once for their linears
+    (PrepareModuleInput), so that the gradients of q, k and v, and of gate and up, are summed once: without it each
+    ColwiseParallel linear sums its own (7 all-reduces a block where 4 do)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)

@@ -113,7 +113,8 @@ def _search(problem: Problem, fixed: dict, lower: bool, r: PlanRequest,
     layout's footholds (planner/search.py `_core_leaders`), seldom reaches them: without it, the plan's note priced
     a 72B's pipeline against data-parallel plans 1.2x slower than this search finds. That search takes
     DATA_PARALLEL_TRIALS of the trials. `on_trial` counts the trials of both as one search's (a search that
-    enumerates its space runs no more trials than it has plans)."""
+    enumerates its space runs no more trials than it has plans; a resumed --study enumerates only those it lacks, and
+    the count then ends short of its total)."""
     space = whole_rounds(pinned_space(knob_space(problem, lower_precision=lower), fixed, problem.spec), problem)
     searches = [(space, "", r.trials)]
     if not set(fixed) & set(LAYOUT_KNOBS) and any(len(space.get(n, ())) > 1 for n in LAYOUT_SIZE_KNOBS):
